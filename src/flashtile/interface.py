@@ -1,0 +1,208 @@
+"""Public functions with flash_attn 2.8's names, argument order, defaults, layouts and return values.
+
+They check their arguments (a ValueError or TypeError naming the argument, before any launch) and call
+the custom ops in ``flashtile.ops``. Layout is (batch, seqlen, heads, head_dim), as in flash_attn.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+from . import ops
+from .kernels.forward import interpreting
+
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_tensor(t, name: str, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if interpreting():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}, but TRITON_INTERPRET=1 runs kernels on CPU tensors")
+    elif t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}: flashtile needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 to run the kernels on the CPU)")
+    if t.shape[-1] > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), "
+                         f"got strides {tuple(t.stride())}")
+
+
+def _check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
+    """q (B, Sq, H, D), k and v (B, Sk, Hk, D)."""
+    qn, kn, vn = names
+    for t, n in zip((q, k, v), names):
+        _check_tensor(t, n, 4)
+    for t, n in ((k, kn), (v, vn)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{n} has dtype {t.dtype} but {qn} has {q.dtype}: they must match")
+        if t.device != q.device:
+            raise ValueError(f"{n} is on {t.device} but {qn} is on {q.device}")
+    batch, _, heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"{kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"{kn} has batch size {k.shape[0]} but {qn} has {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"{kn} has head dim {k.shape[3]} but {qn} has {head_dim}")
+    if head_dim < 1 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim of {qn} must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    heads_k = k.shape[2]
+    if heads_k == 0 or heads % heads_k != 0:
+        raise ValueError(f"number of query heads ({heads}, from {qn}) must be a multiple of the "
+                         f"number of key/value heads ({heads_k}, from {kn})")
+    if max(heads, batch) > 65535:
+        raise ValueError(f"{qn}: batch and heads must each be at most 65535, got {batch} and {heads}")
+
+
+def _check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
+        raise TypeError(f"{name} must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale == 0:
+        raise ValueError(f"{name} must be finite and non-zero, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_window(window_size, causal: bool) -> tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"window_size entries must be ints (-1 = unbounded), got {window_size!r}")
+        if side < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    if causal:
+        right = 0
+    return left, right
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    return float(softcap)
+
+
+def _check_alibi(alibi_slopes, batch: int, heads: int, device: torch.device):
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    return alibi_slopes.contiguous()
+
+
+def _check_dropout(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        raise NotImplementedError("flashtile: dropout_p > 0 is not implemented yet (training issue)")
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               return_attn_probs, names=("q", "k", "v")):
+    _check_attention_inputs(q, k, v, names)
+    _check_dropout(dropout_p)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    left, right = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap)
+    alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    out, lse = ops.attn_fwd(q, k, v, scale, left, right, True, softcap, alibi)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention over q (B, Sq, H, D), k and v (B, Sk, Hk, D) with H a multiple of Hk (GQA/MQA).
+
+    ``causal`` is aligned to the bottom right when Sq != Sk: query i sees keys j <= i + Sk - Sq.
+    ``window_size=(left, right)`` limits query i to keys in [i + Sk - Sq - left, i + Sk - Sq + right]
+    (-1 = unbounded). ``softcap`` > 0 applies softcap * tanh(scores / softcap); ``alibi_slopes``
+    (float32, (H,) or (B, H)) adds -slope * |i + Sk - Sq - j|. Returns out (B, Sq, H, D), or with
+    ``return_attn_probs`` the tuple (out, softmax_lse (B, H, Sq) float32, None).
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with kv packed as (B, Sk, 2, Hk, D)."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_k, head_dim), got {tuple(kv.shape)}")
+    return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` with q, k, v packed as (B, S, 3, H, D)."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, head_dim), got {tuple(qkv.shape)}")
+    return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                      window_size, softcap, alibi_slopes, return_attn_probs,
+                      names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` on flashtile's kernel.
+
+    Layout (B, H, L, E) or (H, L, E); ``is_causal`` is aligned to the top left as in SDPA (query i sees
+    keys j <= i). ``attn_mask`` cannot be honoured by the kernel and raises; use ``is_causal`` or
+    ``flash_attn_func``'s ``window_size``/``alibi_slopes`` instead.
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("flashtile.scaled_dot_product_attention does not take attn_mask; "
+                                  "use is_causal=True, or flash_attn_func with window_size/alibi_slopes")
+    _check_dropout(dropout_p)
+    for t, n in ((query, "query"), (key, "key"), (value, "value")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{n} must have shape (batch, heads, seqlen, head_dim) or "
+                             f"(heads, seqlen, head_dim), got {tuple(t.shape)}")
+    if not query.dim() == key.dim() == value.dim():
+        raise ValueError("query, key and value must have the same number of dimensions")
+    unbatched = query.dim() == 3
+    if unbatched:
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(f"value head dim {value.shape[-1]} must equal query head dim {query.shape[-1]}")
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: "
+                         "pass enable_gqa=True for grouped-query attention")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    _check_attention_inputs(q, k, v, names=("query", "key", "value"))
+    softmax_scale = _check_scale(scale, q.shape[-1], name="scale")
+    right = 0 if is_causal else -1
+    out, _ = ops.attn_fwd(q, k, v, softmax_scale, -1, right, False, 0.0, None)
+    out = out.transpose(1, 2)
+    return out.squeeze(0) if unbatched else out

@@ -1,0 +1,265 @@
+"""Prefill forward: FlashAttention-2 loop order in Triton.
+
+One program owns BLOCK_M query rows of one (batch, head) and streams the K/V tiles it can see through
+an online softmax kept in base 2 (log2(e) is folded into the score scale, so every exponential is an
+exp2). The key range of a query block splits into stretches: blocks that every row sees in full run the
+inner loop with masking compiled out; blocks on the edges of the visible band (causal diagonal, sliding
+window edges, the ragged end of the keys) run it with the mask; blocks outside the band are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1 and
+# p = exp2(-inf - floor) = 0 instead of producing NaN from (-inf) - (-inf).
+_M_FLOOR = -1.0e30
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def head_dim_padded(head_dim: int) -> int:
+    # tl.dot wants power-of-two extents of at least 16.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def pick_config(head_dim: int, device: torch.device) -> TileConfig:
+    """Tile shape for a head dim on a device; one fixed config under the interpreter."""
+    d = head_dim_padded(head_dim)
+    if device.type != "cuda":
+        return TileConfig(32, 32, 4, 1)
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 9:  # Hopper (H100/H200): sizes from the sweep in benchmarks/results.
+        if d <= 64:
+            return TileConfig(128, 128, 8, 3)
+        if d <= 128:
+            return TileConfig(128, 128, 8, 3)
+        return TileConfig(128, 64, 8, 2)
+    # Ampere and Ada: 164 KB (A100) or 99 KB (consumer) of shared memory.
+    if d <= 64:
+        return TileConfig(128, 64, 4, 3)
+    if d <= 128:
+        return TileConfig(128, 64, 8, 2)
+    return TileConfig(64, 64, 4, 2)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+                    rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
+                    window_left, window_right, qk_scale, softcap_in, alibi_slope,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset."""
+    start = blk_lo * BLOCK_N
+    k_ptrs += start.to(tl.int64) * stride_kn
+    v_ptrs += start.to(tl.int64) * stride_vn
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for blk in range(blk_lo, blk_hi):
+        cols = blk * BLOCK_N + offs_n
+        if MASKED:
+            kv_ok = (cols[:, None] < seqlen_k) & d_ok
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            # softcap * tanh(x / softcap) in log2 units; tanh through exp2 keeps the interpreter happy.
+            x = qk * softcap_in
+            e = tl.exp2(x * (2.0 * 1.4426950408889634))
+            s = (1.0 - 2.0 / (e + 1.0)) * qk_scale
+        else:
+            s = qk * qk_scale
+        if ALIBI:
+            s -= alibi_slope * tl.abs(rows_pos[:, None] - cols[None, :]).to(tl.float32)
+        if MASKED:
+            keep = cols[None, :] < seqlen_k
+            if HAS_RIGHT:
+                keep &= cols[None, :] <= rows_pos[:, None] + window_right
+            if HAS_LEFT:
+                keep &= cols[None, :] >= rows_pos[:, None] - window_left
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, Alibi,
+              stride_qb, stride_qs, stride_qh,
+              stride_kb, stride_ks, stride_kh,
+              stride_vb, stride_vs, stride_vh,
+              stride_ob, stride_os, stride_oh,
+              stride_lb, stride_lh, stride_ab,
+              seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
+              qk_scale, softcap_in,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+              ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    if LONGEST_FIRST:  # with a right bound, later query blocks see more keys: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    kv_head = head // group_size
+    m0 = pid_m * BLOCK_M
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    rows_pos = offs_m + diag_offset
+
+    # Keys any row of the block sees: [lo, hi); keys every row sees: [full_lo, full_hi).
+    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    full_lo = 0
+    hi = seqlen_k
+    full_hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + diag_offset - window_left, 0)
+        full_lo = tl.maximum(last_row + diag_offset - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(last_row + diag_offset + window_right + 1, seqlen_k)
+        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
+    blk_lo = lo // BLOCK_N
+    blk_hi = tl.maximum(tl.cdiv(hi, BLOCK_N), blk_lo)
+    full_blk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), blk_lo), blk_hi)
+    full_blk_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, full_blk_lo), blk_hi)
+
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
+    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+
+    q_ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    alibi_slope = 0.0
+    if ALIBI:
+        alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    if HAS_LEFT:  # left edge of a sliding window
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+            blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+            alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            ALIBI, UPCAST)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+        ALIBI, UPCAST)
+    # Diagonal / right window edge and the ragged end of the keys.
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+        ALIBI, UPCAST)
+
+    # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
+    seen = l_i > 0.0
+    inv_l = tl.where(seen, 1.0 / l_i, 0.0)
+    out = acc * inv_l[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("inf"))
+
+    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_ok)
+    l_ptrs = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
+    tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                      window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
+                      alibi_slopes: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      lse: torch.Tensor | None = None, config: TileConfig | None = None):
+    """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
+
+    ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
+    at key position i + ``diag_offset``. Returns (out, lse): out (B, Sq, H, D) in q's dtype, lse
+    float32 (B, H, Sq).
+    """
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if seqlen_q == 0 or batch == 0 or heads == 0:
+        return out, lse
+    cfg = config or pick_config(head_dim, q.device)
+    has_left, has_right = window_left >= 0, window_right >= 0
+    if softcap > 0:
+        qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
+    else:
+        qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
+    if alibi_slopes is not None:
+        alibi_stride_b = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+    else:
+        alibi_stride_b = 0
+    # The interpreter truncates fp32 -> bf16 stores; store fp32 there and let torch round.
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), heads, batch)
+    _attn_fwd[grid](
+        q, k, v, out_buf, lse, alibi_slopes,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
+        lse.stride(0), lse.stride(1), alibi_stride_b,
+        seqlen_q, seqlen_k, heads // heads_k, diag_offset,
+        max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, LONGEST_FIRST=has_right,
+        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if upcast:
+        out.copy_(out_buf)
+    return out, lse
