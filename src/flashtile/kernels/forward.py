@@ -33,6 +33,7 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    use_tma: bool = False  # K/V (and Q) through device-side tensor descriptors, where layout allows
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -66,15 +67,23 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset."""
-    start = blk_lo * BLOCK_N
-    k_ptrs += start.to(tl.int64) * stride_kn
-    v_ptrs += start.to(tl.int64) * stride_vn
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                    USE_TMA: tl.constexpr):
+    """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
+
+    ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
+    (batch, head), whose loads zero-fill past the keys and the head dim.
+    """
+    if not USE_TMA:
+        start = blk_lo * BLOCK_N
+        k_ptrs += start.to(tl.int64) * stride_kn
+        v_ptrs += start.to(tl.int64) * stride_vn
     d_ok = offs_d[None, :] < HEAD_DIM
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
-        if MASKED:
+        if USE_TMA:
+            k = k_ptrs.load([blk * BLOCK_N, 0])
+        elif MASKED:
             kv_ok = (cols[:, None] < seqlen_k) & d_ok
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
         elif HEAD_DIM != HEAD_DIM_PAD:
@@ -105,7 +114,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
+        if USE_TMA:
+            v = v_ptrs.load([blk * BLOCK_N, 0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
         elif HEAD_DIM != HEAD_DIM_PAD:
             v = tl.load(v_ptrs, mask=d_ok, other=0.0)
@@ -115,8 +126,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
             v = v.to(tl.float32)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not USE_TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -132,7 +144,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-              ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr):
+              ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
+              USE_TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -166,12 +179,20 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
     q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
-    k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
-
     q_ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_ok, other=0.0)
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qs, 1],
+                                           [BLOCK_M, HEAD_DIM_PAD])
+        k_src = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_ks, 1],
+                                          [BLOCK_N, HEAD_DIM_PAD])
+        v_src = tl.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vs, 1],
+                                          [BLOCK_N, HEAD_DIM_PAD])
+        q = q_desc.load([m0, 0])
+    else:
+        k_src = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_src = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+        q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -185,21 +206,21 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
 
     if HAS_LEFT:  # left edge of a sliding window
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            ALIBI, UPCAST)
+            ALIBI, UPCAST, USE_TMA)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        ALIBI, UPCAST)
+        ALIBI, UPCAST, USE_TMA)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        ALIBI, UPCAST)
+        ALIBI, UPCAST, USE_TMA)
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
@@ -212,6 +233,24 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_ok)
     l_ptrs = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+def _tma_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_allocator_set = False
+
+
+def _tma_eligible(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and 16-byte multiples for every stride but the last."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+        if t.shape[-1] * size < 16:
+            return False
+    return True
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
@@ -245,6 +284,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     # The interpreter truncates fp32 -> bf16 stores; store fp32 there and let torch round.
     upcast = interpreting() and q.dtype == torch.bfloat16
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
+    use_tma = cfg.use_tma and _tma_eligible(q, k, v)
+    if use_tma and not interpreting():
+        global _allocator_set
+        if not _allocator_set:  # descriptors built in the kernel live in a small global scratch
+            triton.set_allocator(_tma_allocator)
+            _allocator_set = True
     grid = (triton.cdiv(seqlen_q, cfg.block_m), heads, batch)
     _attn_fwd[grid](
         q, k, v, out_buf, lse, alibi_slopes,
@@ -258,7 +303,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left, HAS_RIGHT=has_right,
         SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, LONGEST_FIRST=has_right,
-        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if upcast:
         out.copy_(out_buf)

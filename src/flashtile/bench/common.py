@@ -1,0 +1,145 @@
+"""Pieces shared by the benchmark commands: device choice, FLOP counts, environment, files, formatting.
+
+Nothing here imports Triton or flashtile's kernels at module level: the device choice has to set
+TRITON_INTERPRET before the first ``@triton.jit`` decorator runs, and that happens on first use of
+``flashtile.flash_attn_func``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_OUT = Path("benchmarks") / "results"
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                    causal: bool) -> float:
+    """Forward FLOPs as the FlashAttention-2 paper counts them.
+
+    Two matmuls (Q K^T and P V) of 2 * Sq * Sk * D each per head; causal halves it, whatever the
+    exact number of visible keys, so numbers stay comparable with the paper and flash_attn's scripts.
+    """
+    flops = 4 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else float(flops)
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else flops / (ms * 1e-3) / 1e12
+
+
+def interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def choose_device() -> torch.device:
+    """CUDA when present and not overridden; otherwise the CPU through Triton's interpreter.
+
+    Must run before anything touches ``flashtile.kernels``: Triton decides between compiling and
+    interpreting when the kernels are decorated, i.e. on import of the kernel module.
+    """
+    if torch.cuda.is_available() and not interpreter_requested():
+        return torch.device("cuda")
+    if "flashtile.kernels.forward" in sys.modules and not interpreter_requested():
+        raise RuntimeError("flashtile's kernels were imported before TRITON_INTERPRET=1 could be set; "
+                           "set TRITON_INTERPRET=1 in the environment to run on the CPU")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return torch.device("cpu")
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200': safe in file names."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def result_path(out_dir: Path | str, command: str, gpu_name: str, ext: str) -> Path:
+    stamp = datetime.date.today().strftime("%Y%m%d")
+    return Path(out_dir) / f"{command}-{slug(gpu_name)}-{stamp}.{ext}"
+
+
+def _git_commit() -> str | None:
+    # Ties a result file to the code that produced it; the device copy may have no .git, hence None.
+    try:
+        root = Path(__file__).resolve().parents[3]
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        if done.returncode != 0:
+            return None
+        return done.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """Versions and hardware that a result file must carry to be comparable with another one."""
+    import triton
+
+    import flashtile
+
+    env = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "flashtile": flashtile.__version__,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, sm_count=props.multi_processor_count,
+                   compute_capability=f"{props.major}.{props.minor}",
+                   gpu_memory_gb=round(props.total_memory / 1e9, 1))
+    else:
+        env.update(gpu=None, sm_count=None)
+    return env
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def format_seqlen(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def format_number(x: float | None, fmt: str = "{:.1f}", missing: str = "-") -> str:
+    return missing if x is None else fmt.format(x)
+
+
+def progress(total: int, desc: str):
+    """A tqdm bar, or a stand-in with the same three methods that prints instead."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total, desc)
+    return tqdm(total=total, desc=desc, unit="run", dynamic_ncols=True)
+
+
+class _PlainProgress:
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+
+    def set_postfix_str(self, text: str) -> None:
+        print(f"[{self.done}/{self.total}] {self.desc}: {text}", flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        pass
