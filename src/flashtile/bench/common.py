@@ -125,14 +125,15 @@ def progress(total: int, desc: str):
         from tqdm import tqdm
     except ImportError:
         return _PlainProgress(total, desc)
-    return tqdm(total=total, desc=desc, unit="run", dynamic_ncols=True)
+    # A slow refresh keeps logs readable when stderr is a file rather than a terminal.
+    return tqdm(total=total, desc=desc, unit="run", dynamic_ncols=True, mininterval=1.0)
 
 
 class _PlainProgress:
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.done = total, desc, 0
 
-    def set_postfix_str(self, text: str) -> None:
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
         print(f"[{self.done}/{self.total}] {self.desc}: {text}", flush=True)
 
     def update(self, n: int = 1) -> None:

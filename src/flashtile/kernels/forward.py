@@ -62,6 +62,20 @@ def pick_config(head_dim: int, device: torch.device) -> TileConfig:
 
 
 @triton.jit
+def _load_tile(src, blk, ptrs_ok, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+               D_MASK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:
+        t = src.load([blk * BLOCK_N, 0])
+    elif MASKED or D_MASK:
+        t = tl.load(src, mask=ptrs_ok, other=0.0)
+    else:
+        t = tl.load(src)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
@@ -78,30 +92,25 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         start = blk_lo * BLOCK_N
         k_ptrs += start.to(tl.int64) * stride_kn
         v_ptrs += start.to(tl.int64) * stride_vn
-    d_ok = offs_d[None, :] < HEAD_DIM
+    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
-        if USE_TMA:
-            k = k_ptrs.load([blk * BLOCK_N, 0])
-        elif MASKED:
-            kv_ok = (cols[:, None] < seqlen_k) & d_ok
-            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-        elif HEAD_DIM != HEAD_DIM_PAD:
-            k = tl.load(k_ptrs, mask=d_ok, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        if UPCAST:
-            k = k.to(tl.float32)
+        kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        k = _load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
+        # s * s_scale is the score in log2 units; the plain path leaves the scale to one FMA
+        # inside the exponential below.
         if SOFTCAP:
-            # softcap * tanh(x / softcap) in log2 units; tanh through exp2 keeps the interpreter happy.
-            x = qk * softcap_in
-            e = tl.exp2(x * (2.0 * 1.4426950408889634))
+            # softcap * tanh(x / softcap); tanh through exp2 keeps the interpreter happy.
+            e = tl.exp2(qk * (softcap_in * 2.0 * 1.4426950408889634))
             s = (1.0 - 2.0 / (e + 1.0)) * qk_scale
+            s_scale = 1.0
         else:
-            s = qk * qk_scale
+            s = qk
+            s_scale = qk_scale
         if ALIBI:
-            s -= alibi_slope * tl.abs(rows_pos[:, None] - cols[None, :]).to(tl.float32)
+            s = s * s_scale - alibi_slope * tl.abs(rows_pos[:, None] - cols[None, :]).to(tl.float32)
+            s_scale = 1.0
         if MASKED:
             keep = cols[None, :] < seqlen_k
             if HAS_RIGHT:
@@ -109,21 +118,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
             if HAS_LEFT:
                 keep &= cols[None, :] >= rows_pos[:, None] - window_left
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * s_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if USE_TMA:
-            v = v_ptrs.load([blk * BLOCK_N, 0])
-        elif MASKED:
-            v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        elif HEAD_DIM != HEAD_DIM_PAD:
-            v = tl.load(v_ptrs, mask=d_ok, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = _load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if not USE_TMA:

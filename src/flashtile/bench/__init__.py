@@ -1,0 +1,13 @@
+"""Benchmark commands behind ``python -m flashtile bench <name>``.
+
+Each command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit code``;
+adding one (``train``, ``decode``) means adding its module and a line to COMMANDS. Modules are imported
+only when their command runs, so choosing the Triton interpreter still happens before any kernel loads.
+"""
+
+from __future__ import annotations
+
+COMMANDS = {
+    "prefill": "forward (prefill) throughput: FlashAttention-2 paper sweep and the seed model's shape, "
+               "against SDPA's flash and cuDNN backends and textbook attention",
+}

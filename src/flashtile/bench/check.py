@@ -1,0 +1,217 @@
+"""Correctness check run before a benchmark: flashtile against a float64 reference.
+
+Rule, as in flash_attn's own tests: on the sampled query rows, flashtile's largest output error must be
+at most twice the largest error of textbook attention computed in the input dtype, both measured
+against the float64 textbook. That budget scales with what the dtype can represent for each shape, so
+one rule serves d64 and d256, 128 and 16k tokens. The LSE is float32 in every implementation, so it is
+held to a fixed float32-level tolerance instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import reference
+
+LSE_RTOL = 1e-3
+OUT_BUDGET_FACTOR = 2.0
+# GPU cases are too long to compare every row in float64; random rows plus the last ones (which see
+# the most keys under a causal mask) keep the check to seconds.
+RANDOM_ROWS = 256
+TAIL_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype
+    batch: int
+    heads: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+
+    @property
+    def dtype_name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+    def shape_text(self) -> str:
+        return (f"{self.dtype_name} B{self.batch} H{self.heads}/{self.heads_k} "
+                f"Sq{self.seqlen_q} Sk{self.seqlen_k} d{self.head_dim}")
+
+    def features_text(self) -> str:
+        parts = ["causal" if self.causal else "full"]
+        if self.window != (-1, -1):
+            parts.append(f"window({self.window[0]},{self.window[1]})")
+        if self.softcap:
+            parts.append(f"softcap{self.softcap:g}")
+        if self.alibi:
+            parts.append("alibi" + ("(B,H)" if self.batch > 1 else "(H)"))
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"dtype": self.dtype_name, "batch": self.batch, "heads": self.heads,
+                "heads_k": self.heads_k, "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k,
+                "head_dim": self.head_dim, "causal": self.causal, "window": list(self.window),
+                "softcap": self.softcap, "alibi": self.alibi}
+
+
+def check_cases(on_gpu: bool) -> list[Case]:
+    """Every feature the prefill kernel has, in both dtypes, at real sizes on a GPU and tiny ones on CPU.
+
+    CPU lengths stay <= 128 and avoid multiples of the 32-wide interpreter tile where it matters, so
+    ragged edges and partially visible blocks are still exercised.
+    """
+    def n(gpu: int, cpu: int) -> int:
+        return gpu if on_gpu else cpu
+
+    bf, fp = torch.bfloat16, torch.float16
+    return [
+        Case(bf, 1, n(16, 2), n(16, 2), n(16384, 128), n(16384, 128), 128, causal=True),
+        Case(fp, 1, n(16, 2), n(16, 2), n(16384, 128), n(16384, 128), 128),
+        # The seed model's heads (Qwen2.5-1.5B): GQA 12/2.
+        Case(bf, 1, 12, 2, n(8192, 64), n(8192, 64), 128, causal=True),
+        Case(fp, 2, 12, 2, n(4096, 48), n(4096, 48), 128),
+        # MQA
+        Case(bf, 2, n(16, 4), 1, n(4096, 96), n(4096, 96), 64, causal=True),
+        Case(fp, 2, n(16, 4), 1, n(2000, 77), n(2000, 77), 64),
+        # Head dims that are not powers of two, and the largest one.
+        Case(fp, 2, n(8, 2), n(8, 2), n(2048, 64), n(2048, 64), 80, causal=True),
+        Case(bf, 2, n(8, 2), n(8, 2), n(2000, 70), n(2000, 70), 111),
+        Case(bf, 1, n(8, 2), n(8, 2), n(4096, 64), n(4096, 64), 256, causal=True),
+        Case(fp, 2, n(8, 2), n(8, 2), n(2048, 50), n(2048, 50), 256),
+        # Sq < Sk (chunked prefill against a cache) and Sq > Sk, where causal rows above the
+        # bottom-right diagonal see no key at all.
+        Case(bf, 2, 8, 2, n(1000, 40), n(3000, 100), 128, causal=True),
+        Case(fp, 2, 8, 2, n(500, 30), n(4096, 128), 64),
+        Case(bf, 2, n(8, 2), n(8, 2), n(3000, 100), n(1000, 40), 128, causal=True),
+        Case(fp, 2, n(8, 2), n(8, 2), n(2048, 64), n(600, 20), 80),
+        # Sliding window: causal (Mistral-style) and two-sided.
+        Case(bf, 2, 8, 2, n(4096, 128), n(4096, 128), 128, causal=True, window=(n(256, 24), 0)),
+        Case(fp, 1, n(8, 2), n(8, 2), n(4000, 100), n(4000, 100), 64, window=(n(128, 16), n(64, 8))),
+        # Softcap: one tight enough to change the scores a lot, one at Gemma 2's value.
+        Case(bf, 2, n(8, 2), n(8, 2), n(2048, 64), n(2048, 64), 128, causal=True, softcap=3.0),
+        Case(fp, 1, 8, 2, n(2000, 70), n(2000, 70), 256, softcap=50.0),
+        # ALiBi with per-batch slopes (B, H) and shared slopes (H,).
+        Case(bf, 2, n(8, 2), n(8, 2), n(2048, 64), n(2048, 64), 128, causal=True, alibi=True),
+        Case(fp, 1, n(8, 2), n(8, 2), n(2000, 90), n(2000, 90), 64, alibi=True),
+        # Everything at once.
+        Case(bf, 2, 12, 2, n(1500, 50), n(2500, 90), 111, causal=True, window=(n(512, 20), 0),
+             softcap=30.0, alibi=True),
+    ]
+
+
+def make_inputs(case: Case, device: torch.device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(seqlen: int, heads: int) -> torch.Tensor:
+        return torch.randn(case.batch, seqlen, heads, case.head_dim, generator=gen, device=device,
+                           dtype=case.dtype)
+
+    q = randn(case.seqlen_q, case.heads)
+    k, v = randn(case.seqlen_k, case.heads_k), randn(case.seqlen_k, case.heads_k)
+    slopes = alibi_slopes(case.batch, case.heads, device) if case.alibi else None
+    return q, k, v, slopes
+
+
+def alibi_slopes(batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes; (B, H) with a per-batch factor when batch > 1, so that
+    both layouts flash_attn accepts get checked."""
+    base = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float32) / heads)
+    if batch > 1:
+        base = base * (1.0 + 0.5 * torch.arange(batch, dtype=torch.float32)).view(-1, 1)
+    return base.to(device)
+
+
+def sample_rows(seqlen_q: int, on_gpu: bool, seed: int) -> torch.Tensor:
+    if not on_gpu or seqlen_q <= RANDOM_ROWS + TAIL_ROWS:
+        return torch.arange(seqlen_q)
+    gen = torch.Generator().manual_seed(seed)
+    random = torch.randperm(seqlen_q - TAIL_ROWS, generator=gen)[:RANDOM_ROWS]
+    tail = torch.arange(seqlen_q - TAIL_ROWS, seqlen_q)
+    return torch.cat([random, tail]).sort().values
+
+
+def _max_abs_error(x: torch.Tensor, exact: torch.Tensor) -> float:
+    return (x.double() - exact.double()).abs().max().item()
+
+
+def lse_error(lse: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest |lse - exact| / max(1, |exact|); inf when a row that sees no key (+inf in the
+    reference) is finite in ``lse`` or the other way round, NaN if ``lse`` has NaN."""
+    lse, exact = lse.double(), exact.double()
+    empty = torch.isinf(exact)
+    if not torch.equal(lse[empty], exact[empty]) or torch.isinf(lse[~empty]).any():
+        return float("inf")
+    if not (~empty).any():
+        return 0.0
+    diff = (lse - exact).abs() / exact.abs().clamp(min=1.0)
+    return diff[~empty].max().item()
+
+
+def run_case(case: Case, device: torch.device, seed: int = 0,
+             attn: Callable | None = None) -> dict:
+    """Check one case; ``attn`` (default flashtile.flash_attn_func) is replaceable for testing the rule."""
+    if attn is None:
+        import flashtile
+        attn = flashtile.flash_attn_func
+    record = {**case.as_dict(), "label": f"{case.shape_text()} {case.features_text()}"}
+    start = time.perf_counter()
+    q, k, v, slopes = make_inputs(case, device, seed)
+    kwargs = dict(causal=case.causal, window_size=case.window, softcap=case.softcap,
+                  alibi_slopes=slopes)
+    try:
+        out, lse, _ = attn(q, k, v, return_attn_probs=True, **kwargs)
+    except Exception as exc:  # a crash is a failed case, not a crashed check
+        return {**record, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
+
+    rows = sample_rows(case.seqlen_q, device.type == "cuda", seed).to(device)
+    exact_out, exact_lse = reference.attention(q.double(), k.double(), v.double(), query_rows=rows,
+                                               **kwargs)
+    low_out, _ = reference.attention(q, k, v, query_rows=rows, **kwargs)
+
+    finite = bool(torch.isfinite(out).all())
+    out_err = _max_abs_error(out[:, rows], exact_out)
+    budget = OUT_BUDGET_FACTOR * _max_abs_error(low_out, exact_out)
+    lse_err = lse_error(lse[:, :, rows], exact_lse)
+    passed = finite and out_err <= budget and lse_err <= LSE_RTOL
+    return {**record, "passed": passed, "finite": finite, "out_err": out_err, "budget": budget,
+            "lse_err": lse_err, "rows_checked": rows.numel(),
+            "seconds": round(time.perf_counter() - start, 3), "error": None}
+
+
+def format_result(r: dict) -> str:
+    status = "PASS" if r["passed"] else "FAIL"
+    if r.get("error"):
+        return f"{status}  {r['label']:<58}  error: {r['error']}"
+    nonfinite = "" if r["finite"] else "  NaN/inf in output!"
+    return (f"{status}  {r['label']:<58}  out err {r['out_err']:.2e} <= {r['budget']:.2e}  "
+            f"lse err {r['lse_err']:.1e}  ({r['rows_checked']} rows){nonfinite}")
+
+
+def run_check(device: torch.device, cases: list[Case] | None = None,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Run every case, log one line each, and return the records for the result JSON."""
+    cases = check_cases(device.type == "cuda") if cases is None else cases
+    log(f"Correctness check: {len(cases)} cases on {device.type}; rule: max|out - fp64| <= "
+        f"{OUT_BUDGET_FACTOR:g} x max|textbook(dtype) - fp64|, LSE within {LSE_RTOL:g} relative")
+    results = []
+    for i, case in enumerate(cases):
+        result = run_case(case, device, seed=i)
+        log(format_result(result))
+        results.append(result)
+    n_pass = sum(r["passed"] for r in results)
+    log(f"Correctness check: {n_pass}/{len(results)} passed")
+    return results
+
+
+def all_passed(results: list[dict]) -> bool:
+    return all(r["passed"] for r in results)

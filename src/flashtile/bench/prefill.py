@@ -1,0 +1,414 @@
+"""``flashtile bench prefill``: forward throughput against PyTorch SDPA's fused backends and textbook attention.
+
+Shapes: the FlashAttention-2 paper's sweep (batch x seqlen = 16k tokens, hidden 2048, head dims 64/128/256,
+causal and not) plus the seed model's shape (Qwen2.5-1.5B: 12 query / 2 KV heads, d128, batch 1, causal,
+up to 32k). Without a GPU the command only runs the correctness check, through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+from . import check
+from .common import (DEFAULT_OUT, DTYPES, attention_flops, choose_device, environment, format_number,
+                     format_seqlen, progress, result_path, tflops, write_json)
+
+TOKENS = 16384  # FA2 paper: batch x seqlen held at 16k tokens
+HIDDEN = 2048  # FA2 paper: heads = hidden / head_dim
+PAPER_HEAD_DIMS = (64, 128, 256)
+PAPER_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+SEED_HEADS, SEED_HEADS_K, SEED_HEAD_DIM = 12, 2, 128  # Qwen2.5-1.5B
+SEED_SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
+MEMORY_SEQLENS = (8192, 16384)
+# Textbook attention materialises B*H*S*S scores; ~10 bytes each counts the bf16 scores, the fp32
+# softmax and the masks alive at once. Above this it would OOM or take minutes.
+TEXTBOOK_MAX_BYTES = 24e9
+WARMUP_MS, REP_MS = 25, 100
+
+PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "textbook")
+ANCHORS = ("sdpa-flash", "sdpa-cudnn", "textbook")
+COLORS = {"flashtile": "tab:red", "sdpa-flash": "tab:blue", "sdpa-cudnn": "tab:green",
+          "textbook": "tab:gray"}
+
+
+@dataclass(frozen=True)
+class Point:
+    family: str  # "fa2" (paper sweep) or "seed"
+    batch: int
+    heads: int
+    heads_k: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
+                               self.causal)
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"d{self.head_dim} {mask} B{self.batch} H{self.heads}/{self.heads_k} "
+                f"S{format_seqlen(self.seqlen)}")
+
+
+def paper_points(head_dims, seqlens, causals=(False, True)) -> list[Point]:
+    heads = {d: HIDDEN // d for d in head_dims}
+    return [Point("fa2", TOKENS // s, heads[d], heads[d], s, d, c)
+            for d in head_dims for c in causals for s in seqlens]
+
+
+def seed_points(seqlens) -> list[Point]:
+    return [Point("seed", 1, SEED_HEADS, SEED_HEADS_K, s, SEED_HEAD_DIM, True) for s in seqlens]
+
+
+def sweep_points(quick: bool) -> list[Point]:
+    if quick:
+        return paper_points((128,), (2048, 8192)) + seed_points((8192,))
+    return paper_points(PAPER_HEAD_DIMS, PAPER_SEQLENS) + seed_points(SEED_SEQLENS)
+
+
+# ----------------------------------------------------------------------------------------- providers
+
+@dataclass
+class Inputs:
+    q: torch.Tensor  # (B, S, H, D), flash_attn's layout
+    k: torch.Tensor
+    v: torch.Tensor
+    q_t: torch.Tensor  # (B, H, S, D) contiguous: SDPA's layout, copied so SDPA sees no strides
+    k_t: torch.Tensor
+    v_t: torch.Tensor
+
+
+def make_inputs(point: Point, dtype: torch.dtype, device: torch.device) -> Inputs:
+    def randn(heads: int) -> torch.Tensor:
+        return torch.randn(point.batch, point.seqlen, heads, point.head_dim, dtype=dtype, device=device)
+
+    q, k, v = randn(point.heads), randn(point.heads_k), randn(point.heads_k)
+    return Inputs(q, k, v, *(t.transpose(1, 2).contiguous() for t in (q, k, v)))
+
+
+def _flashtile_fn(point: Point, x: Inputs) -> Callable:
+    import flashtile
+    return lambda: flashtile.flash_attn_func(x.q, x.k, x.v, causal=point.causal)
+
+
+def _sdpa_fn(point: Point, x: Inputs) -> Callable:
+    gqa = point.heads != point.heads_k
+    return lambda: F.scaled_dot_product_attention(x.q_t, x.k_t, x.v_t, is_causal=point.causal,
+                                                  enable_gqa=gqa)
+
+
+def _textbook_fn(point: Point, x: Inputs) -> Callable:
+    return lambda: reference.attention(x.q, x.k, x.v, causal=point.causal)
+
+
+# name -> (function builder, SDPA backend to pin or None)
+_PROVIDER_SPECS = {
+    "flashtile": (_flashtile_fn, None),
+    "sdpa-flash": (_sdpa_fn, "FLASH_ATTENTION"),
+    "sdpa-cudnn": (_sdpa_fn, "CUDNN_ATTENTION"),
+    "textbook": (_textbook_fn, None),
+}
+
+
+def textbook_bytes(point: Point) -> float:
+    return 10.0 * point.batch * point.heads * point.seqlen * point.seqlen
+
+
+def skip_reason(name: str, point: Point) -> str | None:
+    if name == "textbook" and textbook_bytes(point) > TEXTBOOK_MAX_BYTES:
+        return (f"skipped: score matrix ~{textbook_bytes(point) / 1e9:.0f} GB "
+                f"> {TEXTBOOK_MAX_BYTES / 1e9:.0f} GB")
+    return None
+
+
+def backend_context(backend: str | None):
+    """Pins SDPA to one backend, so a refused shape raises instead of silently using another one."""
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    text = str(text).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
+def _error_text(exc: BaseException, caught: list) -> str:
+    # SDPA gives the real reason a backend refused a shape as warnings; the exception only says
+    # that no kernel was available.
+    lines = [f"{type(exc).__name__}: {_first_line(exc)}"]
+    for w in caught:
+        text = _first_line(w.message)
+        if text and text not in lines:
+            lines.append(text)
+    return " | ".join(lines)
+
+
+def gpu_timer(fn: Callable) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def peak_extra_mb(fn: Callable) -> float:
+    """Memory a call allocates on top of what exists before it (its output included), in MB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return (peak - before) / 1e6
+
+
+def measure(name: str, point: Point, inputs: Inputs, timer: Callable, with_memory: bool) -> dict:
+    """Time one provider at one point; any exception makes it unavailable there, never fatal."""
+    reason = skip_reason(name, point)
+    if reason:
+        return {"available": False, "error": reason}
+    build, backend = _PROVIDER_SPECS[name]
+    fn = build(point, inputs)
+    caught: list = []
+    try:
+        with backend_context(backend):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()  # compiles, and finds out whether the backend takes this shape
+            ms = timer(fn)
+            memory = peak_extra_mb(fn) if with_memory else None
+    except Exception as exc:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # an OOM must not starve the next provider
+        return {"available": False, "error": _error_text(exc, caught)}
+    return {"available": True, "ms": ms, "tflops": tflops(point.flops, ms), "peak_extra_mb": memory}
+
+
+def ratios(results: dict) -> dict:
+    """flashtile's speed relative to each anchor (> 1: flashtile is faster)."""
+    mine = results["flashtile"]
+    out = {}
+    for anchor in ANCHORS:
+        other = results[anchor]
+        both = mine.get("available") and other.get("available")
+        out[anchor] = other["ms"] / mine["ms"] if both else None
+    return out
+
+
+def output_mb(point: Point, dtype: torch.dtype) -> float:
+    """Size of out + LSE, the least any implementation must allocate: the yardstick for peak memory."""
+    out = point.batch * point.seqlen * point.heads * point.head_dim * torch.finfo(dtype).bits // 8
+    lse = point.batch * point.heads * point.seqlen * 4
+    return (out + lse) / 1e6
+
+
+def measures_memory(point: Point, device: torch.device) -> bool:
+    return device.type == "cuda" and point.seqlen in MEMORY_SEQLENS
+
+
+def tile_config(head_dim: int, device: torch.device) -> dict:
+    from ..kernels.forward import pick_config
+
+    cfg = pick_config(head_dim, device)
+    return asdict(cfg) if is_dataclass(cfg) else {"repr": repr(cfg)}
+
+
+def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar) -> dict:
+    inputs = make_inputs(point, dtype, device)
+    with_memory = measures_memory(point, device)
+    results = {}
+    for name in PROVIDERS:
+        bar.set_postfix_str(f"{point.label()} {name}", refresh=False)
+        results[name] = measure(name, point, inputs, timer, with_memory)
+        bar.update(1)
+    return {**asdict(point), "flops": point.flops,
+            "tile_config": tile_config(point.head_dim, device),
+            "providers": results, "ratios": ratios(results),
+            "out_lse_mb": output_mb(point, dtype) if with_memory else None}
+
+
+def run_sweep(points: list[Point], dtype: torch.dtype, device: torch.device,
+              timer: Callable | None = None) -> list[dict]:
+    timer = timer or gpu_timer
+    bar = progress(len(points) * len(PROVIDERS), "prefill")
+    records = []
+    try:
+        with torch.no_grad():
+            for point in points:
+                record = run_point(point, dtype, device, timer, bar)
+                bar.write(_point_summary(record))
+                records.append(record)
+    finally:
+        bar.close()
+    return records
+
+
+# ----------------------------------------------------------------------------------------- reporting
+
+def _tflops_of(record: dict, name: str) -> float | None:
+    result = record["providers"][name]
+    return result.get("tflops") if result.get("available") else None
+
+
+def _point_summary(record: dict) -> str:
+    point = Point(**{f: record[f] for f in Point.__dataclass_fields__})
+    parts = [f"{name} {format_number(_tflops_of(record, name))}" for name in PROVIDERS]
+    return f"{point.label():<32} TFLOP/s: " + ", ".join(parts)
+
+
+def format_table(records: list[dict], title: str) -> str:
+    """The short table printed last: TFLOP/s per provider and flashtile's ratio to the SDPA anchors."""
+    columns = f"{'d':>4} {'causal':>6} {'B':>3} {'H/Hk':>6} {'S':>5} | {'flashtile':>9} {'flash':>7} " \
+              f"{'cudnn':>7} {'textbook':>8} | {'vs flash':>8} {'vs cudnn':>8}"
+    lines = [title, columns, "-" * len(columns)]
+    for r in records:
+        ratio = r["ratios"]
+        lines.append(
+            f"{r['head_dim']:>4} {'yes' if r['causal'] else 'no':>6} {r['batch']:>3} "
+            f"{str(r['heads']) + '/' + str(r['heads_k']):>6} {format_seqlen(r['seqlen']):>5} | "
+            f"{format_number(_tflops_of(r, 'flashtile')):>9} "
+            f"{format_number(_tflops_of(r, 'sdpa-flash')):>7} "
+            f"{format_number(_tflops_of(r, 'sdpa-cudnn')):>7} "
+            f"{format_number(_tflops_of(r, 'textbook')):>8} | "
+            f"{format_number(ratio['sdpa-flash'], '{:.2f}x'):>8} "
+            f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}")
+    return "\n".join(lines)
+
+
+def _panels(records: list[dict]) -> list[tuple[str, list[dict]]]:
+    panels = []
+    for d in sorted({r["head_dim"] for r in records if r["family"] == "fa2"}):
+        recs = [r for r in records if r["family"] == "fa2" and r["head_dim"] == d]
+        tokens = format_seqlen(recs[0]["batch"] * recs[0]["seqlen"])
+        panels.append((f"d{d}, H{recs[0]['heads']}, B x S = {tokens}", recs))
+    seed = [r for r in records if r["family"] == "seed"]
+    if seed:
+        r = seed[0]
+        panels.append((f"Qwen2.5-1.5B: H{r['heads']}/{r['heads_k']}, d{r['head_dim']}, B{r['batch']}",
+                       seed))
+    return panels
+
+
+def write_plot(records: list[dict], path: Path, title: str) -> str:
+    """TFLOP/s against seqlen, one panel per head dim plus the seed shape; returns what happened."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+    except ImportError:
+        return "matplotlib is not installed: skipped the plot"
+    panels = _panels(records)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, (panel_title, recs) in zip(axes[0], panels):
+        for name in PROVIDERS:
+            for causal in (False, True):
+                pts = [(r["seqlen"], _tflops_of(r, name)) for r in recs
+                       if r["causal"] == causal and _tflops_of(r, name) is not None]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, color=COLORS[name], linestyle="--" if causal else "-", marker="o",
+                            markersize=3)
+        seqlens = sorted({r["seqlen"] for r in recs})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [format_seqlen(s) for s in seqlens])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set(title=panel_title, xlabel="sequence length", ylabel="TFLOP/s")
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=COLORS[n], label=n) for n in PROVIDERS]
+    handles += [Line2D([], [], color="black", label="non-causal"),
+                Line2D([], [], color="black", linestyle="--", label="causal")]
+    axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return f"Wrote {path}"
+
+
+# ----------------------------------------------------------------------------------------- command
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="short sweep (d128 at 2k and 8k, causal and not, seed shape at 8k)")
+    parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                        help="input dtype of the benchmark (the check covers both)")
+
+
+def run(args) -> int:
+    device = choose_device()
+    if device.type != "cuda":
+        return _run_without_gpu(args, device)
+    return _run_on_gpu(args, device)
+
+
+def _run_without_gpu(args, device: torch.device) -> int:
+    print("flashtile bench prefill: no CUDA GPU, so flashtile's kernels run on the CPU through "
+          "the Triton interpreter (small shapes only).")
+    passed = True
+    if not args.no_check:
+        # Rows that see no key divide by zero inside tl.where's unused branch; numpy warns, the
+        # result is right.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+        passed = check.all_passed(check.run_check(device))
+        if not passed:
+            print("CORRECTNESS CHECK FAILED")
+    print("Timings need a GPU: skipped the prefill benchmark (no timings are taken through the "
+          "interpreter; nothing was written).")
+    return 0 if passed else 1
+
+
+def _run_on_gpu(args, device: torch.device) -> int:
+    dtype = DTYPES[args.dtype]
+    env = environment(device)
+    print(f"flashtile bench prefill: {env['gpu']} ({env['sm_count']} SMs), {args.dtype}, "
+          f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}")
+    checks = None if args.no_check else check.run_check(device)
+    records = run_sweep(sweep_points(args.quick), dtype, device)
+
+    payload = {"benchmark": "prefill", **env, "dtype": args.dtype, "quick": args.quick,
+               "command": " ".join(sys.argv),
+               "timing": {"function": "triton.testing.do_bench", "warmup_ms": WARMUP_MS,
+                          "rep_ms": REP_MS, "return_mode": "median", "unit": "ms"},
+               "flops": "4*B*H*Sq*Sk*D, halved when causal (FlashAttention-2 convention)",
+               "memory": "peak_extra_mb: max_memory_allocated after one call minus memory_allocated "
+                         "before it (output included), MB = 1e6 bytes; out_lse_mb: size of out + LSE",
+               "check": checks, "points": records}
+    json_path = result_path(args.out, "prefill", env["gpu"], "json")
+    write_json(json_path, payload)
+    print(f"Wrote {json_path}")
+    title = f"flashtile prefill forward, {args.dtype}, {env['gpu']}, {env['date'][:10]}"
+    print(write_plot(records, result_path(args.out, "prefill", env["gpu"], "png"), title))
+    return _finish(records, checks, f"Prefill forward TFLOP/s, {args.dtype}, {env['gpu']} "
+                                    f"(vs = flashtile / anchor)")
+
+
+def _finish(records: list[dict], checks: list[dict] | None, title: str) -> int:
+    """Warnings first, then the table as the last output; non-zero exit if anything was wrong."""
+    failed_checks = [] if checks is None else [c for c in checks if not c["passed"]]
+    broken = [r for r in records if not r["providers"]["flashtile"].get("available")]
+    if failed_checks:
+        print(f"WARNING: {len(failed_checks)} correctness case(s) FAILED: these timings are of a "
+              "kernel that gives wrong answers.")
+    for r in broken:
+        print(f"WARNING: flashtile failed at d{r['head_dim']} S{r['seqlen']}: "
+              f"{r['providers']['flashtile']['error']}")
+    print()
+    print(format_table(records, title))
+    return 1 if failed_checks or broken else 0

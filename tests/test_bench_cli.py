@@ -1,0 +1,79 @@
+"""The benchmark CLI: its CPU path end to end, the FLOP convention, and the check's accuracy rule."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtile import reference
+from flashtile.bench import check
+from flashtile.bench.common import attention_flops
+from flashtile.bench.prefill import Point, sweep_points
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flops_follow_flashattention2():
+    # FA2 paper, d128 at 16k tokens and hidden 2048: 4 * B * H * S^2 * D.
+    assert attention_flops(1, 16, 16384, 16384, 128, causal=False) == 4 * 16 * 16384**2 * 128
+    assert attention_flops(1, 16, 16384, 16384, 128, causal=True) == 2 * 16 * 16384**2 * 128
+    assert attention_flops(2, 12, 1000, 3000, 64, causal=False) == 4 * 2 * 12 * 1000 * 3000 * 64
+    assert Point("seed", 1, 12, 2, 8192, 128, True).flops == 2 * 12 * 8192**2 * 128
+
+
+def test_sweep_keeps_sixteen_k_tokens():
+    points = sweep_points(quick=False)
+    paper = [p for p in points if p.family == "fa2"]
+    assert len(paper) == 3 * 6 * 2
+    assert all(p.batch * p.seqlen == 16384 and p.heads * p.head_dim == 2048 for p in paper)
+    assert sorted(p.seqlen for p in points if p.family == "seed") == [1024 << i for i in range(6)]
+    assert 0 < len(sweep_points(quick=True)) < len(points)
+
+
+def _exact_attn(q, k, v, return_attn_probs=True, **kwargs):
+    out, lse = reference.attention(q.double(), k.double(), v.double(), **kwargs)
+    return out.to(q.dtype), lse.float(), None
+
+
+def test_check_rule_accepts_exact_and_rejects_wrong():
+    cpu = torch.device("cpu")
+    case = check.Case(torch.float16, 1, 2, 2, 48, 40, 64, causal=True)  # Sq > Sk: rows with no key
+    assert check.run_case(case, cpu, attn=_exact_attn)["passed"]
+
+    def off_by_a_bit(q, k, v, **kw):
+        out, lse, _ = _exact_attn(q, k, v, **kw)
+        return out + 1e-2, lse, None
+
+    def finite_lse_for_empty_rows(q, k, v, **kw):
+        out, lse, _ = _exact_attn(q, k, v, **kw)
+        return out, torch.nan_to_num(lse, posinf=0.0), None
+
+    assert not check.run_case(case, cpu, attn=off_by_a_bit)["passed"]
+    assert not check.run_case(case, cpu, attn=finite_lse_for_empty_rows)["passed"]
+
+
+def test_lse_error_treats_empty_rows_exactly():
+    exact = torch.tensor([1.0, math.inf, 50.0], dtype=torch.float64)
+    assert check.lse_error(exact.float(), exact) == 0.0
+    assert check.lse_error(torch.tensor([1.0, 3.0, 50.0]), exact) == math.inf
+    assert check.lse_error(torch.tensor([1.0, math.inf, 50.01]), exact) == pytest.approx(2e-4, rel=1e-2)
+
+
+def test_cli_without_gpu_runs_the_check_and_skips_timings(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "flashtile", "bench", "prefill", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    verdicts = [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == len(check.check_cases(on_gpu=False)), log
+    assert set(verdicts) == {"PASS"}, log
+    assert "timings need a gpu" in done.stdout.lower(), log
