@@ -193,7 +193,8 @@ def format_result(r: dict) -> str:
     if r.get("error"):
         return f"{status}  {r['label']:<58}  error: {r['error']}"
     nonfinite = "" if r["finite"] else "  NaN/inf in output!"
-    return (f"{status}  {r['label']:<58}  out err {r['out_err']:.2e} <= {r['budget']:.2e}  "
+    within = "<=" if r["out_err"] <= r["budget"] else "> "
+    return (f"{status}  {r['label']:<58}  out err {r['out_err']:.2e} {within} {r['budget']:.2e}  "
             f"lse err {r['lse_err']:.1e}  ({r['rows_checked']} rows){nonfinite}")
 
 

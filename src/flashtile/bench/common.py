@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -106,9 +107,20 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def _strict_json(value):
+    # JSON has no inf/NaN (an LSE error can be inf); strings keep the file readable everywhere.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(_strict_json(payload), indent=2, default=str, allow_nan=False) + "\n")
 
 
 def format_seqlen(n: int) -> str:

@@ -189,10 +189,14 @@ def measure(name: str, point: Point, inputs: Inputs, timer: Callable, with_memor
             ms = timer(fn)
             memory = peak_extra_mb(fn) if with_memory else None
     except Exception as exc:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # an OOM must not starve the next provider
-        return {"available": False, "error": _error_text(exc, caught)}
-    return {"available": True, "ms": ms, "tflops": tflops(point.flops, ms), "peak_extra_mb": memory}
+        error = _error_text(exc, caught)
+    else:
+        return {"available": True, "ms": ms, "tflops": tflops(point.flops, ms),
+                "peak_extra_mb": memory}
+    # Outside the except block, so the traceback no longer pins the failed call's tensors.
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"available": False, "error": error}
 
 
 def ratios(results: dict) -> dict:
@@ -261,10 +265,19 @@ def _tflops_of(record: dict, name: str) -> float | None:
     return result.get("tflops") if result.get("available") else None
 
 
+def _point_of(record: dict) -> Point:
+    return Point(**{f: record[f] for f in Point.__dataclass_fields__})
+
+
 def _point_summary(record: dict) -> str:
-    point = Point(**{f: record[f] for f in Point.__dataclass_fields__})
+    point = _point_of(record)
     parts = [f"{name} {format_number(_tflops_of(record, name))}" for name in PROVIDERS]
-    return f"{point.label():<32} TFLOP/s: " + ", ".join(parts)
+    line = f"{point.label():<32} TFLOP/s: " + ", ".join(parts)
+    if record["out_lse_mb"] is not None:
+        mems = [f"{name} {format_number(record['providers'][name].get('peak_extra_mb'), '{:.1f}')}"
+                for name in PROVIDERS]
+        line += f"; peak extra MB: {', '.join(mems)} (out+lse {record['out_lse_mb']:.1f})"
+    return line
 
 
 def format_table(records: list[dict], title: str) -> str:
@@ -359,7 +372,8 @@ def run(args) -> int:
 
 
 def _run_without_gpu(args, device: torch.device) -> int:
-    print("flashtile bench prefill: no CUDA GPU, so flashtile's kernels run on the CPU through "
+    why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU"
+    print(f"flashtile bench prefill: {why}, so flashtile's kernels run on the CPU through "
           "the Triton interpreter (small shapes only).")
     passed = True
     if not args.no_check:
@@ -407,8 +421,7 @@ def _finish(records: list[dict], checks: list[dict] | None, title: str) -> int:
         print(f"WARNING: {len(failed_checks)} correctness case(s) FAILED: these timings are of a "
               "kernel that gives wrong answers.")
     for r in broken:
-        print(f"WARNING: flashtile failed at d{r['head_dim']} S{r['seqlen']}: "
-              f"{r['providers']['flashtile']['error']}")
+        print(f"WARNING: flashtile failed at {_point_of(r).label()}: {r['providers']['flashtile']['error']}")
     print()
     print(format_table(records, title))
     return 1 if failed_checks or broken else 0
