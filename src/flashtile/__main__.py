@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Line buffering keeps stdout (results) and stderr (progress bar) in order in a captured log.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     module = importlib.import_module(f"flashtile.bench.{args.benchmark}")
     return module.run(args)
 

@@ -68,8 +68,9 @@ def _check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> f
         return head_dim ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
         raise TypeError(f"{name} must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale == 0:
-        raise ValueError(f"{name} must be finite and non-zero, got {softmax_scale}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        # The kernel takes the row max on unscaled scores, which needs a positive scale.
+        raise ValueError(f"{name} must be finite and > 0, got {softmax_scale}")
     return float(softmax_scale)
 
 

@@ -40,13 +40,16 @@ def visible_keys(rows: torch.Tensor, seqlen_q: int, seqlen_k: int, *, causal: bo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
               causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               alibi_slopes: torch.Tensor | None = None, bottom_right: bool = True,
-              query_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              query_rows: torch.Tensor | None = None,
+              chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over (batch, seqlen, heads, head_dim) tensors; returns (out, lse).
 
     ``out`` has q's layout and dtype; ``lse`` is float32 (or float64 for float64 inputs) of shape
     (batch, heads, rows), natural log, +inf for rows that see no key (flash_attn's convention; their
     output is 0). ``query_rows`` restricts the computation to some rows of q (positions are kept), so a
-    float64 reference at long sequence lengths costs only the rows a check samples.
+    float64 reference at long sequence lengths costs only the rows a check samples. Rows are computed
+    in chunks that bound the score matrix held at once, unless ``chunk_rows`` says how many (pass the
+    sequence length for the one-shot textbook computation that a benchmark times).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -64,7 +67,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
         slopes = slopes.view(batch, heads, 1, 1)
     diag = (seqlen_k - seqlen_q) if bottom_right else 0
 
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, batch * heads * seqlen_k))
+    chunk = chunk_rows or max(1, _CHUNK_ELEMENTS // max(1, batch * heads * seqlen_k))
     outs, lses = [], []
     for start in range(0, rows.numel(), chunk):
         r = rows[start:start + chunk]

@@ -1,4 +1,5 @@
-"""``flashtile bench prefill``: forward throughput against PyTorch SDPA's fused backends and textbook attention.
+"""``flashtile bench prefill``: forward throughput against PyTorch SDPA's fused backends and textbook
+attention.
 
 Shapes: the FlashAttention-2 paper's sweep (batch x seqlen = 16k tokens, hidden 2048, head dims 64/128/256,
 causal and not) plus the seed model's shape (Qwen2.5-1.5B: 12 query / 2 KV heads, d128, batch 1, causal,
@@ -109,7 +110,7 @@ def _sdpa_fn(point: Point, x: Inputs) -> Callable:
 
 
 def _textbook_fn(point: Point, x: Inputs) -> Callable:
-    return lambda: reference.attention(x.q, x.k, x.v, causal=point.causal)
+    return lambda: reference.attention(x.q, x.k, x.v, causal=point.causal, chunk_rows=point.seqlen)
 
 
 # name -> (function builder, SDPA backend to pin or None)
@@ -323,6 +324,8 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
     except ImportError:
         return "matplotlib is not installed: skipped the plot"
     panels = _panels(records)
+    if not panels:
+        return "no points to plot"
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
     for ax, (panel_title, recs) in zip(axes[0], panels):
         for name in PROVIDERS:
@@ -335,7 +338,8 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
                             markersize=3)
         seqlens = sorted({r["seqlen"] for r in recs})
         ax.set_xscale("log", base=2)
-        ax.set_xticks(seqlens, [format_seqlen(s) for s in seqlens])
+        ax.set_xticks(seqlens)
+        ax.set_xticklabels([format_seqlen(s) for s in seqlens])
         ax.minorticks_off()
         ax.set_ylim(bottom=0)
         ax.set(title=panel_title, xlabel="sequence length", ylabel="TFLOP/s")
@@ -408,7 +412,10 @@ def _run_on_gpu(args, device: torch.device) -> int:
     write_json(json_path, payload)
     print(f"Wrote {json_path}")
     title = f"flashtile prefill forward, {args.dtype}, {env['gpu']}, {env['date'][:10]}"
-    print(write_plot(records, result_path(args.out, "prefill", env["gpu"], "png"), title))
+    try:
+        print(write_plot(records, result_path(args.out, "prefill", env["gpu"], "png"), title))
+    except Exception as exc:  # the JSON is written; a plotting problem must not hide the table
+        print(f"Plot failed: {type(exc).__name__}: {exc}")
     return _finish(records, checks, f"Prefill forward TFLOP/s, {args.dtype}, {env['gpu']} "
                                     f"(vs = flashtile / anchor)")
 
@@ -421,7 +428,8 @@ def _finish(records: list[dict], checks: list[dict] | None, title: str) -> int:
         print(f"WARNING: {len(failed_checks)} correctness case(s) FAILED: these timings are of a "
               "kernel that gives wrong answers.")
     for r in broken:
-        print(f"WARNING: flashtile failed at {_point_of(r).label()}: {r['providers']['flashtile']['error']}")
+        error = r["providers"]["flashtile"]["error"]
+        print(f"WARNING: flashtile failed at {_point_of(r).label()}: {error}")
     print()
     print(format_table(records, title))
     return 1 if failed_checks or broken else 0

@@ -41,24 +41,31 @@ def head_dim_padded(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def pick_config(head_dim: int, device: torch.device) -> TileConfig:
-    """Tile shape for a head dim on a device; one fixed config under the interpreter."""
+def config_for_arch(head_dim: int, arch: int) -> TileConfig:
+    """Tile shape for a head dim on sm_<arch> (e.g. 90 for H100/H200, 80 for A100)."""
     d = head_dim_padded(head_dim)
-    if device.type != "cuda":
-        return TileConfig(32, 32, 4, 1)
-    major, _ = torch.cuda.get_device_capability(device)
-    if major >= 9:  # Hopper (H100/H200): sizes from the sweep in benchmarks/results.
+    if arch >= 90:
+        # Hopper, from the sweeps in benchmarks/results/tune-*.json: tiles that leave room for two
+        # CTAs per SM (one CTA's softmax runs while the other's MMAs do), K/V through TMA.
         if d <= 64:
-            return TileConfig(128, 128, 8, 3)
+            return TileConfig(128, 128, 4, 3, use_tma=True)
         if d <= 128:
-            return TileConfig(128, 128, 8, 3)
-        return TileConfig(128, 64, 8, 2)
+            return TileConfig(128, 64, 4, 2, use_tma=True)
+        return TileConfig(128, 64, 8, 2, use_tma=True)
     # Ampere and Ada: 164 KB (A100) or 99 KB (consumer) of shared memory.
     if d <= 64:
         return TileConfig(128, 64, 4, 3)
     if d <= 128:
         return TileConfig(128, 64, 8, 2)
     return TileConfig(64, 64, 4, 2)
+
+
+def pick_config(head_dim: int, device: torch.device) -> TileConfig:
+    """Tile shape for a head dim on a device; one fixed config under the interpreter."""
+    if device.type != "cuda":
+        return TileConfig(32, 32, 4, 1)
+    major, minor = torch.cuda.get_device_capability(device)
+    return config_for_arch(head_dim, 10 * major + minor)
 
 
 @triton.jit
@@ -224,9 +231,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
-    inv_l = tl.where(seen, 1.0 / l_i, 0.0)
-    out = acc * inv_l[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("inf"))
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc * (1.0 / l_safe)[:, None]  # acc is 0 on unseen rows
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
 
     o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
