@@ -51,6 +51,8 @@ def main() -> int:
         err = (out.double() - ref).abs().max().item()
         budget = 2 * (low.double() - ref).abs().max().item()
         cases += 1
+        if cases % 40 == 0:
+            print(f"{cases} launches checked", flush=True)
         if not err <= budget:
             failures += 1
             print(f"FAIL d{head_dim} {dtype} {feat} {(batch, sq, sk)} tma={cfg.use_tma}: {err:.3g} > {budget:.3g}")

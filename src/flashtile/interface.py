@@ -129,7 +129,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    out, lse = ops.attn_fwd(q, k, v, scale, left, right, True, softcap, alibi)
+    out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -204,6 +204,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _check_attention_inputs(q, k, v, names=("query", "key", "value"))
     softmax_scale = _check_scale(scale, q.shape[-1], name="scale")
     right = 0 if is_causal else -1
-    out, _ = ops.attn_fwd(q, k, v, softmax_scale, -1, right, False, 0.0, None)
+    out, _ = ops.forward(q, k, v, softmax_scale, -1, right, False, 0.0, None)
     out = out.transpose(1, 2)
     return out.squeeze(0) if unbatched else out

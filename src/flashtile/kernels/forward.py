@@ -9,6 +9,8 @@ window edges, the ragged end of the keys) run it with the mask; blocks outside t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime._allocation import _allocator as _triton_allocator
 
 LOG2E = 1.4426950408889634
 # Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1 and
@@ -23,8 +26,12 @@ LOG2E = 1.4426950408889634
 _M_FLOOR = -1.0e30
 
 
+# Read once, as @triton.jit does when it decorates the kernels below.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRET
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,18 @@ def config_for_arch(head_dim: int, arch: int) -> TileConfig:
     return TileConfig(64, 64, 4, 2)
 
 
+@functools.lru_cache(maxsize=None)
+def _arch(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
 def pick_config(head_dim: int, device: torch.device) -> TileConfig:
     """Tile shape for a head dim on a device; one fixed config under the interpreter."""
     if device.type != "cuda":
         return TileConfig(32, 32, 4, 1)
-    major, minor = torch.cuda.get_device_capability(device)
-    return config_for_arch(head_dim, 10 * major + minor)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return config_for_arch(head_dim, _arch(index))
 
 
 @triton.jit
@@ -242,11 +255,30 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
     tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-def _tma_allocator(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+class _DescriptorScratch:
+    """Global memory for the tensor descriptors the kernel builds (a few hundred bytes per program).
+
+    Kept per (device, stream) and grown on demand, so a call allocates nothing beyond its output and
+    LSE; launches on one stream run in order, so they can share it. During CUDA graph capture the
+    memory comes from the graph's pool instead, so replays never share it with eager launches.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, size: int, alignment: int, stream):
+        device = torch.cuda.current_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(size, dtype=torch.int8, device=device)
+        key = (device, stream)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < size:
+            buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
+            self._buffers[key] = buf
+        return buf
 
 
-_allocator_set = False
+_descriptor_scratch = _DescriptorScratch()
 
 
 def _tma_eligible(*tensors: torch.Tensor) -> bool:
@@ -279,7 +311,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     if seqlen_q == 0 or batch == 0 or heads == 0:
         return out, lse
     cfg = config or pick_config(head_dim, q.device)
-    has_left, has_right = window_left >= 0, window_right >= 0
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -292,12 +323,28 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     upcast = interpreting() and q.dtype == torch.bfloat16
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
     use_tma = cfg.use_tma and _tma_eligible(q, k, v)
-    if use_tma and not interpreting():
-        global _allocator_set
-        if not _allocator_set:  # descriptors built in the kernel live in a small global scratch
-            triton.set_allocator(_tma_allocator)
-            _allocator_set = True
+    # Our allocator only for this launch: the caller's own Triton allocator stays as it was.
+    token = _triton_allocator.set(_descriptor_scratch) if use_tma and not _INTERPRET else None
     grid = (triton.cdiv(seqlen_q, cfg.block_m), heads, batch)
+    # Triton launches on the current device: follow the inputs when they live on another one.
+    on_other_device = q.is_cuda and q.device.index != torch.cuda.current_device()
+    try:
+        with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
+            _launch_forward(grid, cfg, q, k, v, out_buf, lse, alibi_slopes, alibi_stride_b,
+                            seqlen_q, seqlen_k, heads // heads_k, diag_offset, window_left,
+                            window_right, qk_scale, softcap_in, head_dim, softcap > 0, upcast,
+                            use_tma)
+    finally:
+        if token is not None:
+            _triton_allocator.reset(token)
+    if upcast:
+        out.copy_(out_buf)
+    return out, lse
+
+
+def _launch_forward(grid, cfg, q, k, v, out_buf, lse, alibi_slopes, alibi_stride_b, seqlen_q,
+                    seqlen_k, group_size, diag_offset, window_left, window_right, qk_scale,
+                    softcap_in, head_dim, has_softcap, upcast, use_tma):
     _attn_fwd[grid](
         q, k, v, out_buf, lse, alibi_slopes,
         q.stride(0), q.stride(1), q.stride(2),
@@ -305,13 +352,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         v.stride(0), v.stride(1), v.stride(2),
         out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
         lse.stride(0), lse.stride(1), alibi_stride_b,
-        seqlen_q, seqlen_k, heads // heads_k, diag_offset,
+        seqlen_q, seqlen_k, group_size, diag_offset,
         max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, LONGEST_FIRST=has_right,
-        UPCAST=upcast, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=window_left >= 0,
+        HAS_RIGHT=window_right >= 0, SOFTCAP=has_softcap, ALIBI=alibi_slopes is not None,
+        LONGEST_FIRST=window_right >= 0, UPCAST=upcast, USE_TMA=use_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if upcast:
-        out.copy_(out_buf)
-    return out, lse
