@@ -44,10 +44,12 @@ class TileConfig:
 
 
 def head_dim_padded(head_dim: int) -> int:
-    # tl.dot wants power-of-two extents of at least 16.
-    return max(16, triton.next_power_of_2(head_dim))
+    # tl.dot wants power-of-two extents of at least 16. (Plain int math: triton.next_power_of_2 is
+    # a constexpr function that costs microseconds per call on the host.)
+    return max(16, 1 << (head_dim - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
 def config_for_arch(head_dim: int, arch: int) -> TileConfig:
     """Tile shape for a head dim on sm_<arch> (e.g. 90 for H100/H200, 80 for A100)."""
     d = head_dim_padded(head_dim)
@@ -281,11 +283,11 @@ class _DescriptorScratch:
 _descriptor_scratch = _DescriptorScratch()
 
 
-def _tma_eligible(*tensors: torch.Tensor) -> bool:
+def _tma_eligible(tensors, strides) -> bool:
     """TMA needs 16-byte aligned bases and 16-byte multiples for every stride but the last."""
-    for t in tensors:
+    for t, (sb, ss, sh, _) in zip(tensors, strides):
         size = t.element_size()
-        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+        if t.data_ptr() % 16 or (sb * size) % 16 or (ss * size) % 16 or (sh * size) % 16:
             return False
         if t.shape[-1] * size < 16:
             return False
@@ -322,7 +324,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     # The interpreter truncates fp32 -> bf16 stores; store fp32 there and let torch round.
     upcast = interpreting() and q.dtype == torch.bfloat16
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
-    use_tma = cfg.use_tma and _tma_eligible(q, k, v)
+    strides = (q.stride(), k.stride(), v.stride(), out_buf.stride())
+    use_tma = cfg.use_tma and _tma_eligible((q, k, v), strides[:3])
     # Our allocator only for this launch: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not _INTERPRET else None
     grid = (-(-seqlen_q // cfg.block_m), heads, batch)  # plain ints: triton.cdiv costs ~8 us here
@@ -330,10 +333,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     on_other_device = q.is_cuda and q.device.index != torch.cuda.current_device()
     try:
         with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-            _launch_forward(grid, cfg, q, k, v, out_buf, lse, alibi_slopes, alibi_stride_b,
-                            seqlen_q, seqlen_k, heads // heads_k, diag_offset, window_left,
-                            window_right, qk_scale, softcap_in, head_dim, softcap > 0, upcast,
-                            use_tma)
+            _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes,
+                            alibi_stride_b, seqlen_q, seqlen_k, heads // heads_k, diag_offset,
+                            window_left, window_right, qk_scale, softcap_in, head_dim, softcap > 0,
+                            upcast, use_tma)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -342,16 +345,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     return out, lse
 
 
-def _launch_forward(grid, cfg, q, k, v, out_buf, lse, alibi_slopes, alibi_stride_b, seqlen_q,
-                    seqlen_k, group_size, diag_offset, window_left, window_right, qk_scale,
-                    softcap_in, head_dim, has_softcap, upcast, use_tma):
+def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,
+                    seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
+                    qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma):
+    (sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _) = strides
+    slb, slh, _ = lse.stride()
     _attn_fwd[grid](
         q, k, v, out_buf, lse, alibi_slopes,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
-        lse.stride(0), lse.stride(1), alibi_stride_b,
+        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, alibi_stride_b,
         seqlen_q, seqlen_k, group_size, diag_offset,
         max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
