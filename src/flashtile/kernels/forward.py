@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -21,9 +20,6 @@ import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
 LOG2E = 1.4426950408889634
-# Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1 and
-# p = exp2(-inf - floor) = 0 instead of producing NaN from (-inf) - (-inf).
-_M_FLOOR = -1.0e30
 
 
 # Read once, as @triton.jit does when it decorates the kernels below.
@@ -53,15 +49,15 @@ def head_dim_padded(head_dim: int) -> int:
 def config_for_arch(head_dim: int, arch: int) -> TileConfig:
     """Tile shape for a head dim on sm_<arch> (e.g. 90 for H100/H200, 80 for A100)."""
     d = head_dim_padded(head_dim)
-    if arch >= 90:
-        # Hopper, from the sweeps in benchmarks/results/tune-*.json: tiles that leave room for two
+    if 90 <= arch < 120:
+        # Hopper (and data-center Blackwell, same shared memory, unmeasured), from the sweeps in benchmarks/results/tune-*.json: tiles that leave room for two
         # CTAs per SM (one CTA's softmax runs while the other's MMAs do), K/V through TMA.
         if d <= 64:
             return TileConfig(128, 128, 4, 3, use_tma=True)
         if d <= 128:
             return TileConfig(128, 64, 4, 2, use_tma=True)
         return TileConfig(128, 64, 8, 2, use_tma=True)
-    # Ampere and Ada: 164 KB (A100) or 99 KB (consumer) of shared memory.
+    # Ampere, Ada and consumer Blackwell: 164 KB (A100) or 99 KB (consumer) of shared memory.
     if d <= 64:
         return TileConfig(128, 64, 4, 3)
     if d <= 128:
@@ -222,6 +218,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
     if ALIBI:
         alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
 
+    # Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1
+    # and p = exp2(-inf - floor) = 0 instead of NaN from (-inf) - (-inf).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
