@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
+from .common import key_blocks, load_tile, tanh, visible
+
 LOG2E = 1.4426950408889634
 
 
@@ -80,20 +82,6 @@ def pick_config(head_dim: int, device: torch.device) -> TileConfig:
 
 
 @triton.jit
-def _load_tile(src, blk, ptrs_ok, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-               D_MASK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
-    if USE_TMA:
-        t = src.load([blk * BLOCK_N, 0])
-    elif MASKED or D_MASK:
-        t = tl.load(src, mask=ptrs_ok, other=0.0)
-    else:
-        t = tl.load(src)
-    if UPCAST:
-        t = t.to(tl.float32)
-    return t
-
-
-@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
@@ -114,14 +102,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        k = _load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         # s * s_scale is the score in log2 units; the plain path leaves the scale to one FMA
         # inside the exponential below.
-        if SOFTCAP:
-            # softcap * tanh(x / softcap); tanh through exp2 keeps the interpreter happy.
-            e = tl.exp2(qk * (softcap_in * 2.0 * 1.4426950408889634))
-            s = (1.0 - 2.0 / (e + 1.0)) * qk_scale
+        if SOFTCAP:  # softcap * tanh(scale * qk / softcap), qk_scale = softcap * log2(e)
+            s = tanh(qk * softcap_in) * qk_scale
             s_scale = 1.0
         else:
             s = qk
@@ -141,7 +127,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         p = tl.exp2(s * s_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if not USE_TMA:
@@ -177,22 +163,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     rows_pos = offs_m + diag_offset
 
-    # Keys any row of the block sees: [lo, hi); keys every row sees: [full_lo, full_hi).
-    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    full_lo = 0
-    hi = seqlen_k
-    full_hi = seqlen_k
-    if HAS_LEFT:
-        lo = tl.maximum(m0 + diag_offset - window_left, 0)
-        full_lo = tl.maximum(last_row + diag_offset - window_left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(last_row + diag_offset + window_right + 1, seqlen_k)
-        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
-    blk_lo = lo // BLOCK_N
-    blk_hi = tl.maximum(tl.cdiv(hi, BLOCK_N), blk_lo)
-    full_blk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), blk_lo), blk_hi)
-    full_blk_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, full_blk_lo), blk_hi)
+    blk_lo, full_blk_lo, full_blk_hi, blk_hi = key_blocks(
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT)
 
     q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh

@@ -1,0 +1,102 @@
+"""Pieces every attention kernel shares, so the forward and backward agree on what is visible.
+
+A query row i sits at key position i + diag_offset (Sk - Sq for flash_attn's bottom-right alignment);
+it sees key j when j < Sk, j <= pos + window_right (if bounded) and j >= pos - window_left (if bounded).
+Causal is window_right = 0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def visible(rows_pos, cols, seqlen_k, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Which (row, key) pairs are visible; ``rows_pos`` and ``cols`` broadcast to the tile's shape."""
+    keep = cols < seqlen_k
+    if HAS_RIGHT:
+        keep &= cols <= rows_pos + window_right
+    if HAS_LEFT:
+        keep &= cols >= rows_pos - window_left
+    return keep
+
+
+@triton.jit
+def tanh(x):
+    # Through exp2 rather than libdevice, which the interpreter lacks.
+    e = tl.exp2(x * 2.8853900817779268)  # 2 * log2(e)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def key_blocks(m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks of BLOCK_N that query rows [m0, m0 + BLOCK_M) see, as three stretches.
+
+    Returns (lo, full_lo, full_hi, hi): blocks [full_lo, full_hi) are visible to every row (no mask
+    needed, all keys in range); [lo, full_lo) and [full_hi, hi) need the mask; the rest are unseen.
+    """
+    last_row = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    full_lo = 0
+    hi = seqlen_k
+    full_hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + diag_offset - window_left, 0)
+        full_lo = tl.maximum(last_row + diag_offset - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(last_row + diag_offset + window_right + 1, seqlen_k)
+        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
+    blk_lo = lo // BLOCK_N
+    blk_hi = tl.maximum(tl.cdiv(hi, BLOCK_N), blk_lo)
+    full_blk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N), blk_lo), blk_hi)
+    full_blk_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, full_blk_lo), blk_hi)
+    return blk_lo, full_blk_lo, full_blk_hi, blk_hi
+
+
+@triton.jit
+def query_blocks(n0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query blocks of BLOCK_M that see keys [n0, n0 + BLOCK_N), as three stretches (see key_blocks).
+
+    The full stretch also needs every key of the block in range and whole query blocks, so its loads
+    need no mask.
+    """
+    last_key = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    full_lo = 0
+    hi = seqlen_q
+    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:  # row i sees key j only if i >= j - diag - right
+        lo = tl.maximum(n0 - diag_offset - window_right, 0)
+        full_lo = tl.maximum(last_key - diag_offset - window_right, 0)
+    if HAS_LEFT:  # ... and i <= j - diag + left
+        hi = tl.minimum(last_key - diag_offset + window_left + 1, seqlen_q)
+        full_hi = tl.minimum(n0 - diag_offset + window_left + 1, full_hi)
+    if n0 + BLOCK_N > seqlen_k:  # a ragged key block needs the mask on every row
+        full_hi = 0
+    blk_lo = lo // BLOCK_M
+    blk_hi = tl.maximum(tl.cdiv(hi, BLOCK_M), blk_lo)
+    full_blk_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M), blk_lo), blk_hi)
+    full_blk_hi = tl.minimum(tl.maximum(full_hi // BLOCK_M, full_blk_lo), blk_hi)
+    return blk_lo, full_blk_lo, full_blk_hi, blk_hi
+
+
+@triton.jit
+def load_tile(src, blk, ptrs_ok, MASKED: tl.constexpr, BLOCK: tl.constexpr,
+              D_MASK: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+    """A (BLOCK, head_dim) tile from pointers or a tensor descriptor; fp32 under the interpreter's
+    UPCAST (its bf16 arithmetic is wrong)."""
+    if USE_TMA:
+        t = src.load([blk * BLOCK, 0])
+    elif MASKED or D_MASK:
+        t = tl.load(src, mask=ptrs_ok, other=0.0)
+    else:
+        t = tl.load(src)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
