@@ -92,14 +92,10 @@ def test_sdpa_refuses_what_it_cannot_honour():
         flashtile.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
 
 
-def test_dropout_and_backward_not_yet():
+def test_dropout_not_yet():
     q, k, v = make_qkv(1, 8, 8, 2, 2, 16, F16)
     with pytest.raises(NotImplementedError, match="dropout"):
         flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
-    q.requires_grad_(True)
-    out = flashtile.flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
 
 
 def _bad_inputs():

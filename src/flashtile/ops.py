@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .kernels.backward import attention_backward
 from .kernels.forward import attention_forward
 
 
@@ -50,14 +51,39 @@ def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, 
     return out, lse
 
 
+@torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, window_left: int,
+             window_right: int, bottom_right: bool, softcap: float,
+             alibi_slopes: Optional[torch.Tensor],
+             dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attn_fwd, from the saved output and LSE."""
+    diag_offset = k.shape[1] - q.shape[1] if bottom_right else 0
+    return attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                              window_left=window_left, window_right=window_right,
+                              diag_offset=diag_offset, softcap=softcap, alibi_slopes=alibi_slopes,
+                              dlse=dlse)
+
+
+@attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, softcap,
+      alibi_slopes, dlse):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
 def _setup_fwd_context(ctx, inputs, output):
-    pass
+    q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.params = (softmax_scale, window_left, window_right, bottom_right, softcap)
 
 
 def _attn_fwd_backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(
-        "flashtile: the attention backward is not implemented yet (tracked by the training issue); "
-        "call the forward under torch.no_grad() or with inputs that do not require grad")
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

@@ -116,11 +116,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
             s = s * s_scale - alibi_slope * tl.abs(rows_pos[:, None] - cols[None, :]).to(tl.float32)
             s_scale = 1.0
         if MASKED:
-            keep = cols[None, :] < seqlen_k
-            if HAS_RIGHT:
-                keep &= cols[None, :] <= rows_pos[:, None] + window_right
-            if HAS_LEFT:
-                keep &= cols[None, :] >= rows_pos[:, None] - window_left
+            keep = visible(rows_pos[:, None], cols[None, :], seqlen_k, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
         alpha = tl.exp2(m_i - m_new)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .forward import config_for_arch, head_dim_padded
 
 _DTYPE_NAMES = {"fp16": "*fp16", "bf16": "*bf16"}
+_FP32_POINTERS = ("Lse", "Alibi", "Delta", "dLse")
+_FLOATS = ("qk_scale", "softcap_in", "softmax_scale")
+
 
 @dataclass(frozen=True)
-class ForwardVariant:
+class Variant:
+    """One specialization: ``kind`` "fwd" (the forward) or "bwd" (the backward's three kernels)."""
     head_dim: int
     dtype: str = "bf16"
     has_left: bool = False
@@ -24,16 +28,19 @@ class ForwardVariant:
     softcap: bool = False
     alibi: bool = False
     tma: bool = False
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
+    kind: str = "fwd"
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("left", self.has_left), ("right", self.has_right),
                                  ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma)) if on]
-        return f"fwd-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
+        return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
-def forward_variants() -> list[ForwardVariant]:
+ForwardVariant = Variant
+
+
+def forward_variants() -> list[Variant]:
     """A representative set: every head-dim class and dtype, and each mask/bias feature.
 
     ``tma`` variants are the Hopper fast path; compile_forward drops it below sm_90. Odd head dims
@@ -43,53 +50,54 @@ def forward_variants() -> list[ForwardVariant]:
     for d in (16, 32, 64, 80, 111, 128, 192, 256):
         for dtype in ("fp16", "bf16"):
             tma = d % 8 == 0
-            out.append(ForwardVariant(d, dtype, tma=tma))
-            out.append(ForwardVariant(d, dtype, has_right=True, tma=tma))
+            out.append(Variant(d, dtype, tma=tma))
+            out.append(Variant(d, dtype, has_right=True, tma=tma))
             if tma:
-                out.append(ForwardVariant(d, dtype, has_right=True))
+                out.append(Variant(d, dtype, has_right=True))
     for d in (64, 128, 256):
-        out += [ForwardVariant(d, "bf16", has_left=True, has_right=True, tma=True),
-                ForwardVariant(d, "bf16", has_left=True, tma=True),
-                ForwardVariant(d, "bf16", has_right=True, softcap=True, tma=True),
-                ForwardVariant(d, "bf16", has_right=True, alibi=True, tma=True),
-                ForwardVariant(d, "fp16", has_left=True, has_right=True, softcap=True, alibi=True,
-                               tma=True)]
+        out += [Variant(d, "bf16", has_left=True, has_right=True, tma=True),
+                Variant(d, "bf16", has_left=True, tma=True),
+                Variant(d, "bf16", has_right=True, softcap=True, tma=True),
+                Variant(d, "bf16", has_right=True, alibi=True, tma=True),
+                Variant(d, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, tma=True)]
     return out
 
 
-def compile_forward(variant: ForwardVariant, arch: int):
-    """Compile one variant for sm_<arch>; returns the compiled kernel (with .metadata)."""
+def backward_variants() -> list[Variant]:
+    out = []
+    for d in (32, 64, 80, 128, 256):
+        out += [Variant(d, "bf16", kind="bwd"), Variant(d, "fp16", has_right=True, kind="bwd")]
+    for d in (64, 128):
+        out += [Variant(d, "bf16", has_left=True, has_right=True, kind="bwd"),
+                Variant(d, "bf16", has_right=True, softcap=True, alibi=True, kind="bwd")]
+    out.append(Variant(111, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, kind="bwd"))
+    return out
+
+
+def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_stages: int):
+    """triton.compile one kernel with the signature and divisibility hints the JIT would use."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .forward import _attn_fwd
-
-    cfg = config_for_arch(variant.head_dim, arch)
-    ptr = _DTYPE_NAMES[variant.dtype]
     signature, constexprs, attrs = {}, {}, {}
-    values = {
-        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_DIM": variant.head_dim,
-        "HEAD_DIM_PAD": head_dim_padded(variant.head_dim), "HAS_LEFT": variant.has_left,
-        "HAS_RIGHT": variant.has_right, "SOFTCAP": variant.softcap, "ALIBI": variant.alibi,
-        "LONGEST_FIRST": variant.has_right, "UPCAST": False,
-        "USE_TMA": variant.tma and arch >= 90,
-    }
-    for i, name in enumerate(_attn_fwd.arg_names):
+    for i, name in enumerate(fn.arg_names):
         if name in values:
             signature[name] = "constexpr"
             constexprs[name] = values[name]
-        elif name in ("Q", "K", "V", "Out"):
-            signature[name] = ptr
+        elif name == "Alibi" and not variant.alibi:
+            signature[name] = "constexpr"
+            constexprs[name] = None
+        elif name == "dLse":
+            signature[name] = "constexpr"  # the common case: no gradient on the LSE
+            constexprs[name] = None
+        elif name in _FP32_POINTERS:
+            signature[name] = "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("Lse", "Alibi"):
-            if name == "Alibi" and not variant.alibi:
-                signature[name] = "constexpr"
-                constexprs[name] = None
-            else:
-                signature[name] = "*fp32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "softcap_in"):
+        elif name[0].isupper() or name.startswith("d") and name[1:2].isupper():
+            signature[name] = _DTYPE_NAMES[variant.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in _FLOATS:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -97,9 +105,47 @@ def compile_forward(variant: ForwardVariant, arch: int):
             # dim is a multiple of 16; for odd head dims assume none is (the slow, general case).
             if name.startswith("stride_") and variant.head_dim % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(_attn_fwd, signature, constexprs, attrs)
+    src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _flags(variant: Variant) -> dict:
+    return {"HEAD_DIM": variant.head_dim, "HEAD_DIM_PAD": head_dim_padded(variant.head_dim),
+            "HAS_LEFT": variant.has_left, "HAS_RIGHT": variant.has_right,
+            "SOFTCAP": variant.softcap, "ALIBI": variant.alibi, "UPCAST": False}
+
+
+def compile_forward(variant: Variant, arch: int):
+    """Compile one forward variant for sm_<arch>; returns the compiled kernel (with .metadata)."""
+    from .forward import _attn_fwd
+
+    cfg = config_for_arch(variant.head_dim, arch)
+    values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+              "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90}
+    return _compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages)
+
+
+def compile_backward(variant: Variant, arch: int) -> list:
+    """Compile the backward's preprocess, dK/dV and dQ kernels for one variant."""
+    from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, backward_config_for_arch
+
+    cfg = backward_config_for_arch(variant.head_dim, arch)
+    flags = _flags(variant)
+    pre = {"BLOCK_M": 64, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
+           "HAS_DLSE": False}
+    return [
+        _compile(_attn_bwd_preprocess, pre, variant, arch, 4, 1),
+        _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n},
+                 variant, arch, cfg.num_warps, cfg.num_stages),
+        _compile(_attn_bwd_dq, {**flags, "BLOCK_M": cfg.dq_block_m, "BLOCK_N": cfg.dq_block_n,
+                                "LONGEST_FIRST": variant.has_right},
+                 variant, arch, cfg.num_warps, cfg.num_stages),
+    ]
+
+
+def all_variants() -> list[Variant]:
+    return forward_variants() + backward_variants()
 
 
 def main(argv=None) -> int:
@@ -110,10 +156,14 @@ def main(argv=None) -> int:
     shard, shards = (int(x) for x in args.shard.split("/"))
     failed = 0
     for arch in args.arch or [90, 80]:
-        for variant in forward_variants()[shard::shards]:
+        for variant in all_variants()[shard::shards]:
             try:
-                kernel = compile_forward(variant, arch)
-                print(f"sm_{arch} {variant.name}: ok, shared memory {kernel.metadata.shared} B")
+                if variant.kind == "fwd":
+                    kernels = [compile_forward(variant, arch)]
+                else:
+                    kernels = compile_backward(variant, arch)
+                shared = ", ".join(str(k.metadata.shared) for k in kernels)
+                print(f"sm_{arch} {variant.name}: ok, shared memory {shared} B")
             except Exception as exc:  # report every failing variant, not only the first
                 failed += 1
                 print(f"sm_{arch} {variant.name}: FAILED {type(exc).__name__}: {exc}")

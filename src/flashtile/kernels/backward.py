@@ -1,0 +1,363 @@
+"""Attention backward: recompute the scores from Q, K and the saved LSE, FlashAttention-2 style.
+
+Three launches, none with atomics, so every gradient is bitwise reproducible:
+1. preprocess: Delta = rowsum(dO * O) (minus dLSE when the LSE itself has a gradient);
+2. dK/dV: one program per key block and KV head, looping over the query heads of its group (GQA
+   gradients are summed in registers) and over the query blocks that can see the key block;
+3. dQ: one program per query block and head, looping over the key blocks it sees (as the forward).
+With P = exp(S - LSE) and dS = P * (dO V^T - Delta): dV = P^T dO, dK = scale * dS^T Q,
+dQ = scale * dS K; a softcap multiplies dS by 1 - tanh^2, ALiBi adds nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import key_blocks, load_tile, query_blocks, tanh, visible
+from .forward import LOG2E, _arch, head_dim_padded, interpreting
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    dkdv_block_m: int  # query rows per step of the dK/dV loop
+    dkdv_block_n: int  # keys owned by one dK/dV program
+    dq_block_m: int  # query rows owned by one dQ program
+    dq_block_n: int  # keys per step of the dQ loop
+    num_warps: int
+    num_stages: int
+
+
+def backward_config_for_arch(head_dim: int, arch: int) -> BackwardConfig:
+    d = head_dim_padded(head_dim)
+    if 90 <= arch < 120:  # not tuned yet on the H200: shapes after Triton's fused-attention tutorial
+        if d <= 128:
+            return BackwardConfig(32, 128, 128, 32, 8 if d > 64 else 4, 2)
+        return BackwardConfig(32, 64, 64, 32, 8, 2)
+    if d <= 128:
+        return BackwardConfig(32, 64, 64, 32, 4, 2)
+    return BackwardConfig(16, 64, 64, 16, 8, 1)
+
+
+def pick_backward_config(head_dim: int, device: torch.device) -> BackwardConfig:
+    if device.type != "cuda":
+        return BackwardConfig(32, 32, 32, 32, 4, 1)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return backward_config_for_arch(head_dim, _arch(index))
+
+
+@triton.jit
+def _attn_bwd_preprocess(Out, dOut, dLse, Delta,
+                         stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+                         stride_lb, stride_lh, seqlen_q,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         HAS_DLSE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(Out + batch.to(tl.int64) * stride_ob + head * stride_oh
+                + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(dOut + batch.to(tl.int64) * stride_db + head * stride_dh
+                 + offs_m[:, None].to(tl.int64) * stride_ds + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    row = batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
+    if HAS_DLSE:  # d lse_i / d s_ij = p_ij: folds into Delta
+        delta -= tl.load(dLse + row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + row, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _scores_log2(qk, rows_pos, cols, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+                 alibi_slope, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Scores in log2 units as the forward saw them, and tanh's value (for the softcap gradient)."""
+    if SOFTCAP:
+        t = tanh(qk * softcap_in)
+        s = t * qk_scale
+    else:
+        t = qk
+        s = qk * qk_scale
+    if ALIBI:
+        s -= alibi_slope * tl.abs(rows_pos - cols).to(tl.float32)
+    if MASKED:
+        keep = visible(rows_pos, cols, seqlen_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(keep, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
+                         offs_m, offs_d, cols, blk_lo, blk_hi, seqlen_q, seqlen_k, diag_offset,
+                         window_left, window_right, qk_scale, softcap_in, alibi_slope,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    """Accumulate dK, dV (key block x head dim) over query blocks [blk_lo, blk_hi) of one head.
+
+    Tiles are transposed (keys x queries) so P^T and dS^T come out ready for the two products.
+    """
+    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    for blk in range(blk_lo, blk_hi):
+        rows = blk * BLOCK_M + offs_m
+        rows_ok = rows < seqlen_q
+        tile_ok = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        q = load_tile(q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :], blk, tile_ok,
+                      MASKED, BLOCK_M, D_MASK, UPCAST, False)
+        do = load_tile(do_base + rows[:, None].to(tl.int64) * stride_ds + offs_d[None, :], blk,
+                       tile_ok, MASKED, BLOCK_M, D_MASK, UPCAST, False)
+        if MASKED:  # rows past the end: LSE +inf makes their P exactly 0
+            lse = tl.load(lse_base + rows, mask=rows_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(delta_base + rows, mask=rows_ok, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows) * 1.4426950408889634
+            delta = tl.load(delta_base + rows)
+        qk_t = tl.dot(k, tl.trans(q))
+        s_t, t_t = _scores_log2(qk_t, rows[None, :] + diag_offset, cols[:, None], seqlen_k,
+                                window_left, window_right, qk_scale, softcap_in, alibi_slope,
+                                MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        p_t = tl.exp2(s_t - lse[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi,
+                   stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                   stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
+                   stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                   stride_lb, stride_lh, stride_ab,
+                   seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
+                   qk_scale, softcap_in, softmax_scale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+                + cols[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+                + cols[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    blk_lo, full_blk_lo, full_blk_hi, blk_hi = query_blocks(
+        n0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT)
+
+    for g in range(group_size):  # the query heads that share this KV head
+        head = kv_head * group_size + g
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        do_base = dOut + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh
+        lse_base = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh
+        delta_base = Delta + batch.to(tl.int64) * stride_lb + head * stride_lh
+        alibi_slope = 0.0
+        if ALIBI:
+            alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+        if HAS_RIGHT:  # rows at the causal diagonal / right window edge
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
+                offs_d, cols, blk_lo, full_blk_lo, seqlen_q, seqlen_k, diag_offset, window_left,
+                window_right, qk_scale, softcap_in, alibi_slope, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST)
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
+            offs_d, cols, full_blk_lo, full_blk_hi, seqlen_q, seqlen_k, diag_offset, window_left,
+            window_right, qk_scale, softcap_in, alibi_slope, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+            False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST)
+        # Left window edge, the ragged end of the queries, ragged key blocks.
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
+            offs_d, cols, full_blk_hi, blk_hi, seqlen_q, seqlen_k, diag_offset, window_left,
+            window_right, qk_scale, softcap_in, alibi_slope, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+            True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST)
+
+    dk = dk * softmax_scale
+    tl.store(dK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+             + cols[:, None].to(tl.int64) * stride_dks + offs_d[None, :],
+             dk.to(dK.dtype.element_ty), mask=kv_ok)
+    tl.store(dV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+             + cols[:, None].to(tl.int64) * stride_dvs + offs_d[None, :],
+             dv.to(dV.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos,
+                       offs_n, offs_d, blk_lo, blk_hi, seqlen_k, window_left, window_right,
+                       qk_scale, softcap_in, alibi_slope,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    """Accumulate dQ (query block x head dim) over key blocks [blk_lo, blk_hi)."""
+    start = blk_lo * BLOCK_N
+    k_ptrs += start.to(tl.int64) * stride_ks
+    v_ptrs += start.to(tl.int64) * stride_vs
+    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    for blk in range(blk_lo, blk_hi):
+        cols = blk * BLOCK_N + offs_n
+        kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, False)
+        v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, False)
+        qk = tl.dot(q, tl.trans(k))
+        s, t = _scores_log2(qk, rows_pos[:, None], cols[None, :], seqlen_k, window_left,
+                            window_right, qk_scale, softcap_in, alibi_slope, MASKED, HAS_LEFT,
+                            HAS_RIGHT, SOFTCAP, ALIBI)
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi,
+                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
+                 stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
+                 seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
+                 qk_scale, softcap_in, softmax_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    if LONGEST_FIRST:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    kv_head = head // group_size
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    rows_ok = offs_m < seqlen_q
+    tile_ok = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :], mask=tile_ok, other=0.0)
+    do = tl.load(dOut + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh
+                 + offs_m[:, None].to(tl.int64) * stride_ds + offs_d[None, :], mask=tile_ok,
+                 other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row = batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
+    lse = tl.load(Lse + row, mask=rows_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + row, mask=rows_ok, other=0.0)
+    alibi_slope = 0.0
+    if ALIBI:
+        alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+
+    k_ptrs = (K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :])
+    v_ptrs = (V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    rows_pos = offs_m + diag_offset
+    blk_lo, full_blk_lo, full_blk_hi, blk_hi = key_blocks(
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
+        HAS_LEFT, HAS_RIGHT)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    if HAS_LEFT:
+        dq = _attn_bwd_dq_inner(
+            dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+            blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+            alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+            UPCAST)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+        UPCAST)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
+        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+        UPCAST)
+    dq = dq * softmax_scale
+    tl.store(dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+             + offs_m[:, None].to(tl.int64) * stride_dqs + offs_d[None, :],
+             dq.to(dQ.dtype.element_ty), mask=tile_ok)
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float,
+                       window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
+                       alibi_slopes: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+                       config: BackwardConfig | None = None):
+    """Gradients (dq, dk, dv) of attention_forward's output (and LSE, if ``dlse``) on (B, S, H, D)
+    tensors; same arguments as the forward. Returns contiguous tensors in the inputs' dtypes."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if dout.stride(-1) != 1:  # autograd can hand over expanded (stride 0) gradients
+        dout = dout.contiguous()
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    grad_dtype = torch.float32 if upcast else q.dtype
+    if interpreting():  # NaN-poisoned, so a gradient element the kernels never write fails tests
+        alloc = functools.partial(torch.full, fill_value=math.nan, dtype=grad_dtype, device=q.device)
+    else:
+        alloc = functools.partial(torch.empty, dtype=grad_dtype, device=q.device)
+    dq, dk, dv = alloc(q.shape), alloc(k.shape), alloc(v.shape)
+    if batch == 0 or heads == 0 or seqlen_q == 0 or seqlen_k == 0:
+        return dq.zero_().to(q.dtype), dk.zero_().to(q.dtype), dv.zero_().to(q.dtype)
+    cfg = config or pick_backward_config(head_dim, q.device)
+    d_pad = head_dim_padded(head_dim)
+    if softcap > 0:
+        qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
+    else:
+        qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
+    alibi_stride_b = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
+                 HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
+                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), dout.stride()
+    so, sl = out.stride(), lse.stride()
+    window = (max(window_left, 0), max(window_right, 0))
+    common = (seqlen_q, seqlen_k, heads // heads_k, diag_offset, *window, qk_scale, softcap_in,
+              softmax_scale)
+
+    pre_block = 64
+    _attn_bwd_preprocess[(-(-seqlen_q // pre_block), heads, batch)](
+        out, dout, dlse, delta, so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0], sl[1], seqlen_q,
+        BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_DLSE=dlse is not None)
+    _attn_bwd_dkdv[(-(-seqlen_k // cfg.dkdv_block_n), heads_k, batch)](
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes,
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
+        *dk.stride()[:3], *dv.stride()[:3], sl[0], sl[1], alibi_stride_b, *common,
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **flags)
+    _attn_bwd_dq[(-(-seqlen_q // cfg.dq_block_m), heads, batch)](
+        q, k, v, dout, lse, delta, dq, alibi_slopes,
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
+        *dq.stride()[:3], sl[0], sl[1], alibi_stride_b, *common,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=window_right >= 0, **flags)
+    if upcast:
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    return dq, dk, dv
