@@ -15,6 +15,9 @@ _PUBLIC = {
     "flash_attn_func": "interface",
     "flash_attn_kvpacked_func": "interface",
     "flash_attn_qkvpacked_func": "interface",
+    "flash_attn_varlen_func": "interface",
+    "flash_attn_varlen_kvpacked_func": "interface",
+    "flash_attn_varlen_qkvpacked_func": "interface",
     "scaled_dot_product_attention": "interface",
 }
 

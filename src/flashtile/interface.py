@@ -172,6 +172,121 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                       names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
+def _check_cu_seqlens(cu_seqlens, name: str, batch: int | None, device: torch.device) -> int:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 offsets, got shape {tuple(cu_seqlens.shape)}")
+    if batch is not None and cu_seqlens.shape[0] != batch + 1:
+        raise ValueError(f"{name} has {cu_seqlens.shape[0]} offsets but cu_seqlens_q has {batch + 1}: "
+                         "both must hold batch + 1")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {device}")
+    return cu_seqlens.shape[0] - 1
+
+
+def _check_max_seqlen(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+    """The offsets' values, with one device-to-host copy; skipped where a sync is impossible (CUDA
+    graph capture, torch.compile), where the kernels' clamping still keeps every access in bounds."""
+    if torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    stats = []
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        lens = cu[1:] - cu[:-1]
+        stats.append(torch.stack([cu[0], cu[-1], lens.min(), lens.max()]))
+    (q0, q_end, q_min, q_max), (k0, k_end, k_min, k_max) = torch.stack(stats).tolist()
+    for name, first, end, low, high, total, max_name, max_value in (
+            ("cu_seqlens_q", q0, q_end, q_min, q_max, total_q, "max_seqlen_q", max_seqlen_q),
+            ("cu_seqlens_k", k0, k_end, k_min, k_max, total_k, "max_seqlen_k", max_seqlen_k)):
+        if first != 0:
+            raise ValueError(f"{name} must start at 0, got {first}")
+        if low < 0:
+            raise ValueError(f"{name} must be non-decreasing (a sequence length is {low})")
+        if end > total:
+            raise ValueError(f"{name} ends at {end}, past the {total} packed tokens")
+        if high > max_value:
+            raise ValueError(f"{max_name} is {max_value} but a sequence has {high} tokens")
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                      block_table, names=("q", "k", "v")):
+    if block_table is not None:
+        raise NotImplementedError("flashtile: block_table (paged KV) in flash_attn_varlen_func is not "
+                                  "implemented yet")
+    for t, n in zip((q, k, v), names):
+        _check_tensor(t, n, 3)
+    _check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q.device)
+    max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    _check_dropout(dropout_p)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    left, right = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap)
+    alibi = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
+                           cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Packed sequences without padding: q (total_q, H, D), k/v (total_k, Hk, D).
+
+    Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]
+    (int32 offsets, batch + 1 of them), each aligned bottom-right for ``causal``/``window_size`` on its
+    own; ``max_seqlen_q``/``max_seqlen_k`` bound the lengths. Returns out (total_q, H, D), or with
+    ``return_attn_probs`` (out, softmax_lse (H, total_q), None). Work is the sum of the sequences'
+    own costs, not batch x the longest.
+    """
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             return_attn_probs, block_table)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """``flash_attn_varlen_func`` with kv packed as (total_k, 2, Hk, D)."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, heads_k, head_dim), got {tuple(kv.shape)}")
+    return _varlen_attention(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs, None, names=("q", "kv[:, 0]", "kv[:, 1]"))
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_varlen_func`` with q, k, v packed as (total, 3, H, D) and one set of offsets."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, heads, head_dim), got {tuple(qkv.shape)}")
+    return _varlen_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                             max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs, None,
+                             names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` on flashtile's kernel.

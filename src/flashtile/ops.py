@@ -1,4 +1,8 @@
-"""flashtile's registered custom ops: what torch.compile and CUDA graphs see of the kernels."""
+"""flashtile's registered custom ops: what torch.compile and CUDA graphs see of the kernels.
+
+One forward and one backward op serve padded (B, S, H, D) batches and packed sequences: with
+``cu_seqlens_q``/``cu_seqlens_k`` the tensors are (total, H, D) and the LSE is (H, total_q).
+"""
 
 from __future__ import annotations
 
@@ -11,40 +15,48 @@ from .kernels.forward import attention_forward
 
 
 def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
-            softcap: float, alibi_slopes):
+            softcap: float, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
+            max_seqlen_k: int = 0):
     """The forward as the public functions call it.
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
     tens of microseconds a call, as much as a short prefill kernel. Under torch.compile, or with inputs
     that require grad, the registered op runs instead.
     """
+    args = (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return attn_fwd(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-                        alibi_slopes)
-    return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-                          alibi_slopes)
+        return attn_fwd(*args)
+    return _attn_fwd_impl(*args)
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-                   alibi_slopes):
-    diag_offset = k.shape[1] - q.shape[1] if bottom_right else 0
+                   alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                              window_right=window_right, diag_offset=diag_offset, softcap=softcap,
-                             alibi_slopes=alibi_slopes)
+                             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q)
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
              window_left: int, window_right: int, bottom_right: bool, softcap: float,
-             alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on validated (B, S, H, D) tensors; returns (out, lse)."""
+             alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor] = None,
+             cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+             max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on validated tensors; returns (out, lse)."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-                          alibi_slopes)
+                          alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes):
+def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    if cu_seqlens_q is not None:
+        total_q, heads, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
     batch, seqlen_q, heads, head_dim = q.shape
     out = q.new_empty(batch, seqlen_q, heads, head_dim)
     lse = q.new_empty(batch, heads, seqlen_q, dtype=torch.float32)
@@ -55,35 +67,41 @@ def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, 
 def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, window_left: int,
              window_right: int, bottom_right: bool, softcap: float,
-             alibi_slopes: Optional[torch.Tensor],
-             dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             alibi_slopes: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
+             cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+             max_seqlen_q: int = 0,
+             max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, from the saved output and LSE."""
-    diag_offset = k.shape[1] - q.shape[1] if bottom_right else 0
+    diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                               window_left=window_left, window_right=window_right,
                               diag_offset=diag_offset, softcap=softcap, alibi_slopes=alibi_slopes,
-                              dlse=dlse)
+                              dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, dlse):
+      alibi_slopes, dlse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_fwd_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes = inputs
+    (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
+     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     ctx.params = (softmax_scale, window_left, window_right, bottom_right, softcap)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
 
 
 def _attn_fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
+                          cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

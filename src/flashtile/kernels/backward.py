@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import key_blocks, load_tile, query_blocks, tanh, visible
+from .common import key_blocks, load_tile, query_blocks, sequence_span, tanh, visible
 from .forward import LOG2E, _arch, head_dim_padded, interpreting
 
 
@@ -52,23 +52,25 @@ def pick_backward_config(head_dim: int, device: torch.device) -> BackwardConfig:
 
 
 @triton.jit
-def _attn_bwd_preprocess(Out, dOut, dLse, Delta,
+def _attn_bwd_preprocess(Out, dOut, dLse, Delta, CuSeqlensQ,
                          stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
                          stride_lb, stride_lh, seqlen_q,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         HAS_DLSE: tl.constexpr):
+                         HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
+    q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, seqlen_q, VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = (q_start + offs_m)[:, None].to(tl.int64)
     o = tl.load(Out + batch.to(tl.int64) * stride_ob + head * stride_oh
-                + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :], mask=ok, other=0.0)
+                + rows * stride_os + offs_d[None, :], mask=ok, other=0.0)
     do = tl.load(dOut + batch.to(tl.int64) * stride_db + head * stride_dh
-                 + offs_m[:, None].to(tl.int64) * stride_ds + offs_d[None, :], mask=ok, other=0.0)
+                 + rows * stride_ds + offs_d[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row = batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
+    row = batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + offs_m
     if HAS_DLSE:  # d lse_i / d s_ij = p_ij: folds into Delta
         delta -= tl.load(dLse + row, mask=offs_m < seqlen_q, other=0.0)
     tl.store(Delta + row, delta, mask=offs_m < seqlen_q)
@@ -134,7 +136,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, st
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi,
+def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqlensK,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -144,19 +146,24 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+                   ALIBI: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
+    q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence_span(CuSeqlensK, batch, seqlen_k, VARLEN)
+    if VARLEN:
+        diag_offset = seqlen_k - seqlen_q
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    key_rows = (k_start + cols)[:, None].to(tl.int64)
     k = tl.load(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-                + cols[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
+                + key_rows * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-                + cols[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
+                + key_rows * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -168,10 +175,12 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi,
 
     for g in range(group_size):  # the query heads that share this KV head
         head = kv_head * group_size + g
-        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        do_base = dOut + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh
-        lse_base = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh
-        delta_base = Delta + batch.to(tl.int64) * stride_lb + head * stride_lh
+        q_base = (Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs
+                  + head.to(tl.int64) * stride_qh)
+        do_base = (dOut + batch.to(tl.int64) * stride_db + q_start.to(tl.int64) * stride_ds
+                   + head.to(tl.int64) * stride_dh)
+        lse_base = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start
+        delta_base = Delta + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start
         alibi_slope = 0.0
         if ALIBI:
             alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
@@ -195,10 +204,10 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi,
 
     dk = dk * softmax_scale
     tl.store(dK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
-             + cols[:, None].to(tl.int64) * stride_dks + offs_d[None, :],
+             + key_rows * stride_dks + offs_d[None, :],
              dk.to(dK.dtype.element_ty), mask=kv_ok)
     tl.store(dV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
-             + cols[:, None].to(tl.int64) * stride_dvs + offs_d[None, :],
+             + key_rows * stride_dvs + offs_d[None, :],
              dv.to(dV.dtype.element_ty), mask=kv_ok)
 
 
@@ -235,7 +244,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi,
+def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                  stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
@@ -244,12 +253,17 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                 ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr):
+                 ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
+                 VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     if LONGEST_FIRST:
         pid_m = tl.num_programs(0) - 1 - pid_m
+    q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence_span(CuSeqlensK, batch, seqlen_k, VARLEN)
+    if VARLEN:
+        diag_offset = seqlen_k - seqlen_q
     kv_head = head // group_size
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -258,25 +272,25 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi,
     rows_ok = offs_m < seqlen_q
     tile_ok = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
 
+    rows = (q_start + offs_m)[:, None].to(tl.int64)
     q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-                + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :], mask=tile_ok, other=0.0)
+                + rows * stride_qs + offs_d[None, :], mask=tile_ok, other=0.0)
     do = tl.load(dOut + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh
-                 + offs_m[:, None].to(tl.int64) * stride_ds + offs_d[None, :], mask=tile_ok,
-                 other=0.0)
+                 + rows * stride_ds + offs_d[None, :], mask=tile_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    row = batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
+    row = batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + offs_m
     lse = tl.load(Lse + row, mask=rows_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row, mask=rows_ok, other=0.0)
     alibi_slope = 0.0
     if ALIBI:
         alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
 
-    k_ptrs = (K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-              + offs_n[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    k_ptrs = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
+              + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :])
+    v_ptrs = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
+              + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
     rows_pos = offs_m + diag_offset
     blk_lo, full_blk_lo, full_blk_hi, blk_hi = key_blocks(
         m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -300,7 +314,7 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi,
         UPCAST)
     dq = dq * softmax_scale
     tl.store(dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-             + offs_m[:, None].to(tl.int64) * stride_dqs + offs_d[None, :],
+             + rows * stride_dqs + offs_d[None, :],
              dq.to(dQ.dtype.element_ty), mask=tile_ok)
 
 
@@ -308,13 +322,24 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float,
                        window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
                        alibi_slopes: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
-                       config: BackwardConfig | None = None):
-    """Gradients (dq, dk, dv) of attention_forward's output (and LSE, if ``dlse``) on (B, S, H, D)
-    tensors; same arguments as the forward. Returns contiguous tensors in the inputs' dtypes."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
+                       config: BackwardConfig | None = None,
+                       cu_seqlens_q: torch.Tensor | None = None,
+                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
+                       max_seqlen_k: int = 0):
+    """Gradients (dq, dk, dv) of attention_forward's output (and LSE, if ``dlse``); same arguments
+    and layouts as the forward, packed sequences included. Returns contiguous tensors in the inputs'
+    dtypes."""
+    varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:  # autograd can hand over expanded (stride 0) gradients
         dout = dout.contiguous()
+    lse = lse.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    if varlen:  # one packed "batch" of stride 0; cu_seqlens finds the sequences
+        q, k, v, out, dout, lse = (t.unsqueeze(0) for t in (q, k, v, out, dout, lse))
+        dlse = None if dlse is None else dlse.unsqueeze(0)
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k = k.shape[1]
     upcast = interpreting() and q.dtype == torch.bfloat16
     grad_dtype = torch.float32 if upcast else q.dtype
     if interpreting():  # NaN-poisoned, so a gradient element the kernels never write fails tests
@@ -322,8 +347,27 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     else:
         alloc = functools.partial(torch.empty, dtype=grad_dtype, device=q.device)
     dq, dk, dv = alloc(q.shape), alloc(k.shape), alloc(v.shape)
-    if batch == 0 or heads == 0 or seqlen_q == 0 or seqlen_k == 0:
-        return dq.zero_().to(q.dtype), dk.zero_().to(q.dtype), dv.zero_().to(q.dtype)
+    rows_q, rows_k = (max_seqlen_q, max_seqlen_k) if varlen else (seqlen_q, seqlen_k)
+    if varlen:
+        batch = cu_seqlens_q.shape[0] - 1
+    if batch == 0 or heads == 0 or rows_q == 0 or rows_k == 0:
+        grads = (dq.zero_(), dk.zero_(), dv.zero_())
+    else:
+        _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
+                         softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
+                         config, upcast, cu_seqlens_q, cu_seqlens_k)
+        grads = (dq, dk, dv)
+    if varlen:
+        grads = tuple(g[0] for g in grads)
+    return tuple(g.to(q.dtype) for g in grads) if upcast else grads
+
+
+def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
+                     softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
+                     config, upcast, cu_seqlens_q, cu_seqlens_k):
+    _, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    varlen = cu_seqlens_q is not None
     cfg = config or pick_backward_config(head_dim, q.device)
     d_pad = head_dim_padded(head_dim)
     if softcap > 0:
@@ -331,33 +375,28 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     else:
         qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
     alibi_stride_b = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
-    if dlse is not None:
-        dlse = dlse.contiguous()
-    lse = lse.contiguous()
     delta = torch.empty_like(lse)
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    sq, sk, sv, sd = q.stride(), k.stride(), v.stride(), dout.stride()
-    so, sl = out.stride(), lse.stride()
+                 UPCAST=upcast, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sq, sk, sv, sd, so, sl, sdq, sdk, sdv = (
+        (0, *t.stride()[1:]) if varlen else t.stride() for t in (q, k, v, dout, out, lse, dq, dk, dv))
     window = (max(window_left, 0), max(window_right, 0))
     common = (seqlen_q, seqlen_k, heads // heads_k, diag_offset, *window, qk_scale, softcap_in,
               softmax_scale)
 
     pre_block = 64
-    _attn_bwd_preprocess[(-(-seqlen_q // pre_block), heads, batch)](
-        out, dout, dlse, delta, so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0], sl[1], seqlen_q,
-        BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_DLSE=dlse is not None)
-    _attn_bwd_dkdv[(-(-seqlen_k // cfg.dkdv_block_n), heads_k, batch)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes,
+    _attn_bwd_preprocess[(-(-rows_q // pre_block), heads, batch)](
+        out, dout, dlse, delta, cu_seqlens_q, so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0],
+        sl[1], seqlen_q, BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
+        HAS_DLSE=dlse is not None, VARLEN=varlen)
+    _attn_bwd_dkdv[(-(-rows_k // cfg.dkdv_block_n), heads_k, batch)](
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
-        *dk.stride()[:3], *dv.stride()[:3], sl[0], sl[1], alibi_stride_b, *common,
+        *sdk[:3], *sdv[:3], sl[0], sl[1], alibi_stride_b, *common,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **flags)
-    _attn_bwd_dq[(-(-seqlen_q // cfg.dq_block_m), heads, batch)](
-        q, k, v, dout, lse, delta, dq, alibi_slopes,
+    _attn_bwd_dq[(-(-rows_q // cfg.dq_block_m), heads, batch)](
+        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
-        *dq.stride()[:3], sl[0], sl[1], alibi_stride_b, *common,
+        *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=window_right >= 0, **flags)
-    if upcast:
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-    return dq, dk, dv

@@ -100,3 +100,17 @@ def load_tile(src, blk, ptrs_ok, MASKED: tl.constexpr, BLOCK: tl.constexpr,
     if UPCAST:
         t = t.to(tl.float32)
     return t
+
+
+@triton.jit
+def sequence_span(Cu, batch, total, VARLEN: tl.constexpr):
+    """(start, length) of one sequence: from cu_seqlens when VARLEN (clamped into [0, total], so even
+    malformed offsets never move a load out of the tensor), else the whole dimension."""
+    if VARLEN:
+        start = tl.load(Cu + batch)
+        end = tl.load(Cu + batch + 1)
+        start = tl.minimum(tl.maximum(start, 0), total)
+        end = tl.minimum(tl.maximum(end, start), total)
+        return start, end - start
+    else:
+        return total * 0, total  # a tensor zero, so callers can widen it like the varlen start

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
-from .common import key_blocks, load_tile, tanh, visible
+from .common import key_blocks, load_tile, sequence_span, tanh, visible
 
 LOG2E = 1.4426950408889634
 
@@ -134,7 +134,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Alibi,
+def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
               stride_qb, stride_qs, stride_qh,
               stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh,
@@ -146,7 +146,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -154,6 +154,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
         pid_m = tl.num_programs(0) - 1 - pid_m
     kv_head = head // group_size
     m0 = pid_m * BLOCK_M
+    # Packed sequences (VARLEN): batch strides are 0 and each sequence starts at its cu_seqlens
+    # offset; a program past its sequence's end loads nothing and stores nothing.
+    q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence_span(CuSeqlensK, batch, seqlen_k, VARLEN)
+    if VARLEN:
+        diag_offset = seqlen_k - seqlen_q
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -164,9 +170,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
         m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
         HAS_LEFT, HAS_RIGHT)
 
-    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    q_base = (Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs
+              + head.to(tl.int64) * stride_qh)
+    k_base = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
+              + kv_head.to(tl.int64) * stride_kh)
+    v_base = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
+              + kv_head.to(tl.int64) * stride_vh)
     q_ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     if USE_TMA:
         q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qs, 1],
@@ -218,10 +227,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi,
     out = acc * (1.0 / l_safe)[:, None]  # acc is 0 on unseen rows
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
 
-    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os
+              + head.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_ok)
-    l_ptrs = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh + offs_m
+    l_ptrs = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + offs_m
     tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
 
 
@@ -265,21 +275,39 @@ def _tma_eligible(tensors, strides) -> bool:
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                       window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                      lse: torch.Tensor | None = None, config: TileConfig | None = None):
+                      lse: torch.Tensor | None = None, config: TileConfig | None = None,
+                      cu_seqlens_q: torch.Tensor | None = None,
+                      cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
     at key position i + ``diag_offset``. Returns (out, lse): out (B, Sq, H, D) in q's dtype, lse
     float32 (B, H, Sq).
+
+    Packed sequences: with ``cu_seqlens_q``/``cu_seqlens_k`` (int32, B + 1 offsets) q is
+    (total_q, H, D), k/v (total_k, Hk, D), every sequence is aligned bottom-right on its own
+    (``diag_offset`` is ignored), and out is (total_q, H, D), lse (H, total_q).
     """
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if out is not None:
+            out = out.unsqueeze(0)
+        if lse is not None:
+            lse = lse.unsqueeze(0)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     if out is None:
         out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    if seqlen_q == 0 or batch == 0 or heads == 0:
-        return out, lse
+    if varlen:
+        result = out[0], lse[0]
+        batch, grid_rows = cu_seqlens_q.shape[0] - 1, max_seqlen_q
+    else:
+        result, grid_rows = (out, lse), seqlen_q
+    if grid_rows == 0 or batch == 0 or heads == 0:
+        return result
     cfg = config or pick_config(head_dim, q.device)
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
@@ -292,11 +320,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     # The interpreter truncates fp32 -> bf16 stores; store fp32 there and let torch round.
     upcast = interpreting() and q.dtype == torch.bfloat16
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
-    strides = (q.stride(), k.stride(), v.stride(), out_buf.stride())
+    strides = (q.stride(), k.stride(), v.stride(), out_buf.stride(), lse.stride())
     use_tma = cfg.use_tma and _tma_eligible((q, k, v), strides[:3])
+    if varlen:  # one packed "batch": sequences are found through cu_seqlens, not a batch stride
+        strides = tuple((0, *st[1:]) for st in strides)
     # Our allocator only for this launch: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not _INTERPRET else None
-    grid = (-(-seqlen_q // cfg.block_m), heads, batch)  # plain ints: triton.cdiv costs ~8 us here
+    grid = (-(-grid_rows // cfg.block_m), heads, batch)  # plain ints: triton.cdiv costs ~8 us here
     # Triton launches on the current device: follow the inputs when they live on another one.
     on_other_device = q.is_cuda and q.device.index != torch.cuda.current_device()
     try:
@@ -304,22 +334,23 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes,
                             alibi_stride_b, seqlen_q, seqlen_k, heads // heads_k, diag_offset,
                             window_left, window_right, qk_scale, softcap_in, head_dim, softcap > 0,
-                            upcast, use_tma)
+                            upcast, use_tma, cu_seqlens_q, cu_seqlens_k)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
     if upcast:
         out.copy_(out_buf)
-    return out, lse
+    return result
 
 
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,
                     seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
-                    qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma):
-    (sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _) = strides
-    slb, slh, _ = lse.stride()
+                    qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
+                    cu_seqlens_k):
+    ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _),
+     (slb, slh, _)) = strides
     _attn_fwd[grid](
-        q, k, v, out_buf, lse, alibi_slopes,
+        q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, alibi_stride_b,
         seqlen_q, seqlen_k, group_size, diag_offset,
         max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
@@ -327,5 +358,5 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
         HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0, SOFTCAP=has_softcap, ALIBI=alibi_slopes is not None,
         LONGEST_FIRST=window_right >= 0, UPCAST=upcast, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=cu_seqlens_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -29,11 +29,13 @@ class Variant:
     alibi: bool = False
     tma: bool = False
     kind: str = "fwd"
+    varlen: bool = False
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("left", self.has_left), ("right", self.has_right),
-                                 ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma)) if on]
+                                 ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma),
+                                 ("varlen", self.varlen)) if on]
         return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
@@ -60,6 +62,8 @@ def forward_variants() -> list[Variant]:
                 Variant(d, "bf16", has_right=True, softcap=True, tma=True),
                 Variant(d, "bf16", has_right=True, alibi=True, tma=True),
                 Variant(d, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, tma=True)]
+        out += [Variant(d, "bf16", has_right=True, tma=True, varlen=True),
+                Variant(d, "fp16", varlen=True)]
     return out
 
 
@@ -71,6 +75,8 @@ def backward_variants() -> list[Variant]:
         out += [Variant(d, "bf16", has_left=True, has_right=True, kind="bwd"),
                 Variant(d, "bf16", has_right=True, softcap=True, alibi=True, kind="bwd")]
     out.append(Variant(111, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, kind="bwd"))
+    out += [Variant(128, "bf16", has_right=True, varlen=True, kind="bwd"),
+            Variant(64, "fp16", varlen=True, kind="bwd")]
     return out
 
 
@@ -81,13 +87,22 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
     from triton.compiler import ASTSource
 
     signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        if param.is_constexpr and name not in values:
+            raise KeyError(f"{fn.__name__}: no value for constexpr {name}")
         if name in values:
             signature[name] = "constexpr"
             constexprs[name] = values[name]
         elif name == "Alibi" and not variant.alibi:
             signature[name] = "constexpr"
             constexprs[name] = None
+        elif name.startswith("CuSeqlens"):
+            if variant.varlen:
+                signature[name] = "*i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[name] = "constexpr"
+                constexprs[name] = None
         elif name == "dLse":
             signature[name] = "constexpr"  # the common case: no gradient on the LSE
             constexprs[name] = None
@@ -113,7 +128,8 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
 def _flags(variant: Variant) -> dict:
     return {"HEAD_DIM": variant.head_dim, "HEAD_DIM_PAD": head_dim_padded(variant.head_dim),
             "HAS_LEFT": variant.has_left, "HAS_RIGHT": variant.has_right,
-            "SOFTCAP": variant.softcap, "ALIBI": variant.alibi, "UPCAST": False}
+            "SOFTCAP": variant.softcap, "ALIBI": variant.alibi, "UPCAST": False,
+            "VARLEN": variant.varlen}
 
 
 def compile_forward(variant: Variant, arch: int):
@@ -133,7 +149,7 @@ def compile_backward(variant: Variant, arch: int) -> list:
     cfg = backward_config_for_arch(variant.head_dim, arch)
     flags = _flags(variant)
     pre = {"BLOCK_M": 64, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
-           "HAS_DLSE": False}
+           "HAS_DLSE": False, "VARLEN": variant.varlen}
     return [
         _compile(_attn_bwd_preprocess, pre, variant, arch, 4, 1),
         _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n},

@@ -1,0 +1,119 @@
+"""Packed sequences (flash_attn_varlen_*): each sequence must come out as if it ran alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def offsets(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def run_alone(q, k, v, cu_q, cu_k, dout, **kw):
+    """flash_attn_func on each sequence by itself: outputs, LSEs and gradients, packed back."""
+    outs, lses, dqs, dks, dvs = [], [], [], [], []
+    alibi = kw.pop("alibi_slopes", None)
+    for b in range(cu_q.numel() - 1):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qs, ks, vs = (t.detach()[s].unsqueeze(0).requires_grad_(True) for t, s in ((q, sq), (k, sk), (v, sk)))
+        slopes = None if alibi is None else alibi[b:b + 1]
+        out, lse, _ = flashtile.flash_attn_func(qs, ks, vs, alibi_slopes=slopes, return_attn_probs=True, **kw)
+        out.backward(dout[sq].unsqueeze(0))
+        outs.append(out[0].detach()), lses.append(lse[0].detach())
+        dqs.append(qs.grad[0]), dks.append(ks.grad[0]), dvs.append(vs.grad[0])
+    return (torch.cat(outs), torch.cat(lses, dim=1), torch.cat(dqs), torch.cat(dks), torch.cat(dvs))
+
+
+def run_packed(q, k, v, cu_q, cu_k, max_q, max_k, dout, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                   return_attn_probs=True, **kw)
+    out.backward(dout)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+LENGTHS = [([5, 70, 0, 33, 1], [9, 50, 4, 33, 64]), ([64, 64], [64, 64]), ([1], [100]), ([40, 17, 90], [40, 17, 90])]
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k", LENGTHS, ids=lambda x: "-".join(map(str, x)))
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window_size=(20, 0)),
+                                dict(window_size=(7, 12), softcap=5.0), dict(causal=True, alibi=True)],
+                         ids=["full", "causal", "sliding", "window-softcap", "alibi"])
+def test_each_sequence_as_if_alone(lengths_q, lengths_k, kw):
+    kw = dict(kw)
+    heads, heads_k, head_dim = 4, 2, 40
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    dtype = BF16 if kw.get("causal") else F16
+    q = torch.randn(sum(lengths_q), heads, head_dim, dtype=dtype)
+    k = torch.randn(sum(lengths_k), heads_k, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(len(lengths_q), heads)
+    packed = run_packed(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), dout, **kw)
+    alone = run_alone(q, k, v, cu_q, cu_k, dout, **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), packed, alone):
+        assert not torch.isnan(a).any(), name
+        assert torch.equal(a, b), f"{name} differs from running each sequence alone"
+
+
+def test_packed_variants():
+    lengths = [30, 7, 50]
+    cu = offsets(lengths)
+    qkv = torch.randn(sum(lengths), 3, 4, 32, dtype=F16)
+    expected = flashtile.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 50, 50, causal=True)
+    assert torch.equal(flashtile.flash_attn_varlen_qkvpacked_func(qkv, cu, 50, causal=True), expected)
+    assert torch.equal(flashtile.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 50, 50,
+                                                                 causal=True), expected)
+
+
+def _bad_offsets():
+    good = offsets([10, 20])
+    return [
+        pytest.param(dict(cu_seqlens_q=good.long()), TypeError, "cu_seqlens_q must be int32", id="int64"),
+        pytest.param(dict(cu_seqlens_k=offsets([10, 5, 15])), ValueError, "cu_seqlens_k has 4 offsets",
+                     id="length"),
+        pytest.param(dict(cu_seqlens_q=torch.tensor([0, 20, 10], dtype=torch.int32)), ValueError,
+                     "non-decreasing", id="not-monotone"),
+        pytest.param(dict(cu_seqlens_k=torch.tensor([1, 10, 30], dtype=torch.int32)), ValueError,
+                     "start at 0", id="not-from-0"),
+        pytest.param(dict(cu_seqlens_q=torch.tensor([0, 10, 31], dtype=torch.int32)), ValueError,
+                     "past the 30", id="past-end"),
+        pytest.param(dict(max_seqlen_q=19), ValueError, "max_seqlen_q is 19", id="max-too-small"),
+        pytest.param(dict(max_seqlen_k=-1), ValueError, "max_seqlen_k", id="max-negative"),
+        pytest.param(dict(cu_seqlens_q=good.view(1, -1)), ValueError, "1-D", id="2-d"),
+        pytest.param(dict(dropout_p=1.5), ValueError, "dropout_p", id="dropout"),
+        pytest.param(dict(alibi_slopes=torch.rand(3, 4)), ValueError, "alibi_slopes", id="alibi-batch"),
+        pytest.param(dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError,
+                     "block_table", id="block-table"),
+    ]
+
+
+@pytest.mark.parametrize("overrides,exc,message", _bad_offsets())
+def test_bad_offsets_are_named(overrides, exc, message):
+    q = torch.randn(30, 4, 16, dtype=F16)
+    k = torch.randn(30, 2, 16, dtype=F16)
+    args = dict(q=q, k=k, v=k, cu_seqlens_q=offsets([10, 20]), cu_seqlens_k=offsets([10, 20]),
+                max_seqlen_q=20, max_seqlen_k=20)
+    args.update(overrides)
+    with pytest.raises(exc, match=message):
+        flashtile.flash_attn_varlen_func(**args)
+
+
+def test_varlen_compiles_and_passes_opcheck():
+    cu = offsets([12, 20])
+    q, k, v = (torch.randn(32, 4, 16, dtype=F16) for _ in range(3))
+    torch.library.opcheck(torch.ops.flashtile.attn_fwd.default,
+                          (q.requires_grad_(True), k, v, 0.25, -1, 0, True, 0.0, None, cu, cu, 20, 20),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    def fn(q, k, v):
+        return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 20, 20, causal=True)
+
+    q = q.detach()
+    assert torch.equal(torch.compile(fn, fullgraph=True)(q, k, v), fn(q, k, v))
