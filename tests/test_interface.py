@@ -88,14 +88,6 @@ def test_sdpa_refuses_what_it_cannot_honour():
         flashtile.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="enable_gqa"):
         flashtile.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashtile.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-
-
-def test_dropout_not_yet():
-    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, F16)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
 
 
 def _bad_inputs():

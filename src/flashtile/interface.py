@@ -112,25 +112,43 @@ def _check_alibi(alibi_slopes, batch: int, heads: int, device: torch.device):
     return alibi_slopes.contiguous()
 
 
-def _check_dropout(dropout_p) -> None:
+def _check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("flashtile: dropout_p > 0 is not implemented yet (training issue)")
+    return float(dropout_p)
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, names=("q", "k", "v")):
     _check_attention_inputs(q, k, v, names)
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi)
-    return (out, lse, None) if return_attn_probs else out
+    seed = ops.new_dropout_seed(dropout_p, q.device)
+    out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, None, None, 0, 0,
+                           dropout_p, seed)
+    if not return_attn_probs:
+        return out
+    s_dmask = None
+    if seed is not None:
+        s_dmask = _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, alibi)
+    return out, lse, s_dmask
+
+
+def _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, alibi):
+    """flash_attn's S_dmask: the probabilities (B, H, Sq, Sk), negated where dropout dropped them.
+    Materialized for testing and inspection; it costs the full score matrix."""
+    from .kernels.dropout import dropout_mask
+    from .reference import probabilities
+
+    probs = probabilities(q.detach(), k.detach(), softmax_scale=scale, window_size=(left, right),
+                          softcap=softcap, alibi_slopes=alibi)
+    keep = dropout_mask(seed, q.shape[0], q.shape[2], q.shape[1], k.shape[1], dropout_p)
+    return torch.where(keep, probs, -probs).to(q.dtype)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -231,14 +249,18 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q.device)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
+    if dropout_p > 0 and return_attn_probs:
+        raise NotImplementedError("flashtile: return_attn_probs with dropout is only available in "
+                                  "flash_attn_func, not in the varlen functions")
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
-                           cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                           ops.new_dropout_seed(dropout_p, q.device))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -298,7 +320,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         raise NotImplementedError("flashtile.scaled_dot_product_attention does not take attn_mask; "
                                   "use is_causal=True, or flash_attn_func with window_size/alibi_slopes")
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
@@ -319,6 +341,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     _check_attention_inputs(q, k, v, names=("query", "key", "value"))
     softmax_scale = _check_scale(scale, q.shape[-1], name="scale")
     right = 0 if is_causal else -1
-    out, _ = ops.forward(q, k, v, softmax_scale, -1, right, False, 0.0, None)
+    out, _ = ops.forward(q, k, v, softmax_scale, -1, right, False, 0.0, None, None, None, 0, 0,
+                         dropout_p, ops.new_dropout_seed(dropout_p, q.device))
     out = out.transpose(1, 2)
     return out.squeeze(0) if unbatched else out

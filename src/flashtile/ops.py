@@ -14,9 +14,17 @@ from .kernels.backward import attention_backward
 from .kernels.forward import attention_forward
 
 
+def new_dropout_seed(dropout_p: float, device: torch.device):
+    """A Philox seed for one call from torch's default generator of the device (so torch.manual_seed
+    reproduces a run), kept on the device: no host sync, and CUDA graphs replay a fresh draw."""
+    if dropout_p <= 0:
+        return None
+    return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+
+
 def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
             softcap: float, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
-            max_seqlen_k: int = 0):
+            max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None):
     """The forward as the public functions call it.
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
@@ -24,7 +32,7 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
     that require grad, the registered op runs instead.
     """
     args = (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed)
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return attn_fwd(*args)
@@ -32,12 +40,14 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-                   alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                   alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   dropout_seed):
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                              window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                              alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q)
+                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                             dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -45,15 +55,18 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
              window_left: int, window_right: int, bottom_right: bool, softcap: float,
              alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor] = None,
              cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-             max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             max_seqlen_k: int = 0, dropout_p: float = 0.0,
+             dropout_seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on validated tensors; returns (out, lse)."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
-                          alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                          alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          dropout_p, dropout_seed)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
+      dropout_seed=None):
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
@@ -69,39 +82,42 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              window_right: int, bottom_right: bool, softcap: float,
              alibi_slopes: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
              cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-             max_seqlen_q: int = 0,
-             max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0, dropout_p: float = 0.0,
+             dropout_seed: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, from the saved output and LSE."""
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                               window_left=window_left, window_right=window_right,
                               diag_offset=diag_offset, softcap=softcap, alibi_slopes=alibi_slopes,
                               dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                              dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, softcap,
-      alibi_slopes, dlse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+      alibi_slopes, dlse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+      dropout_p=0.0, dropout_seed=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_fwd_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) = inputs
+     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed)
     ctx.params = (softmax_scale, window_left, window_right, bottom_right, softcap)
-    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.extra = (max_seqlen_q, max_seqlen_k, dropout_p)
 
 
 def _attn_fwd_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
-                          cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+                          cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed)
+    return (dq, dk, dv) + (None,) * 12
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

@@ -40,8 +40,9 @@ def visible_keys(rows: torch.Tensor, seqlen_q: int, seqlen_k: int, *, causal: bo
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
               causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               alibi_slopes: torch.Tensor | None = None, bottom_right: bool = True,
-              query_rows: torch.Tensor | None = None,
-              chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              query_rows: torch.Tensor | None = None, chunk_rows: int | None = None,
+              dropout_p: float = 0.0,
+              dropout_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over (batch, seqlen, heads, head_dim) tensors; returns (out, lse).
 
     ``out`` has q's layout and dtype; ``lse`` is float32 (or float64 for float64 inputs) of shape
@@ -50,6 +51,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
     float64 reference at long sequence lengths costs only the rows a check samples. Rows are computed
     in chunks that bound the score matrix held at once, unless ``chunk_rows`` says how many (pass the
     sequence length for the one-shot textbook computation that a benchmark times).
+    ``dropout_mask`` (bool, (batch, heads, seqlen_q, seqlen_k)) keeps probabilities, scaled by
+    1 / (1 - dropout_p); the LSE is that of the undropped softmax.
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -67,6 +70,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
         slopes = slopes.view(batch, heads, 1, 1)
     diag = (seqlen_k - seqlen_q) if bottom_right else 0
 
+    if rows.numel() == 0:
+        return (q.new_empty(batch, 0, heads, head_dim),
+                torch.empty(batch, heads, 0, dtype=stat_dtype, device=q.device))
     chunk = chunk_rows or max(1, _CHUNK_ELEMENTS // max(1, batch * heads * seqlen_k))
     outs, lses = [], []
     for start in range(0, rows.numel(), chunk):
@@ -83,7 +89,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
         scores = scores.to(stat_dtype).masked_fill(~keep, -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
         seen = keep.any(dim=-1).view(1, 1, -1, 1)
-        probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
+        if dropout_mask is not None:
+            probs = probs * dropout_mask[:, :, r].to(probs.dtype) / (1.0 - dropout_p)
+        probs = probs.to(q.dtype)
         outs.append(torch.matmul(probs, vt).transpose(1, 2))
         lses.append(lse.masked_fill(~seen.view(1, 1, -1), math.inf))
     return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
+
+
+def probabilities(q: torch.Tensor, k: torch.Tensor, *, softmax_scale: float | None = None,
+                  causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None, bottom_right: bool = True) -> torch.Tensor:
+    """The softmax probabilities (batch, heads, seqlen_q, seqlen_k) in float32, masks and all; rows
+    that see no key are 0."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    kt = k.transpose(1, 2).repeat_interleave(heads // heads_k, dim=1).float()
+    scores = torch.matmul(q.transpose(1, 2).float(), kt.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows = torch.arange(seqlen_q, device=q.device)
+    if alibi_slopes is not None:
+        diag = (seqlen_k - seqlen_q) if bottom_right else 0
+        dist = (rows.view(-1, 1) + diag - torch.arange(seqlen_k, device=q.device).view(1, -1)).abs()
+        slopes = alibi_slopes.float().expand(batch, heads) if alibi_slopes.dim() == 1 else alibi_slopes.float()
+        scores = scores - slopes.view(batch, heads, 1, 1) * dist
+    keep = visible_keys(rows, seqlen_q, seqlen_k, causal=causal, window_size=window_size,
+                        bottom_right=bottom_right)
+    scores = scores.masked_fill(~keep, -math.inf)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import key_blocks, load_tile, query_blocks, sequence_span, tanh, visible
+from .common import (dropout_keep, dropout_seed, key_blocks, load_tile, query_blocks,
+                     sequence_span, tanh, visible)
 from .forward import LOG2E, _arch, head_dim_padded, interpreting
 
 
@@ -99,9 +100,11 @@ def _scores_log2(qk, rows_pos, cols, seqlen_k, window_left, window_right, qk_sca
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
                          offs_m, offs_d, cols, blk_lo, blk_hi, seqlen_q, seqlen_k, diag_offset,
                          window_left, window_right, qk_scale, softcap_in, alibi_slope,
+                         rng_seed, dropout_p,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                         DROPOUT: tl.constexpr):
     """Accumulate dK, dV (key block x head dim) over query blocks [blk_lo, blk_hi) of one head.
 
     Tiles are transposed (keys x queries) so P^T and dS^T come out ready for the two products.
@@ -126,8 +129,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, st
                                 window_left, window_right, qk_scale, softcap_in, alibi_slope,
                                 MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
         p_t = tl.exp2(s_t - lse[None, :])
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
+        if DROPOUT:  # the forward's draw: dropped entries reach neither dV nor dP
+            keep_t = dropout_keep(rng_seed, rows[None, :] * seqlen_k, cols[:, None], dropout_p)
+            scale_keep = 1.0 / (1.0 - dropout_p)
+            dv = tl.dot((tl.where(keep_t, p_t, 0.0) * scale_keep).to(do.dtype), do, dv)
+            dp_t = tl.where(keep_t, dp_t, 0.0) * scale_keep
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
@@ -136,17 +145,18 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, st
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqlensK,
+def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                    stride_lb, stride_lh, stride_ab,
                    seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
-                   qk_scale, softcap_in, softmax_scale,
+                   qk_scale, softcap_in, softmax_scale, dropout_p,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr):
+                   ALIBI: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
+                   DROPOUT: tl.constexpr):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -184,23 +194,26 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqle
         alibi_slope = 0.0
         if ALIBI:
             alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+        rng_seed = 0
+        if DROPOUT:
+            rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1) * group_size)
         if HAS_RIGHT:  # rows at the causal diagonal / right window edge
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
                 offs_d, cols, blk_lo, full_blk_lo, seqlen_q, seqlen_k, diag_offset, window_left,
-                window_right, qk_scale, softcap_in, alibi_slope, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-                True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST)
+                window_right, qk_scale, softcap_in, alibi_slope, rng_seed, dropout_p, BLOCK_M,
+                HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
             offs_d, cols, full_blk_lo, full_blk_hi, seqlen_q, seqlen_k, diag_offset, window_left,
-            window_right, qk_scale, softcap_in, alibi_slope, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-            False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST)
+            window_right, qk_scale, softcap_in, alibi_slope, rng_seed, dropout_p, BLOCK_M,
+            HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
         # Left window edge, the ragged end of the queries, ragged key blocks.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
             offs_d, cols, full_blk_hi, blk_hi, seqlen_q, seqlen_k, diag_offset, window_left,
-            window_right, qk_scale, softcap_in, alibi_slope, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
-            True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST)
+            window_right, qk_scale, softcap_in, alibi_slope, rng_seed, dropout_p, BLOCK_M,
+            HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
 
     dk = dk * softmax_scale
     tl.store(dK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -214,10 +227,11 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqle
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos,
                        offs_n, offs_d, blk_lo, blk_hi, seqlen_k, window_left, window_right,
-                       qk_scale, softcap_in, alibi_slope,
+                       qk_scale, softcap_in, alibi_slope, rng_seed, rng_rows, dropout_p,
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+                       DROPOUT: tl.constexpr):
     """Accumulate dQ (query block x head dim) over key blocks [blk_lo, blk_hi)."""
     start = blk_lo * BLOCK_N
     k_ptrs += start.to(tl.int64) * stride_ks
@@ -234,6 +248,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_
                             HAS_RIGHT, SOFTCAP, ALIBI)
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
+            dp = tl.where(keep, dp, 0.0) * (1.0 / (1.0 - dropout_p))
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -244,17 +261,17 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK,
+def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                  stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
                  seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
-                 qk_scale, softcap_in, softmax_scale,
+                 qk_scale, softcap_in, softmax_scale, dropout_p,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
-                 VARLEN: tl.constexpr):
+                 VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -286,6 +303,10 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK,
     alibi_slope = 0.0
     if ALIBI:
         alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+    rng_seed = 0
+    if DROPOUT:
+        rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1))
+    rng_rows = offs_m * seqlen_k
 
     k_ptrs = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
               + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :])
@@ -300,18 +321,18 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK,
         dq = _attn_bwd_dq_inner(
             dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-            UPCAST)
+            alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-        UPCAST)
+        alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-        UPCAST)
+        alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
     dq = dq * softmax_scale
     tl.store(dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
              + rows * stride_dqs + offs_d[None, :],
@@ -325,7 +346,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        config: BackwardConfig | None = None,
                        cu_seqlens_q: torch.Tensor | None = None,
                        cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
-                       max_seqlen_k: int = 0):
+                       max_seqlen_k: int = 0, dropout_p: float = 0.0,
+                       dropout_seed: torch.Tensor | None = None):
     """Gradients (dq, dk, dv) of attention_forward's output (and LSE, if ``dlse``); same arguments
     and layouts as the forward, packed sequences included. Returns contiguous tensors in the inputs'
     dtypes."""
@@ -355,7 +377,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     else:
         _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                          softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
-                         config, upcast, cu_seqlens_q, cu_seqlens_k)
+                         config, upcast, cu_seqlens_q, cu_seqlens_k,
+                         dropout_p if dropout_seed is not None else 0.0, dropout_seed)
         grads = (dq, dk, dv)
     if varlen:
         grads = tuple(g[0] for g in grads)
@@ -364,7 +387,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                      softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
-                     config, upcast, cu_seqlens_q, cu_seqlens_k):
+                     config, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed):
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -378,12 +401,12 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
     delta = torch.empty_like(lse)
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 UPCAST=upcast, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = (
         (0, *t.stride()[1:]) if varlen else t.stride() for t in (q, k, v, dout, out, lse, dq, dk, dv))
     window = (max(window_left, 0), max(window_right, 0))
     common = (seqlen_q, seqlen_k, heads // heads_k, diag_offset, *window, qk_scale, softcap_in,
-              softmax_scale)
+              softmax_scale, dropout_p)
 
     pre_block = 64
     _attn_bwd_preprocess[(-(-rows_q // pre_block), heads, batch)](
@@ -391,12 +414,12 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
         sl[1], seqlen_q, BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         HAS_DLSE=dlse is not None, VARLEN=varlen)
     _attn_bwd_dkdv[(-(-rows_k // cfg.dkdv_block_n), heads_k, batch)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
         *sdk[:3], *sdv[:3], sl[0], sl[1], alibi_stride_b, *common,
         BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **flags)
     _attn_bwd_dq[(-(-rows_q // cfg.dq_block_m), heads, batch)](
-        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
         *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=window_right >= 0, **flags)

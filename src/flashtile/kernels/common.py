@@ -114,3 +114,16 @@ def sequence_span(Cu, batch, total, VARLEN: tl.constexpr):
         return start, end - start
     else:
         return total * 0, total  # a tensor zero, so callers can widen it like the varlen start
+
+
+@triton.jit
+def dropout_keep(seed, row_offsets, cols, dropout_p):
+    """Which probabilities dropout keeps: Philox from (seed, row * seqlen_k + key), so the forward,
+    the backward and ``dropout_mask`` regenerate the same draw for the same (seed, row, key)."""
+    return tl.rand(seed, row_offsets + cols) >= dropout_p
+
+
+@triton.jit
+def dropout_seed(Seed, batch, head, num_heads):
+    """One Philox key per (batch, head), from the seed drawn with torch's generator for this call."""
+    return tl.load(Seed) + (batch * num_heads + head)

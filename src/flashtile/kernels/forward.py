@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
-from .common import key_blocks, load_tile, sequence_span, tanh, visible
+from .common import dropout_keep, dropout_seed, key_blocks, load_tile, sequence_span, tanh, visible
 
 LOG2E = 1.4426950408889634
 
@@ -85,10 +85,11 @@ def pick_config(head_dim: int, device: torch.device) -> TileConfig:
 def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
+                    rng_seed, rng_rows, dropout_p,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                    USE_TMA: tl.constexpr):
+                    USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
 
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
@@ -125,6 +126,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        if DROPOUT:  # the normalizer keeps every probability; only the product with V drops some
+            keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
+            p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if not USE_TMA:
@@ -134,19 +138,19 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
+def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
               stride_qb, stride_qs, stride_qh,
               stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh,
               stride_ob, stride_os, stride_oh,
               stride_lb, stride_lh, stride_ab,
               seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
-              qk_scale, softcap_in,
+              qk_scale, softcap_in, dropout_p,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
-              USE_TMA: tl.constexpr, VARLEN: tl.constexpr):
+              USE_TMA: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -196,6 +200,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
     alibi_slope = 0.0
     if ALIBI:
         alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+    rng_seed = 0
+    if DROPOUT:
+        rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1))
+    rng_rows = offs_m * seqlen_k
 
     # Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1
     # and p = exp2(-inf - floor) = 0 instead of NaN from (-inf) - (-inf).
@@ -207,24 +215,27 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            ALIBI, UPCAST, USE_TMA)
+            alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        ALIBI, UPCAST, USE_TMA)
+        alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-        alibi_slope, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        ALIBI, UPCAST, USE_TMA)
+        alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT)
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = acc * (1.0 / l_safe)[:, None]  # acc is 0 on unseen rows
+    inv_l = 1.0 / l_safe
+    if DROPOUT:  # kept probabilities are scaled by 1 / (1 - p)
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]  # acc is 0 on unseen rows
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
 
     o_ptrs = (Out + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os
@@ -277,7 +288,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       alibi_slopes: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       lse: torch.Tensor | None = None, config: TileConfig | None = None,
                       cu_seqlens_q: torch.Tensor | None = None,
-                      cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0):
+                      cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
+                      dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -287,6 +299,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     Packed sequences: with ``cu_seqlens_q``/``cu_seqlens_k`` (int32, B + 1 offsets) q is
     (total_q, H, D), k/v (total_k, Hk, D), every sequence is aligned bottom-right on its own
     (``diag_offset`` is ignored), and out is (total_q, H, D), lse (H, total_q).
+
+    Dropout: ``dropout_p`` > 0 with ``dropout_seed`` (int64, one element, on the device) drops
+    probabilities from the product with V by a Philox draw that the backward regenerates.
     """
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -334,7 +349,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes,
                             alibi_stride_b, seqlen_q, seqlen_k, heads // heads_k, diag_offset,
                             window_left, window_right, qk_scale, softcap_in, head_dim, softcap > 0,
-                            upcast, use_tma, cu_seqlens_q, cu_seqlens_k)
+                            upcast, use_tma, cu_seqlens_q, cu_seqlens_k,
+                            dropout_p if dropout_seed is not None else 0.0, dropout_seed)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -346,17 +362,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,
                     seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
                     qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
-                    cu_seqlens_k):
+                    cu_seqlens_k, dropout_p, dropout_seed):
     ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _),
      (slb, slh, _)) = strides
     _attn_fwd[grid](
-        q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, alibi_stride_b,
         seqlen_q, seqlen_k, group_size, diag_offset,
-        max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
+        max(window_left, 0), max(window_right, 0), qk_scale, softcap_in, dropout_p,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0, SOFTCAP=has_softcap, ALIBI=alibi_slopes is not None,
         LONGEST_FIRST=window_right >= 0, UPCAST=upcast, USE_TMA=use_tma,
-        VARLEN=cu_seqlens_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=cu_seqlens_q is not None, DROPOUT=dropout_p > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

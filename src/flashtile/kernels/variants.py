@@ -15,7 +15,7 @@ from .forward import config_for_arch, head_dim_padded
 
 _DTYPE_NAMES = {"fp16": "*fp16", "bf16": "*bf16"}
 _FP32_POINTERS = ("Lse", "Alibi", "Delta", "dLse")
-_FLOATS = ("qk_scale", "softcap_in", "softmax_scale")
+_FLOATS = ("qk_scale", "softcap_in", "softmax_scale", "dropout_p")
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,13 @@ class Variant:
     tma: bool = False
     kind: str = "fwd"
     varlen: bool = False
+    dropout: bool = False
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("left", self.has_left), ("right", self.has_right),
                                  ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma),
-                                 ("varlen", self.varlen)) if on]
+                                 ("varlen", self.varlen), ("dropout", self.dropout)) if on]
         return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
@@ -63,7 +64,8 @@ def forward_variants() -> list[Variant]:
                 Variant(d, "bf16", has_right=True, alibi=True, tma=True),
                 Variant(d, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, tma=True)]
         out += [Variant(d, "bf16", has_right=True, tma=True, varlen=True),
-                Variant(d, "fp16", varlen=True)]
+                Variant(d, "fp16", varlen=True),
+                Variant(d, "bf16", has_right=True, tma=True, dropout=True)]
     return out
 
 
@@ -103,6 +105,12 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
+        elif name == "DropoutSeed":
+            if variant.dropout:
+                signature[name] = "*i64"
+            else:
+                signature[name] = "constexpr"
+                constexprs[name] = None
         elif name == "dLse":
             signature[name] = "constexpr"  # the common case: no gradient on the LSE
             constexprs[name] = None
@@ -129,7 +137,7 @@ def _flags(variant: Variant) -> dict:
     return {"HEAD_DIM": variant.head_dim, "HEAD_DIM_PAD": head_dim_padded(variant.head_dim),
             "HAS_LEFT": variant.has_left, "HAS_RIGHT": variant.has_right,
             "SOFTCAP": variant.softcap, "ALIBI": variant.alibi, "UPCAST": False,
-            "VARLEN": variant.varlen}
+            "VARLEN": variant.varlen, "DROPOUT": variant.dropout}
 
 
 def compile_forward(variant: Variant, arch: int):
