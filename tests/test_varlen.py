@@ -89,8 +89,6 @@ def _bad_offsets():
         pytest.param(dict(cu_seqlens_q=good.view(1, -1)), ValueError, "1-D", id="2-d"),
         pytest.param(dict(dropout_p=1.5), ValueError, "dropout_p", id="dropout"),
         pytest.param(dict(alibi_slopes=torch.rand(3, 4)), ValueError, "alibi_slopes", id="alibi-batch"),
-        pytest.param(dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError,
-                     "block_table", id="block-table"),
     ]
 
 
@@ -117,3 +115,63 @@ def test_varlen_compiles_and_passes_opcheck():
 
     q = q.detach()
     assert torch.equal(torch.compile(fn, fullgraph=True)(q, k, v), fn(q, k, v))
+
+
+def paged_copy(k, v, cu_k, page_size, spare_pages=3):
+    """The same keys in a page pool with scattered pages, and the block table that finds them."""
+    lengths = (cu_k[1:] - cu_k[:-1]).tolist()
+    pages_per_seq = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per_seq) + spare_pages
+    order = torch.randperm(num_pages).tolist()
+    k_pool = torch.randn(num_pages, page_size, *k.shape[1:], dtype=k.dtype)  # unused slots: noise
+    v_pool = torch.randn_like(k_pool)
+    table = torch.zeros(len(lengths), max(max(pages_per_seq), 1), dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        for j in range(pages_per_seq[b]):
+            page = order.pop()
+            table[b, j] = page
+            rows = slice(int(cu_k[b]) + j * page_size, int(cu_k[b]) + min((j + 1) * page_size, n))
+            used = rows.stop - rows.start
+            k_pool[page, :used], v_pool[page, :used] = k[rows], v[rows]
+    return k_pool, v_pool, table
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(10, 5), softcap=4.0)], ids=["causal", "window"])
+def test_paged_kv_matches_contiguous(page_size, kw):
+    lengths_q, lengths_k = [3, 40, 1, 0], [70, 40, 300, 5]
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    q = torch.randn(sum(lengths_q), 6, 64, dtype=BF16)
+    k, v = torch.randn(sum(lengths_k), 2, 64, dtype=BF16), torch.randn(sum(lengths_k), 2, 64, dtype=BF16)
+    expected, expected_lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 300,
+                                                                 return_attn_probs=True, **kw)
+    k_pool, v_pool, table = paged_copy(k, v, cu_k, page_size)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 40, 300, block_table=table,
+                                                   return_attn_probs=True, **kw)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
+def _bad_pages():
+    return [
+        pytest.param(lambda t: t.long(), TypeError, "block_table must be int32", id="int64"),
+        pytest.param(lambda t: t[:1], ValueError, "block_table must have shape", id="rows"),
+        pytest.param(lambda t: t + 100, ValueError, "block_table entries must be in", id="out-of-range"),
+        pytest.param(lambda t: t[:, :1], ValueError, "holds only", id="capacity"),
+    ]
+
+
+@pytest.mark.parametrize("mutate,exc,message", _bad_pages())
+def test_bad_block_table_is_named(mutate, exc, message):
+    cu = offsets([20, 30])
+    q, k, v = torch.randn(50, 4, 16, dtype=F16), torch.randn(50, 2, 16, dtype=F16), torch.randn(50, 2, 16, dtype=F16)
+    k_pool, v_pool, table = paged_copy(k, v, cu, 8)
+    with pytest.raises(exc, match=message):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 30, 30, block_table=mutate(table))
+
+
+def test_paged_refuses_gradients():
+    cu = offsets([10])
+    q = torch.randn(10, 2, 16, dtype=F16, requires_grad=True)
+    k_pool, v_pool, table = paged_copy(torch.randn(10, 2, 16, dtype=F16), torch.randn(10, 2, 16, dtype=F16), cu, 4)
+    with pytest.raises(NotImplementedError, match="paged"):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 10, 10, block_table=table)

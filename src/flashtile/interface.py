@@ -230,22 +230,63 @@ def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, m
             raise ValueError(f"{name} must start at 0, got {first}")
         if low < 0:
             raise ValueError(f"{name} must be non-decreasing (a sequence length is {low})")
-        if end > total:
+        if total is not None and end > total:
             raise ValueError(f"{name} ends at {end}, past the {total} packed tokens")
         if high > max_value:
             raise ValueError(f"{max_name} is {max_value} but a sequence has {high} tokens")
 
 
+def _check_block_table(block_table, k, v, batch: int, device: torch.device):
+    """Paged KV: k/v are page pools (num_pages, page_size, Hk, D), block_table (B, pages) int32."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape ({batch}, max_pages_per_sequence), "
+                         f"got {tuple(block_table.shape)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must have a contiguous last dimension")
+    for t, n in ((k, "k"), (v, "v")):
+        _check_tensor(t, n, 4)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v page pools must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[1] < 1:
+        raise ValueError(f"page size (k.shape[1]) must be >= 1, got {k.shape[1]}")
+
+
+def _check_pages(block_table, num_pages: int, capacity: int, max_seqlen_k: int):
+    if torch.compiler.is_compiling() or (block_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return  # no sync possible; the kernel clamps page numbers into the pool
+    if max_seqlen_k > capacity:
+        raise ValueError(f"max_seqlen_k is {max_seqlen_k} but block_table holds only {capacity} keys "
+                         "per sequence")
+    if block_table.numel():
+        low, high = torch.stack([block_table.min(), block_table.max()]).tolist()
+        if low < 0 or high >= num_pages:
+            raise ValueError(f"block_table entries must be in [0, {num_pages}), got [{low}, {high}]")
+
+
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, names=("q", "k", "v")):
-    if block_table is not None:
-        raise NotImplementedError("flashtile: block_table (paged KV) in flash_attn_varlen_func is not "
-                                  "implemented yet")
-    for t, n in zip((q, k, v), names):
-        _check_tensor(t, n, 3)
-    _check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    _check_tensor(q, names[0], 3)
     batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    if block_table is None:
+        for t, n in zip((k, v), names[1:]):
+            _check_tensor(t, n, 3)
+        _check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+        total_k = k.shape[0]
+    else:
+        _check_block_table(block_table, k, v, batch, q.device)
+        _check_attention_inputs(q.unsqueeze(0), k[:1], v[:1], names)  # one page stands for the pool
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table); "
+                                      "call it under torch.no_grad()")
+        total_k = None  # paged keys have no packed extent; _check_pages bounds the lengths
     _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q.device)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
@@ -257,10 +298,12 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
-    _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q, max_seqlen_k)
+    if block_table is not None:
+        _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           ops.new_dropout_seed(dropout_p, q.device))
+                           ops.new_dropout_seed(dropout_p, q.device), block_table)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -275,6 +318,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     own; ``max_seqlen_q``/``max_seqlen_k`` bound the lengths. Returns out (total_q, H, D), or with
     ``return_attn_probs`` (out, softmax_lse (H, total_q), None). Work is the sum of the sequences'
     own costs, not batch x the longest.
+
+    With ``block_table`` (B, max_pages) int32, k and v are page pools (num_pages, page_size, Hk, D)
+    with any page size: sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] slots
+    of pages block_table[b, 0], block_table[b, 1], ... (forward only).
     """
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

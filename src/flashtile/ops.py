@@ -24,7 +24,7 @@ def new_dropout_seed(dropout_p: float, device: torch.device):
 
 def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
             softcap: float, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
-            max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None):
+            max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None, block_table=None):
     """The forward as the public functions call it.
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
@@ -32,7 +32,8 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
     that require grad, the registered op runs instead.
     """
     args = (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed)
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+            block_table)
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return attn_fwd(*args)
@@ -41,13 +42,14 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                    alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   dropout_seed):
+                   dropout_seed, block_table):
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                              window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                              alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                             dropout_p=dropout_p, dropout_seed=dropout_seed)
+                             dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             block_table=block_table)
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -56,17 +58,18 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
              alibi_slopes: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor] = None,
              cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
              max_seqlen_k: int = 0, dropout_p: float = 0.0,
-             dropout_seed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             dropout_seed: Optional[torch.Tensor] = None,
+             block_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on validated tensors; returns (out, lse)."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                           alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dropout_p, dropout_seed)
+                          dropout_p, dropout_seed, block_table)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
-      dropout_seed=None):
+      dropout_seed=None, block_table=None):
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
@@ -104,7 +107,9 @@ def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_
 
 def _setup_fwd_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
-     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed) = inputs
+     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
+     block_table) = inputs
+    ctx.paged = block_table is not None
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed)
     ctx.params = (softmax_scale, window_left, window_right, bottom_right, softcap)
@@ -112,12 +117,14 @@ def _setup_fwd_context(ctx, inputs, output):
 
 
 def _attn_fwd_backward(ctx, grad_out, grad_lse):
+    if ctx.paged:
+        raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table)")
     q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
                           cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

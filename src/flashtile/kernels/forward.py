@@ -85,17 +85,20 @@ def pick_config(head_dim: int, device: torch.device) -> TileConfig:
 def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
-                    rng_seed, rng_rows, dropout_p,
+                    rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
+                    stride_kpage, stride_vpage,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                    USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
+                    USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, PAGED: tl.constexpr):
     """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
 
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
-    (batch, head), whose loads zero-fill past the keys and the head dim.
+    (batch, head), whose loads zero-fill past the keys and the head dim. PAGED: they point at one
+    head of the page pool, and each tile gathers its keys through the sequence's block table row
+    (any page size: every key looks up its own page).
     """
-    if not USE_TMA:
+    if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
         k_ptrs += start.to(tl.int64) * stride_kn
         v_ptrs += start.to(tl.int64) * stride_vn
@@ -103,7 +106,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        if PAGED:
+            if MASKED:
+                page = tl.load(block_table_row + cols // page_size, mask=cols < seqlen_k, other=0)
+            else:
+                page = tl.load(block_table_row + cols // page_size)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never out of the pool
+            slot = cols % page_size
+            k = load_tile(k_ptrs + (page * stride_kpage + slot * stride_kn)[:, None], blk, kv_ok,
+                          MASKED, BLOCK_N, D_MASK, UPCAST, False)
+        else:
+            k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         # s * s_scale is the score in log2 units; the plain path leaves the scale to one FMA
         # inside the exponential below.
@@ -125,32 +138,37 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         p = tl.exp2(s * s_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        if PAGED:
+            v = load_tile(v_ptrs + (page * stride_vpage + slot * stride_vn)[:, None], blk, kv_ok,
+                          MASKED, BLOCK_N, D_MASK, UPCAST, False)
+        else:
+            v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         if DROPOUT:  # the normalizer keeps every probability; only the product with V drops some
             keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-        if not USE_TMA:
+        if not USE_TMA and not PAGED:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
+def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, BlockTable,
               stride_qb, stride_qs, stride_qh,
               stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh,
               stride_ob, stride_os, stride_oh,
               stride_lb, stride_lh, stride_ab,
               seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
-              qk_scale, softcap_in, dropout_p,
+              qk_scale, softcap_in, dropout_p, stride_btb, block_table_width, page_size, num_pages,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
-              USE_TMA: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+              USE_TMA: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+              PAGED: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -162,6 +180,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
     # offset; a program past its sequence's end loads nothing and stores nothing.
     q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, seqlen_q, VARLEN)
     k_start, seqlen_k = sequence_span(CuSeqlensK, batch, seqlen_k, VARLEN)
+    block_table_row = BlockTable
+    if PAGED:  # K/V live in a page pool (num_pages, page_size, Hk, D): stride_kb walks pages
+        seqlen_k = tl.minimum(seqlen_k, block_table_width * page_size)
+        k_start = k_start * 0
+        block_table_row = BlockTable + batch.to(tl.int64) * stride_btb
     if VARLEN:
         diag_offset = seqlen_k - seqlen_q
 
@@ -176,12 +199,16 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
 
     q_base = (Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs
               + head.to(tl.int64) * stride_qh)
-    k_base = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
-              + kv_head.to(tl.int64) * stride_kh)
-    v_base = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
-              + kv_head.to(tl.int64) * stride_vh)
+    if PAGED:
+        k_base = K + kv_head.to(tl.int64) * stride_kh
+        v_base = V + kv_head.to(tl.int64) * stride_vh
+    else:
+        k_base = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
+                  + kv_head.to(tl.int64) * stride_kh)
+        v_base = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
+                  + kv_head.to(tl.int64) * stride_vh)
     q_ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    if USE_TMA:
+    if USE_TMA and not PAGED:
         q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qs, 1],
                                            [BLOCK_M, HEAD_DIM_PAD])
         k_src = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_ks, 1],
@@ -190,8 +217,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
                                           [BLOCK_N, HEAD_DIM_PAD])
         q = q_desc.load([m0, 0])
     else:
-        k_src = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
-        v_src = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+        if PAGED:  # rows are gathered per tile
+            k_src = k_base + offs_d[None, :]
+            v_src = v_base + offs_d[None, :]
+        else:
+            k_src = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+            v_src = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
         q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if UPCAST:
@@ -215,19 +246,22 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT)
+            alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
+            stride_kb, stride_vb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-        alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT)
+        alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
+        stride_kb, stride_vb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+        ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-        alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT)
+        alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
+        stride_kb, stride_vb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+        ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED)
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
@@ -289,7 +323,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       lse: torch.Tensor | None = None, config: TileConfig | None = None,
                       cu_seqlens_q: torch.Tensor | None = None,
                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
-                      dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None):
+                      dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+                      block_table: torch.Tensor | None = None):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -302,16 +337,24 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 
     Dropout: ``dropout_p`` > 0 with ``dropout_seed`` (int64, one element, on the device) drops
     probabilities from the product with V by a Philox draw that the backward regenerates.
+
+    Paged KV (with packed queries): k/v are page pools (num_pages, page_size, Hk, D), sequence b's
+    keys are its cu_seqlens_k length, found through ``block_table`` (B, max_pages) int32 rows.
     """
     varlen = cu_seqlens_q is not None
+    paged = block_table is not None
     if varlen:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        q = q.unsqueeze(0)
+        if not paged:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
         if out is not None:
             out = out.unsqueeze(0)
         if lse is not None:
             lse = lse.unsqueeze(0)
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if paged:  # lengths come from cu_seqlens_k; this only bounds their clamp
+        seqlen_k = block_table.shape[0] * block_table.shape[1] * k.shape[1]
     if out is None:
         out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
     if lse is None:
@@ -336,9 +379,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     upcast = interpreting() and q.dtype == torch.bfloat16
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
     strides = (q.stride(), k.stride(), v.stride(), out_buf.stride(), lse.stride())
-    use_tma = cfg.use_tma and _tma_eligible((q, k, v), strides[:3])
+    use_tma = cfg.use_tma and not paged and _tma_eligible((q, k, v), strides[:3])
     if varlen:  # one packed "batch": sequences are found through cu_seqlens, not a batch stride
-        strides = tuple((0, *st[1:]) for st in strides)
+        strides = tuple(st if paged and i in (1, 2) else (0, *st[1:]) for i, st in enumerate(strides))
     # Our allocator only for this launch: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not _INTERPRET else None
     grid = (-(-grid_rows // cfg.block_m), heads, batch)  # plain ints: triton.cdiv costs ~8 us here
@@ -350,7 +393,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                             alibi_stride_b, seqlen_q, seqlen_k, heads // heads_k, diag_offset,
                             window_left, window_right, qk_scale, softcap_in, head_dim, softcap > 0,
                             upcast, use_tma, cu_seqlens_q, cu_seqlens_k,
-                            dropout_p if dropout_seed is not None else 0.0, dropout_seed)
+                            dropout_p if dropout_seed is not None else 0.0, dropout_seed,
+                            block_table, k.shape[0] if paged else 1, k.shape[1] if paged else 1)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -362,17 +406,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,
                     seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
                     qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
-                    cu_seqlens_k, dropout_p, dropout_seed):
+                    cu_seqlens_k, dropout_p, dropout_seed, block_table, num_pages, page_size):
     ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _),
      (slb, slh, _)) = strides
     _attn_fwd[grid](
-        q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
+        q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed, block_table,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, alibi_stride_b,
         seqlen_q, seqlen_k, group_size, diag_offset,
         max(window_left, 0), max(window_right, 0), qk_scale, softcap_in, dropout_p,
+        block_table.stride(0) if block_table is not None else 0,
+        block_table.shape[1] if block_table is not None else 0, page_size, num_pages,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=window_left >= 0,
         HAS_RIGHT=window_right >= 0, SOFTCAP=has_softcap, ALIBI=alibi_slopes is not None,
         LONGEST_FIRST=window_right >= 0, UPCAST=upcast, USE_TMA=use_tma,
-        VARLEN=cu_seqlens_q is not None, DROPOUT=dropout_p > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=cu_seqlens_q is not None, DROPOUT=dropout_p > 0, PAGED=block_table is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -31,12 +31,14 @@ class Variant:
     kind: str = "fwd"
     varlen: bool = False
     dropout: bool = False
+    paged: bool = False
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("left", self.has_left), ("right", self.has_right),
                                  ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma),
-                                 ("varlen", self.varlen), ("dropout", self.dropout)) if on]
+                                 ("varlen", self.varlen), ("dropout", self.dropout),
+                                 ("paged", self.paged)) if on]
         return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
@@ -65,7 +67,8 @@ def forward_variants() -> list[Variant]:
                 Variant(d, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, tma=True)]
         out += [Variant(d, "bf16", has_right=True, tma=True, varlen=True),
                 Variant(d, "fp16", varlen=True),
-                Variant(d, "bf16", has_right=True, tma=True, dropout=True)]
+                Variant(d, "bf16", has_right=True, tma=True, dropout=True),
+                Variant(d, "bf16", has_right=True, varlen=True, paged=True)]
     return out
 
 
@@ -105,6 +108,12 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
+        elif name == "BlockTable":
+            if variant.paged:
+                signature[name] = "*i32"
+            else:
+                signature[name] = "constexpr"
+                constexprs[name] = None
         elif name == "DropoutSeed":
             if variant.dropout:
                 signature[name] = "*i64"
@@ -137,7 +146,7 @@ def _flags(variant: Variant) -> dict:
     return {"HEAD_DIM": variant.head_dim, "HEAD_DIM_PAD": head_dim_padded(variant.head_dim),
             "HAS_LEFT": variant.has_left, "HAS_RIGHT": variant.has_right,
             "SOFTCAP": variant.softcap, "ALIBI": variant.alibi, "UPCAST": False,
-            "VARLEN": variant.varlen, "DROPOUT": variant.dropout}
+            "VARLEN": variant.varlen, "DROPOUT": variant.dropout, "PAGED": variant.paged}
 
 
 def compile_forward(variant: Variant, arch: int):
