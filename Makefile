@@ -7,7 +7,7 @@ VENV ?= .venv
 PYTHON ?= $(VENV)/bin/python
 PINS = torch==2.13.0 triton==3.6.0 "numpy<2.4"
 
-.PHONY: bench bench-full test clean
+.PHONY: bench bench-full bench-train test clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,9 @@ bench: $(if $(VENV),$(VENV)/.installed)
 
 bench-full: $(if $(VENV),$(VENV)/.installed)
 	$(PYTHON) -m flashtile bench prefill
+
+bench-train: $(if $(VENV),$(VENV)/.installed)
+	$(PYTHON) -m flashtile bench train
 
 test: $(if $(VENV),$(VENV)/.installed)
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -n 2 -p no:logging tests

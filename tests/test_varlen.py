@@ -175,3 +175,12 @@ def test_paged_refuses_gradients():
     k_pool, v_pool, table = paged_copy(torch.randn(10, 2, 16, dtype=F16), torch.randn(10, 2, 16, dtype=F16), cu, 4)
     with pytest.raises(NotImplementedError, match="paged"):
         flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 10, 10, block_table=table)
+
+
+def test_offsets_checked_once_per_tensor_version():
+    cu = offsets([10, 20])
+    q, k = torch.randn(30, 4, 16, dtype=F16), torch.randn(30, 2, 16, dtype=F16)
+    flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20)
+    cu[1] = 25  # an in-place change bumps the version: checked again, and refused
+    with pytest.raises(ValueError, match="max_seqlen_q is 20 but a sequence has 25"):
+        flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20)

@@ -7,6 +7,7 @@ the custom ops in ``flashtile.ops``. Layout is (batch, seqlen, heads, head_dim),
 from __future__ import annotations
 
 import math
+import weakref
 from numbers import Real
 
 import torch
@@ -213,10 +214,20 @@ def _check_max_seqlen(value, name: str) -> int:
     return value
 
 
+# Offsets already checked, by id of cu_seqlens_q: every layer of a model reuses the same tensors, so
+# the device-to-host copy (which stalls the CPU until the GPU catches up) happens once per batch.
+_checked_offsets: dict[int, tuple] = {}
+
+
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
-    """The offsets' values, with one device-to-host copy; skipped where a sync is impossible (CUDA
-    graph capture, torch.compile), where the kernels' clamping still keeps every access in bounds."""
+    """The offsets' values, with one device-to-host copy per new pair of offset tensors; skipped where
+    a sync is impossible (CUDA graph capture, torch.compile), where the kernels' clamping still keeps
+    every access in bounds."""
     if torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    key = (cu_seqlens_q._version, id(cu_seqlens_k), cu_seqlens_k._version, total_q, total_k,
+           max_seqlen_q, max_seqlen_k)
+    if _checked_offsets.get(id(cu_seqlens_q)) == key:
         return
     stats = []
     for cu in (cu_seqlens_q, cu_seqlens_k):
@@ -234,6 +245,9 @@ def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, m
             raise ValueError(f"{name} ends at {end}, past the {total} packed tokens")
         if high > max_value:
             raise ValueError(f"{max_name} is {max_value} but a sequence has {high} tokens")
+    if id(cu_seqlens_q) not in _checked_offsets:
+        weakref.finalize(cu_seqlens_q, _checked_offsets.pop, id(cu_seqlens_q), None)
+    _checked_offsets[id(cu_seqlens_q)] = key
 
 
 def _check_block_table(block_table, k, v, batch: int, device: torch.device):

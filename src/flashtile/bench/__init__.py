@@ -10,4 +10,6 @@ from __future__ import annotations
 COMMANDS = {
     "prefill": "forward (prefill) throughput: FlashAttention-2 paper sweep and the seed model's shape, "
                "against SDPA's flash and cuDNN backends and textbook attention",
+    "train": "forward + backward (training) throughput: the prefill sweep and packed variable-length "
+             "sequences, against SDPA's flash and cuDNN backends; backward correctness check first",
 }

@@ -241,3 +241,268 @@ def run_check(device: torch.device, cases: list[Case] | None = None,
 
 def all_passed(results: list[dict]) -> bool:
     return all(r["passed"] for r in results)
+
+
+# ----------------------------------------------------------------------------------------- backward
+#
+# Gradients against the float64 textbook, through torch autograd. Unlike the forward check, no rows can
+# be sampled (every query row contributes to dK and dV), so the GPU sizes are bounded by what the float64
+# autograd graph holds: about GRAD_REF_BYTES_PER_SCORE bytes per score element at its peak.
+
+GRAD_BUDGET_FACTOR = 3.0
+GRAD_FLOOR_ULPS = 1 / 16  # of eps(dtype) x max|exact gradient|: single-key rows have exact dQ = 0
+GRAD_REF_BYTES_PER_SCORE = 64  # float64 scores, softmax, probabilities and their gradients at once
+GRAD_REF_MAX_BYTES = 20e9
+
+
+@dataclass(frozen=True)
+class BackwardCase(Case):
+    """A forward case plus dropout and packed sequences. With ``lengths`` the case is
+    flash_attn_varlen_func self-attention over those sequences (batch = len(lengths),
+    seqlen_q = seqlen_k = max(lengths))."""
+    dropout_p: float = 0.0
+    lengths: tuple[int, ...] | None = None
+
+    def shape_text(self) -> str:
+        if self.lengths is None:
+            return super().shape_text()
+        return (f"{self.dtype_name} varlen B{len(self.lengths)} H{self.heads}/{self.heads_k} "
+                f"L{min(self.lengths)}..{max(self.lengths)} (T{sum(self.lengths)}) d{self.head_dim}")
+
+    def features_text(self) -> str:
+        text = super().features_text()
+        return f"{text} dropout{self.dropout_p:g}" if self.dropout_p else text
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "dropout_p": self.dropout_p,
+                "lengths": None if self.lengths is None else list(self.lengths)}
+
+    def score_elements(self) -> int:
+        """Score elements the reference materialises (all sequences, all heads)."""
+        if self.lengths is not None:
+            return self.heads * sum(n * n for n in self.lengths)
+        return self.batch * self.heads * self.seqlen_q * self.seqlen_k
+
+
+def varlen_case(dtype: torch.dtype, lengths, heads: int, heads_k: int, head_dim: int,
+                **features) -> BackwardCase:
+    lengths = tuple(lengths)
+    return BackwardCase(dtype, len(lengths), heads, heads_k, max(lengths), max(lengths), head_dim,
+                        lengths=lengths, **features)
+
+
+def backward_cases(on_gpu: bool) -> list[BackwardCase]:
+    """The backward of every feature, in both dtypes: real sizes on a GPU (float64 reference graph
+    under GRAD_REF_MAX_BYTES), tiny ones on CPU (<= 96 tokens, ragged against the 32-wide
+    interpreter tiles)."""
+    def n(gpu: int, cpu: int) -> int:
+        return gpu if on_gpu else cpu
+
+    bf, fp = torch.bfloat16, torch.float16
+    C = BackwardCase
+    return [
+        C(bf, 1, n(8, 2), n(8, 2), n(4096, 96), n(4096, 96), 128, causal=True),
+        C(fp, 1, n(8, 2), n(8, 2), n(4096, 80), n(4096, 80), 128),
+        # The seed model's heads (Qwen2.5-1.5B): GQA 12/2, dK/dV summed over the group of 6.
+        C(bf, 1, 12, 2, n(4096, 48), n(4096, 48), 128, causal=True),
+        C(fp, n(2, 1), 12, 2, n(2048, 40), n(2048, 40), 128),
+        # MQA
+        C(bf, 2, n(8, 4), 1, n(2048, 64), n(2048, 64), 64, causal=True),
+        C(fp, 2, n(8, 4), 1, n(2000, 77), n(2000, 77), 64),
+        # Head dims 80 (padded to 128 in registers) and 256.
+        C(fp, 2, n(8, 2), n(8, 2), n(2048, 64), n(2048, 64), 80, causal=True),
+        C(bf, 1, n(8, 2), n(8, 2), n(2000, 70), n(2000, 70), 80),
+        C(bf, 1, n(8, 2), n(8, 2), n(4096, 64), n(4096, 64), 256, causal=True),
+        C(fp, 2, n(4, 2), n(4, 2), n(2000, 50), n(2000, 50), 256),
+        # Sq < Sk, and Sq > Sk where causal rows above the bottom-right diagonal see no key.
+        C(bf, 2, n(8, 4), 2, n(1000, 40), n(3000, 96), 128, causal=True),
+        C(fp, 2, n(8, 4), 2, n(3000, 96), n(1000, 40), 64, causal=True),
+        C(fp, 1, n(8, 2), n(8, 2), n(2048, 64), n(600, 20), 80),
+        # Sliding window: causal (Mistral-style) and two-sided.
+        C(bf, 1, n(8, 4), 2, n(4096, 96), n(4096, 96), 128, causal=True, window=(n(256, 24), 0)),
+        C(fp, 1, n(8, 2), n(8, 2), n(4000, 90), n(4000, 90), 64, window=(n(128, 16), n(64, 8))),
+        # Softcap: tight (changes the scores a lot) and Gemma 2's 50.
+        C(bf, 2, n(8, 2), n(8, 2), n(2048, 64), n(2048, 64), 128, causal=True, softcap=3.0),
+        C(fp, 1, n(8, 4), 2, n(2000, 70), n(2000, 70), 256, softcap=50.0),
+        # ALiBi, per-batch slopes (B, H) and shared (H,).
+        C(bf, 2, n(8, 2), n(8, 2), n(2048, 64), n(2048, 64), 128, causal=True, alibi=True),
+        C(fp, 1, n(8, 2), n(8, 2), n(2000, 90), n(2000, 90), 64, alibi=True),
+        # Everything at once.
+        C(bf, 2, 12, 2, n(1500, 50), n(2500, 90), 128, causal=True, window=(n(512, 20), 0),
+          softcap=30.0, alibi=True),
+        # Dropout, compared with the reference under the same regenerated mask.
+        C(bf, 2, n(8, 4), 2, n(2048, 60), n(2048, 70), 128, causal=True, dropout_p=0.17),
+        C(fp, 1, n(8, 2), n(8, 2), n(1000, 50), n(1000, 50), 64, window=(n(100, 9), n(50, 5)),
+          dropout_p=0.3),
+        # Packed sequences (flash_attn_varlen_func), single-token ones included.
+        varlen_case(bf, (1000, 3000, 96, 1, 517, 2048, 333, 1100) if on_gpu else (37, 1, 70, 96, 5),
+                    n(8, 4), 2, 128, causal=True),
+        varlen_case(fp, (700, 1, 2500, 64, 1999) if on_gpu else (20, 64, 1, 45), n(8, 2), n(8, 2), 64,
+                    window=(n(300, 12), n(100, 6)), alibi=True),
+    ]
+
+
+def make_backward_inputs(case: BackwardCase, device: torch.device, seed: int):
+    """q, k, v, dout (BSHD, or packed (total, H, D) for varlen), ALiBi slopes, cu_seqlens or None."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=case.dtype)
+
+    if case.lengths is None:
+        q = randn(case.batch, case.seqlen_q, case.heads, case.head_dim)
+        k = randn(case.batch, case.seqlen_k, case.heads_k, case.head_dim)
+        v = randn(case.batch, case.seqlen_k, case.heads_k, case.head_dim)
+        cu_seqlens = None
+    else:
+        total = sum(case.lengths)
+        q = randn(total, case.heads, case.head_dim)
+        k, v = randn(total, case.heads_k, case.head_dim), randn(total, case.heads_k, case.head_dim)
+        offsets = [0]
+        for length in case.lengths:
+            offsets.append(offsets[-1] + length)
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
+    dout = randn(*q.shape)
+    slopes = alibi_slopes(case.batch, case.heads, device) if case.alibi else None
+    return q, k, v, dout, slopes, cu_seqlens
+
+
+def flashtile_out_grads(q, k, v, dout, cu_seqlens=None, max_seqlen=0, **kwargs):
+    """flashtile's output and (dq, dk, dv): flash_attn_func, or flash_attn_varlen_func with
+    ``cu_seqlens`` (self-attention: the same offsets for queries and keys)."""
+    import flashtile
+
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    if cu_seqlens is None:
+        out = flashtile.flash_attn_func(q, k, v, **kwargs)
+    else:
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                               **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), grads
+
+
+def reference_out_grads(q, k, v, dout, cu_seqlens=None, max_seqlen=0, **kwargs):
+    """Textbook attention in q's dtype, and its gradients through torch autograd; packed sequences
+    are computed one at a time. ``dropout_p``/``dropout_mask`` pass through to reference.attention."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    if cu_seqlens is None:
+        out, _ = reference.attention(q, k, v, **kwargs)
+    else:
+        slopes = kwargs.pop("alibi_slopes", None)
+        bounds = cu_seqlens.tolist()
+        outs = []
+        for b in range(len(bounds) - 1):
+            s = slice(bounds[b], bounds[b + 1])
+            one, _ = reference.attention(q[s][None], k[s][None], v[s][None],
+                                         alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                                         **kwargs)
+            outs.append(one[0])
+        out = torch.cat(outs)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(out.dtype), allow_unused=True)
+    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    return out.detach(), grads
+
+
+def _regenerated_dropout_mask(case: BackwardCase, device: torch.device, seed: int) -> torch.Tensor:
+    """The keep mask flashtile draws right after torch.manual_seed(seed)."""
+    from ..kernels.dropout import dropout_mask
+
+    torch.manual_seed(seed)
+    rng_seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+    return dropout_mask(rng_seed, case.batch, case.heads, case.seqlen_q, case.seqlen_k,
+                        case.dropout_p)
+
+
+def run_backward_case(case: BackwardCase, device: torch.device, seed: int = 0,
+                      out_grads: Callable | None = None) -> dict:
+    """Check one case's output (2x rule) and dq, dk, dv (3x rule, with a floor of
+    eps(dtype)/16 x max|exact gradient|); ``out_grads`` (default flashtile_out_grads) is replaceable
+    for testing the rule."""
+    out_grads = out_grads or flashtile_out_grads
+    start = time.perf_counter()
+    q, k, v, dout, slopes, cu_seqlens = make_backward_inputs(case, device, seed)
+    kwargs = dict(causal=case.causal, window_size=case.window, softcap=case.softcap,
+                  alibi_slopes=slopes)
+    if cu_seqlens is not None:
+        kwargs.update(cu_seqlens=cu_seqlens, max_seqlen=max(case.lengths))
+    ref_kwargs = dict(kwargs)
+    # fork_rng: the seeding that reproduces flashtile's dropout draw leaves the caller's RNG alone.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if case.dropout_p:
+            if cu_seqlens is not None:
+                raise ValueError("dropout is checked on padded batches only")
+            keep = _regenerated_dropout_mask(case, device, seed)
+            ref_kwargs.update(dropout_p=case.dropout_p, dropout_mask=keep)
+            torch.manual_seed(seed)  # flashtile draws the same Philox seed again
+            out, grads = out_grads(q, k, v, dout, dropout_p=case.dropout_p, **kwargs)
+        else:
+            out, grads = out_grads(q, k, v, dout, **kwargs)
+
+    exact_out, exact = reference_out_grads(q.double(), k.double(), v.double(), dout.double(),
+                                           **ref_kwargs)
+    low_out, low = reference_out_grads(q, k, v, dout, **ref_kwargs)
+
+    eps = torch.finfo(case.dtype).eps
+    finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    out_err = _max_abs_error(out, exact_out) if out.numel() else 0.0
+    out_floor = GRAD_FLOOR_ULPS * eps * (exact_out.abs().max().item() if out.numel() else 0.0)
+    out_budget = max(OUT_BUDGET_FACTOR * (_max_abs_error(low_out, exact_out) if out.numel() else 0.0),
+                     out_floor)
+    scale = max((e.abs().max().item() if e.numel() else 0.0) for e in exact)
+    floor = GRAD_FLOOR_ULPS * eps * scale
+    errors, budgets, textbook = {}, {}, {}
+    for name, g, e, lo in zip(("dq", "dk", "dv"), grads, exact, low):
+        if g.shape != e.shape or g.dtype != case.dtype:
+            raise ValueError(f"{name} has shape {tuple(g.shape)} and dtype {g.dtype}, expected "
+                             f"{tuple(e.shape)} and {case.dtype}")
+        errors[name] = _max_abs_error(g, e) if g.numel() else 0.0
+        textbook[name] = _max_abs_error(lo, e) if g.numel() else 0.0
+        budgets[name] = max(GRAD_BUDGET_FACTOR * textbook[name], floor)
+    passed = (finite and out_err <= out_budget
+              and all(errors[n] <= budgets[n] for n in errors))
+    return {**case.as_dict(), "label": case.label(), "passed": passed, "finite": finite,
+            "out_err": out_err, "out_budget": out_budget, "grad_err": errors, "grad_budget": budgets,
+            "textbook_grad_err": textbook, "grad_floor": floor,
+            "seconds": round(time.perf_counter() - start, 3), "error": None}
+
+
+def format_backward_result(r: dict) -> str:
+    status = "PASS" if r["passed"] else "FAIL"
+    if r.get("error"):
+        return f"{status}  {r['label']:<62}  error: {r['error']}"
+
+    def part(name: str, err: float, budget: float) -> str:
+        return f"{name} {err:.2e}{'<=' if err <= budget else '> '}{budget:.2e}"
+
+    parts = [part("out", r["out_err"], r["out_budget"])]
+    parts += [part(n, r["grad_err"][n], r["grad_budget"][n]) for n in ("dq", "dk", "dv")]
+    nonfinite = "" if r["finite"] else "  NaN/inf!"
+    return f"{status}  {r['label']:<62}  " + "  ".join(parts) + nonfinite
+
+
+def run_backward_check(device: torch.device, cases: list[BackwardCase] | None = None,
+                       log: Callable[[str], None] = print) -> list[dict]:
+    """Run every backward case, log one line each, and return the records for the result JSON."""
+    cases = backward_cases(device.type == "cuda") if cases is None else cases
+    log(f"Backward check: {len(cases)} cases on {device.type}; rule: max|grad - fp64| <= "
+        f"{GRAD_BUDGET_FACTOR:g} x max|textbook(dtype) grad - fp64| (floor eps/16 x max|grad|) for "
+        f"dq, dk, dv; out within {OUT_BUDGET_FACTOR:g} x")
+    results = []
+    base_seed = random.SystemRandom().randrange(2**31)  # fresh inputs every run; recorded to replay
+    for i, case in enumerate(cases):
+        error = None
+        try:
+            result = run_backward_case(case, device, seed=base_seed + i)
+        except Exception as exc:  # a crash is a failed case, not a crashed check
+            error = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+        if error is not None:  # outside the except block: the traceback no longer pins tensors
+            result = {**case.as_dict(), "label": case.label(), "passed": False, "error": error}
+        result["seed"] = base_seed + i
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float64 graphs are the largest allocations of the run
+        log(format_backward_result(result))
+        results.append(result)
+    n_pass = sum(r["passed"] for r in results)
+    log(f"Backward check: {n_pass}/{len(results)} passed")
+    return results

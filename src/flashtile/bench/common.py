@@ -34,6 +34,16 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     return flops / 2 if causal else float(flops)
 
 
+# FlashAttention-2's convention for training: the backward's five matmuls count 2.5 forwards.
+FWD_BWD_FACTOR = 3.5
+
+
+def attention_train_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                          causal: bool) -> float:
+    """Forward + backward FLOPs as the FlashAttention-2 paper counts them: 3.5 x the forward."""
+    return FWD_BWD_FACTOR * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal)
+
+
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / (ms * 1e-3) / 1e12
 
