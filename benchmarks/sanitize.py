@@ -1,0 +1,145 @@
+"""Small launches of the kernel variants, for ``compute-sanitizer --tool memcheck`` on a GPU.
+
+    compute-sanitizer --tool memcheck --target-processes application-only --error-exitcode 1 \
+        python benchmarks/sanitize.py --quick
+
+Shapes are ragged (lengths not multiples of any tile, Sq != Sk both ways, odd head dims) so every
+masked edge and the pointer and tensor-descriptor paths are exercised; the output is also compared
+with the float64 reference so a silent wrong answer fails too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from flashtile.kernels.forward import TileConfig, attention_forward, pick_config
+from flashtile.reference import attention
+
+
+BF16, F16 = torch.bfloat16, torch.float16
+# One launch per kernel variant that matters (each compiles once: the sanitizer makes compiling slow).
+QUICK = [
+    (128, BF16, dict(causal=True), (2, 33, 200), True),
+    (128, BF16, dict(), (2, 200, 33), True),
+    (64, F16, dict(window_size=(21, 13)), (1, 77, 77), True),
+    (111, BF16, dict(causal=True), (2, 200, 33), False),
+    (256, BF16, dict(causal=True, softcap=20.0), (2, 33, 200), True),
+    (40, F16, dict(alibi=True), (2, 77, 130), True),
+    (128, BF16, dict(causal=True, window_size=(37, 0)), (1, 150, 150), False),
+    (80, BF16, dict(causal=True, window_size=(30, 0), softcap=10.0, alibi=True), (2, 90, 70), True),
+]
+
+
+def all_cases():
+    features = [dict(), dict(causal=True), dict(causal=True, window_size=(37, 0)),
+                dict(window_size=(21, 13)), dict(causal=True, softcap=20.0), dict(alibi=True)]
+    shapes = [(1, 77, 77), (2, 33, 200), (2, 200, 33)]
+    for head_dim, dtype, feat, shape, tma in itertools.product(
+            (40, 64, 111, 128, 256), (BF16, F16), features, shapes, (True, False)):
+        if dtype == F16 and shape != (1, 77, 77):
+            continue  # fp16 differs from bf16 only in the element type; one shape is enough
+        yield head_dim, dtype, feat, shape, tma
+
+
+def training_and_packed_cases(dev) -> int:
+    """Backward (padded, varlen, dropout) and the paged varlen forward, checked against the reference
+    through the public API; returns the number of wrong results."""
+    import flashtile
+    from flashtile.kernels.backward import attention_backward
+
+    failures = 0
+    for head_dim, dtype, kw in ((128, BF16, dict(causal=True)), (111, F16, dict(window_size=(30, 9))),
+                                (256, BF16, dict(causal=True, softcap=20.0)), (64, F16, dict(alibi=True))):
+        q = torch.randn(2, 77, 4, head_dim, device=dev, dtype=dtype)
+        k = torch.randn(2, 130, 2, head_dim, device=dev, dtype=dtype)
+        v, dout = torch.randn_like(k), torch.randn_like(q)
+        slopes = torch.rand(2, 4, device=dev) if kw.pop("alibi", False) else None
+        left, right = kw.get("window_size", (-1, -1))
+        right = 0 if kw.get("causal") else right
+        args = dict(softmax_scale=head_dim ** -0.5, window_left=left, window_right=right,
+                    diag_offset=130 - 77, softcap=kw.get("softcap", 0.0), alibi_slopes=slopes)
+        out, lse = attention_forward(q, k, v, **args)
+        grads = attention_backward(dout, q, k, v, out, lse, **args)
+        leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+        ref, _ = attention(*leaves, alibi_slopes=slopes, **kw)
+        ref.backward(dout.double())
+        for g, leaf in zip(grads, leaves):
+            if not torch.isfinite(g).all() or (g.double() - leaf.grad).abs().max() > 0.1:
+                failures += 1
+                print(f"FAIL backward d{head_dim} {kw}")
+    lengths = [70, 1, 130, 0]
+    cu = torch.tensor([0, 70, 71, 201, 201], dtype=torch.int32, device=dev)
+    q = torch.randn(201, 4, 64, device=dev, dtype=BF16, requires_grad=True)
+    k = torch.randn(201, 2, 64, device=dev, dtype=BF16, requires_grad=True)
+    v = torch.randn(201, 2, 64, device=dev, dtype=BF16, requires_grad=True)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True, dropout_p=0.2)
+    out.backward(torch.randn_like(out))
+    failures += sum(not torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+    with torch.no_grad():
+        expected = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True)
+        for page_size in (1, 16, 48):
+            pages = [-(-n // page_size) for n in lengths]
+            table = torch.zeros(4, max(pages), dtype=torch.int32, device=dev)
+            pool_k = torch.randn(sum(pages) + 2, page_size, 2, 64, device=dev, dtype=BF16)
+            pool_v = torch.randn_like(pool_k)
+            next_page = 0
+            for b, n in enumerate(lengths):
+                for j in range(pages[b]):
+                    rows = slice(int(cu[b]) + j * page_size, int(cu[b]) + min((j + 1) * page_size, n))
+                    pool_k[next_page, :rows.stop - rows.start] = k[rows]
+                    pool_v[next_page, :rows.stop - rows.start] = v[rows]
+                    table[b, j] = next_page
+                    next_page += 1
+            paged = flashtile.flash_attn_varlen_func(q, pool_k, pool_v, cu, cu, 130, 130, causal=True,
+                                                     block_table=table)
+            if not torch.equal(paged, expected):
+                failures += 1
+                print(f"FAIL paged page_size {page_size}")
+    return failures
+
+
+def main() -> int:
+    # CPU (with TRITON_INTERPRET=1) only to try the script itself; the sanitizer needs the GPU.
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    failures = training_and_packed_cases(dev)
+    cases = 0
+    for head_dim, dtype, feat, (batch, sq, sk), tma in (QUICK if "--quick" in sys.argv else all_cases()):
+        cfg = pick_config(head_dim, dev)
+        cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, use_tma=tma and cfg.use_tma)
+        heads, heads_k = 4, 2
+        q = torch.randn(batch, sq, heads, head_dim, device=dev, dtype=dtype)
+        k = torch.randn(batch, sk, heads_k, head_dim, device=dev, dtype=dtype)
+        v = torch.randn(batch, sk, heads_k, head_dim, device=dev, dtype=dtype)
+        slopes = torch.rand(batch, heads, device=dev) if feat.get("alibi") else None
+        causal = feat.get("causal", False)
+        left, right = feat.get("window_size", (-1, -1))
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((batch, heads, sq), float("nan"), device=dev)
+        attention_forward(q, k, v, softmax_scale=head_dim ** -0.5, window_left=left,
+                          window_right=0 if causal else right, diag_offset=sk - sq,
+                          softcap=feat.get("softcap", 0.0), alibi_slopes=slopes, out=out, lse=lse,
+                          config=cfg)
+        kw = dict(causal=causal, window_size=(left, right), softcap=feat.get("softcap", 0.0),
+                  alibi_slopes=slopes)
+        ref, _ = attention(q.double(), k.double(), v.double(), **kw)
+        low, _ = attention(q, k, v, **kw)
+        err = (out.double() - ref).abs().max().item()
+        budget = 2 * (low.double() - ref).abs().max().item()
+        cases += 1
+        if cases % 40 == 0:
+            print(f"{cases} launches checked", flush=True)
+        if not err <= budget:
+            failures += 1
+            print(f"FAIL d{head_dim} {dtype} {feat} {(batch, sq, sk)} tma={cfg.use_tma}: {err:.3g} > {budget:.3g}")
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"sanitize: {cases} forward launches plus backward, varlen, dropout and paged cases; "
+          f"{failures} wrong results")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
