@@ -18,6 +18,8 @@ _PUBLIC = {
     "flash_attn_varlen_func": "interface",
     "flash_attn_varlen_kvpacked_func": "interface",
     "flash_attn_varlen_qkvpacked_func": "interface",
+    "flash_attn_with_kvcache": "interface",
+    "flash_attn_combine": "interface",
     "scaled_dot_product_attention": "interface",
 }
 

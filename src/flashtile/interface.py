@@ -370,6 +370,155 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                              names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
+def _check_cache_append(lengths, new_tokens: int, capacity: int):
+    """That the appended tokens fit, with one device-to-host copy; skipped under CUDA graph capture
+    and torch.compile, where lengths must stay within the cache by construction."""
+    if torch.compiler.is_compiling() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    low, high = torch.stack([lengths.min(), lengths.max()]).tolist()
+    if low < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {low}")
+    if high + new_tokens > capacity:
+        raise ValueError(f"the cache holds {capacity} tokens per sequence but cache_seqlens reaches {high} "
+                         f"and {new_tokens} new tokens are appended")
+
+
+def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx):
+    """Write k/v (B, Sn, Hk, D) at positions lengths[b] + j of each sequence, in place, on the device."""
+    positions = lengths.long()[:, None] + torch.arange(k.shape[1], device=k.device)[None, :]
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        pages = block_table.long().gather(1, positions // page_size)
+        slots = positions % page_size
+        k_cache[pages, slots] = k
+        v_cache[pages, slots] = v
+    else:
+        rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                else torch.arange(k.shape[0], device=k.device))[:, None]
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q (B, Sq, H, D) against a KV cache, with flash_attn 2.8's semantics.
+
+    k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
+    ``block_table`` (B, max_pages) int32, any page size. ``cache_seqlens`` (int or (B,) int32) is each
+    sequence's cached length (default: the whole cache); new ``k``/``v`` (B, Sn, Hk, D) are written
+    in place at those positions first, then attended to. Causal and windows align bottom-right.
+    The KV sequence is split across programs (``num_splits``: 0 = heuristic, 1 = none) and merged by
+    log-sum-exp; lengths are read on the device, so the call can be captured in a CUDA graph.
+    Returns out, or (out, softmax_lse (B, H, Sq)) with ``return_softmax_lse``.
+    """
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("flashtile: rotary_cos/rotary_sin in flash_attn_with_kvcache are not "
+                                  "implemented yet; apply the rotary embedding before the call")
+    if cache_leftpad is not None:
+        raise NotImplementedError("flashtile: cache_leftpad is not implemented yet")
+    _check_tensor(q, "q", 4)
+    paged = block_table is not None
+    for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_tensor(t, n, 4)
+    batch = q.shape[0]
+    if paged:
+        _check_block_table(block_table, k_cache, v_cache, batch, q.device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table")
+    else:
+        capacity = k_cache.shape[1]
+    _check_attention_inputs(q, k_cache[:1].expand(batch, *k_cache.shape[1:]),
+                            v_cache[:1].expand(batch, *v_cache.shape[1:]), ("q", "k_cache", "v_cache"))
+    if cache_batch_idx is not None:
+        if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
+            raise TypeError("cache_batch_idx must be an int32 tensor")
+        if tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != q.device:
+            raise ValueError(f"cache_batch_idx must have shape ({batch},) on {q.device}")
+    if cache_seqlens is None:
+        if paged:
+            raise ValueError("cache_seqlens is required with block_table")
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens must be in [0, {capacity}], got {cache_seqlens}")
+        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must have shape ({batch},) on {q.device}, "
+                             f"got {tuple(cache_seqlens.shape)} on {cache_seqlens.device}")
+        lengths = cache_seqlens
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    new_tokens = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        for t, n in ((k, "k"), (v, "v")):
+            _check_tensor(t, n, 4)
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.dtype != k_cache.dtype:
+                raise ValueError(f"{n} must have shape ({batch}, new_tokens, {k_cache.shape[2]}, "
+                                 f"{k_cache.shape[3]}) and dtype {k_cache.dtype}, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        new_tokens = k.shape[1]
+    if isinstance(cache_seqlens, torch.Tensor) or new_tokens:
+        _check_cache_append(lengths, new_tokens, capacity)
+    if paged:
+        _check_pages(block_table, k_cache.shape[0], capacity, 0)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    left, right = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap)
+    alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    if new_tokens:
+        _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
+        lengths = lengths + new_tokens
+    out, lse = ops.attn_kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
+                                scale, left, right, softcap, num_splits)
+    return (out, lse) if return_softmax_lse else out
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merge attention computed over disjoint key sets (FlashAttention-3's combine).
+
+    out_partial (num_splits, B, Sq, H, D) holds each part's normalized output, lse_partial
+    (num_splits, B, H, Sq) float32 its natural-log LSE (-inf for a part that saw no key). Returns
+    (out (B, Sq, H, D) in ``out_dtype`` (default out_partial's), lse (B, H, Sq)); rows no part saw get
+    0 and -inf. Use it for cascade / shared-prefix attention.
+    """
+    from .kernels.decode import combine
+
+    if not isinstance(out_partial, torch.Tensor) or not isinstance(lse_partial, torch.Tensor):
+        raise TypeError("out_partial and lse_partial must be tensors")
+    if out_partial.dim() != 5:
+        raise ValueError(f"out_partial must be (num_splits, batch, seqlen, heads, head_dim), got "
+                         f"{tuple(out_partial.shape)}")
+    splits, batch, seqlen, heads, head_dim = out_partial.shape
+    if tuple(lse_partial.shape) != (splits, batch, heads, seqlen):
+        raise ValueError(f"lse_partial must have shape {(splits, batch, heads, seqlen)}, got "
+                         f"{tuple(lse_partial.shape)}")
+    if lse_partial.dtype != torch.float32:
+        raise TypeError(f"lse_partial must be float32, got {lse_partial.dtype}")
+    if out_partial.stride(-1) != 1:
+        out_partial = out_partial.contiguous()
+    if out is None:
+        out = torch.empty(batch, seqlen, heads, head_dim, device=out_partial.device,
+                          dtype=out_dtype or out_partial.dtype)
+    elif tuple(out.shape) != (batch, seqlen, heads, head_dim):
+        raise ValueError(f"out must have shape {(batch, seqlen, heads, head_dim)}, got {tuple(out.shape)}")
+    lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=out_partial.device)
+    combine(out_partial, lse_partial, out, lse)
+    return out, lse
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention`` on flashtile's kernel.

@@ -123,6 +123,15 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
         elif name == "dLse":
             signature[name] = "constexpr"  # the common case: no gradient on the LSE
             constexprs[name] = None
+        elif name in ("CacheSeqlens", "CacheBatchIdx"):
+            if name == "CacheBatchIdx":
+                signature[name] = "constexpr"
+                constexprs[name] = None
+            else:
+                signature[name] = "*i32"
+        elif name in ("OutPart", "LsePart") or (fn.__name__ == "_combine" and name == "Lse"):
+            signature[name] = "*fp32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _FP32_POINTERS:
             signature[name] = "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -177,8 +186,28 @@ def compile_backward(variant: Variant, arch: int) -> list:
     ]
 
 
+def decode_variants() -> list[Variant]:
+    out = [Variant(128, "bf16", has_right=True, kind="decode"), Variant(64, "fp16", kind="decode"),
+           Variant(128, "bf16", has_right=True, paged=True, kind="decode"),
+           Variant(256, "bf16", has_left=True, has_right=True, softcap=True, alibi=True, kind="decode"),
+           Variant(80, "fp16", has_right=True, paged=True, kind="decode")]
+    return out
+
+
+def compile_decode(variant: Variant, arch: int) -> list:
+    """Compile the split-KV decode kernel (8 query heads per KV head, one query) and the combine."""
+    from .decode import _attn_decode, _combine
+
+    flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
+    decode = {**flags, "ROWS": 16, "BLOCK_N": 64, "BATCH_IDX": False}
+    comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
+            "EMPTY_LSE": float("inf")}
+    return [_compile(_attn_decode, decode, variant, arch, 4, 3 if variant.paged else 2),
+            _compile(_combine, comb, variant, arch, 4, 1)]
+
+
 def all_variants() -> list[Variant]:
-    return forward_variants() + backward_variants()
+    return forward_variants() + backward_variants() + decode_variants()
 
 
 def main(argv=None) -> int:
@@ -193,8 +222,10 @@ def main(argv=None) -> int:
             try:
                 if variant.kind == "fwd":
                     kernels = [compile_forward(variant, arch)]
-                else:
+                elif variant.kind == "bwd":
                     kernels = compile_backward(variant, arch)
+                else:
+                    kernels = compile_decode(variant, arch)
                 shared = ", ".join(str(k.metadata.shared) for k in kernels)
                 print(f"sm_{arch} {variant.name}: ok, shared memory {shared} B")
             except Exception as exc:  # report every failing variant, not only the first

@@ -1,0 +1,217 @@
+"""Decode against a KV cache: split-KV (Flash-Decoding) on the forward's online-softmax loop.
+
+One program per (split, batch, KV head). The query heads that share the KV head, times the Sq query
+rows, are packed into the rows of one tile, so each K/V tile is read once for the whole group. The
+keys a sequence sees are cut into ``num_splits`` chunks; each program writes its chunk's normalized
+output and LSE, and ``combine`` merges the chunks by log-sum-exp. Sequence lengths are read on the
+device (``cache_seqlens``), never on the host, so a decode step can be captured in a CUDA graph and
+replayed as the lengths grow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import key_blocks
+from .forward import LOG2E, _attn_fwd_inner, head_dim_padded, interpreting
+
+
+@triton.jit
+def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, BlockTable, Alibi,
+                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
+                 stride_ls, stride_lb, stride_lh, stride_btb, stride_ab,
+                 seqlen_q, seqlen_k_max, group_size, window_left, window_right, qk_scale, softcap_in,
+                 page_size, num_pages, block_table_width,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    split = tl.program_id(0)
+    batch = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    num_splits = tl.num_programs(0)
+    seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
+    diag_offset = seqlen_k - seqlen_q
+
+    r = tl.arange(0, ROWS)  # row r = (query head g of the group, query position i)
+    g = r // seqlen_q
+    qi = r % seqlen_q
+    row_ok = g < group_size
+    head = kv_head * group_size + g
+    rows_pos = qi + diag_offset
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + qi[:, None].to(tl.int64) * stride_qs
+                + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :], mask=q_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    cache_row = batch
+    if BATCH_IDX:
+        cache_row = tl.load(CacheBatchIdx + batch)
+    block_table_row = BlockTable
+    if PAGED:
+        k_src = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :]
+        v_src = V + kv_head.to(tl.int64) * stride_vh + offs_d[None, :]
+        block_table_row = BlockTable + batch.to(tl.int64) * stride_btb
+    else:
+        k_src = (K + cache_row.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+                 + offs_n[:, None] * stride_ks + offs_d[None, :])
+        v_src = (V + cache_row.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+                 + offs_n[:, None] * stride_vs + offs_d[None, :])
+
+    alibi_slope = tl.zeros([ROWS], dtype=tl.float32)
+    if ALIBI:
+        alibi_slope = tl.load(Alibi + batch * stride_ab + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    # The visible key blocks of all rows, then this split's share of them.
+    blk_lo, full_lo, full_hi, blk_hi = key_blocks(0, seqlen_q, seqlen_k, diag_offset, window_left,
+                                                  window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    chunk = tl.cdiv(blk_hi - blk_lo, num_splits)
+    s_lo = tl.minimum(blk_lo + split * chunk, blk_hi)
+    s_hi = tl.minimum(s_lo + chunk, blk_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
+        full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, BLOCK_N,
+        HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
+        PAGED)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
+        full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, BLOCK_N,
+        HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
+        PAGED)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
+        s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, BLOCK_N,
+        HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
+        PAGED)
+
+    # A split that saw nothing: output 0 and LSE -inf, so the merge gives it no weight.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_ptrs = (OutPart + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
+              + qi[:, None].to(tl.int64) * stride_oq + head[:, None].to(tl.int64) * stride_oh
+              + offs_d[None, :])
+    tl.store(o_ptrs, out, mask=q_ok)
+    tl.store(LsePart + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
+             + head.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine(OutPart, LsePart, Out, Lse, num_splits,
+             stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
+             stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
+             SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+             EMPTY_LSE: tl.constexpr):
+    qi = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = s < num_splits
+    lse = tl.load(LsePart + s.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
+                  + head.to(tl.int64) * stride_lh + qi, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # each split's share of the softmax mass, unnormalized
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0, total, 1.0)
+    o = tl.load(OutPart + s[:, None].to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
+                + qi.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(w[:, None] * o, 0)
+    tl.store(Out + batch.to(tl.int64) * stride_rb + qi.to(tl.int64) * stride_rq
+             + head.to(tl.int64) * stride_rh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    merged = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), EMPTY_LSE)
+    tl.store(Lse + batch.to(tl.int64) * stride_lrb + head.to(tl.int64) * stride_lrh + qi, merged)
+
+
+def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, empty_lse: float = -math.inf) -> None:
+    """Merge (splits, B, Sq, H, D) partial outputs by their LSEs (splits, B, H, Sq) into ``out``
+    (B, Sq, H, D) and ``lse`` (B, H, Sq); rows no split saw get 0 and ``empty_lse``."""
+    splits, batch, seqlen_q, heads, head_dim = out_partial.shape
+    if out.numel() == 0:
+        return
+    _combine[(seqlen_q, heads, batch)](
+        out_partial, lse_partial, out, lse, splits, *out_partial.stride()[:4], *lse_partial.stride()[:3],
+        *out.stride()[:3], *lse.stride()[:2], SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse)
+
+
+def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device) -> int:
+    """Splits from what the host knows without reading the lengths: enough programs to cover the SMs
+    about twice, none shorter than 256 keys of the largest possible context."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = max(1, batch * heads_k)
+    wanted = -(-2 * sms // programs)
+    return max(1, min(wanted, -(-max_context // 256), 128))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, *, softmax_scale: float, window_left: int,
+                     window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
+                     cache_batch_idx=None, num_splits: int = 0, block_n: int | None = None):
+    """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
+
+    k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
+    ``block_table`` (B, max_pages). Query i of sequence b sits at key position
+    i + cache_seqlens[b] - Sq (bottom-right). Returns out (B, Sq, H, D) and lse (B, H, Sq) (+inf for
+    rows that see no key, as the forward).
+    """
+    batch, seqlen_q, heads, head_dim = q.shape
+    heads_k = k_cache.shape[2]
+    group = heads // heads_k
+    paged = block_table is not None
+    if paged:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, q.device)
+    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    out_partial = torch.empty(splits, batch, seqlen_q, heads, head_dim, dtype=torch.float32, device=q.device)
+    lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if softcap > 0:
+        qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
+    else:
+        qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
+    rows = max(16, triton.next_power_of_2(group * seqlen_q))
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    block_n = block_n or (32 if interpreting() else 64)
+    k_strides = k_cache.stride()
+    v_strides = v_cache.stride()
+    _attn_decode[(splits, batch, heads_k)](
+        q, k_cache, v_cache, out_partial, lse_partial, cache_seqlens, cache_batch_idx, block_table,
+        alibi_slopes, *q.stride()[:3], *k_strides[:3], *v_strides[:3], *out_partial.stride()[:4],
+        *lse_partial.stride()[:3], block_table.stride(0) if paged else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        seqlen_q, capacity, group, max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
+        k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
+        block_table.shape[1] if paged else 0,
+        ROWS=rows, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0,
+        ALIBI=alibi_slopes is not None, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
+        UPCAST=upcast, num_warps=4, num_stages=3 if paged else 2)
+    combine(out_partial, lse_partial, out, lse, empty_lse=math.inf)
+    return out, lse

@@ -1,0 +1,166 @@
+"""flash_attn_with_kvcache (split-KV decode, appends, paged caches) and flash_attn_combine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashtile
+from helpers import assert_matches_reference
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def cache_case(batch=3, seqlen_q=1, heads=8, heads_k=2, head_dim=64, capacity=150, dtype=F16):
+    q = torch.randn(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k_cache = torch.randn(batch, capacity, heads_k, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    lengths = torch.randint(seqlen_q, capacity + 1, (batch,), dtype=torch.int32)
+    lengths[0] = seqlen_q  # one sequence as short as its queries
+    return q, k_cache, v_cache, lengths
+
+
+def assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, rows=None, **kw):
+    slopes = kw.pop("alibi_slopes", None)
+    for b in range(q.shape[0]):
+        row = b if rows is None else int(rows[b])
+        n = int(lengths[b])
+        if slopes is not None:
+            kw["alibi_slopes"] = slopes[b:b + 1] if slopes.dim() == 2 else slopes
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[row:row + 1, :n],
+                                 v_cache[row:row + 1, :n], **kw)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 8])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(causal=True, window_size=(40, -1), softcap=5.0),
+                                dict(causal=True, alibi_slopes="per-batch")],
+                         ids=["causal", "full", "window-softcap", "alibi"])
+def test_decode_matches_reference(kw, seqlen_q, num_splits):
+    kw = dict(kw)
+    q, k_cache, v_cache, lengths = cache_case(seqlen_q=seqlen_q, dtype=BF16 if num_splits == 3 else F16)
+    if kw.get("alibi_slopes") == "per-batch":
+        kw["alibi_slopes"] = torch.rand(3, 8)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                 num_splits=num_splits, return_softmax_lse=True, **kw)
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, **kw)
+
+
+@pytest.mark.parametrize("heads,heads_k", [(4, 4), (8, 1), (12, 2)])
+def test_gqa_mqa_and_int_seqlens(heads, heads_k):
+    q, k_cache, v_cache, _ = cache_case(heads=heads, heads_k=heads_k, capacity=90)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=70, causal=True,
+                                                 return_softmax_lse=True)
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, torch.full((3,), 70), causal=True)
+    whole = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)  # default: whole cache
+    assert_matches_reference(whole, None, q, k_cache, v_cache, causal=True)
+
+
+def test_append_then_attend():
+    q, k_cache, v_cache, lengths = cache_case(seqlen_q=4, capacity=120)
+    lengths = lengths.clamp(max=110)
+    k_new, v_new = torch.randn(3, 4, 2, 64, dtype=F16), torch.randn(3, 4, 2, 64, dtype=F16)
+    before_k = k_cache.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                                 causal=True, return_softmax_lse=True)
+    for b in range(3):
+        n = int(lengths[b])
+        assert torch.equal(k_cache[b, n:n + 4], k_new[b]) and torch.equal(v_cache[b, n:n + 4], v_new[b])
+        assert torch.equal(k_cache[b, :n], before_k[b, :n]) and torch.equal(k_cache[b, n + 4:], before_k[b, n + 4:])
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths + 4, causal=True)
+
+
+def test_cache_batch_idx():
+    q, k_cache, v_cache, _ = cache_case(capacity=60)
+    big_k = torch.randn(5, 60, 2, 64, dtype=F16)
+    big_v = torch.randn_like(big_k)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32)
+    lengths = torch.tensor([10, 60, 33], dtype=torch.int32)
+    out, lse = flashtile.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=lengths, cache_batch_idx=rows,
+                                                 return_softmax_lse=True)
+    assert_each_sequence_matches(out, lse, q, big_k, big_v, lengths, rows=rows)
+
+
+def paged_cache(k_cache, v_cache, page_size, spare=2):
+    """The contiguous cache's rows scattered over a page pool, and the block table that finds them."""
+    batch, capacity = k_cache.shape[:2]
+    per_seq = -(-capacity // page_size)
+    num_pages = batch * per_seq + spare
+    order = torch.randperm(num_pages)[:batch * per_seq].view(batch, per_seq)
+    k_pool = torch.randn(num_pages, page_size, *k_cache.shape[2:], dtype=k_cache.dtype)
+    v_pool = torch.randn_like(k_pool)
+    for b in range(batch):
+        for j in range(per_seq):
+            rows = slice(j * page_size, min((j + 1) * page_size, capacity))
+            k_pool[order[b, j], :rows.stop - rows.start] = k_cache[b, rows]
+            v_pool[order[b, j], :rows.stop - rows.start] = v_cache[b, rows]
+    return k_pool, v_pool, order.to(torch.int32)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+def test_paged_cache_matches_contiguous(page_size):
+    q, k_cache, v_cache, lengths = cache_case(seqlen_q=2, capacity=100)
+    lengths = lengths.clamp(max=96)
+    k_pool, v_pool, table = paged_cache(k_cache, v_cache, page_size)
+    k_new, v_new = torch.randn(3, 2, 2, 64, dtype=F16), torch.randn(3, 2, 2, 64, dtype=F16)
+    expected = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                                 causal=True, num_splits=2)
+    out = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lengths,
+                                            block_table=table, causal=True, num_splits=2)
+    assert torch.equal(out, expected)
+
+
+def test_combine_matches_logsumexp():
+    splits, batch, seqlen, heads, d = 5, 2, 3, 4, 32
+    parts = torch.randn(splits, batch, seqlen, heads, d)
+    lse = torch.randn(splits, batch, heads, seqlen) * 3
+    lse[1, 0] = -math.inf  # a part that saw nothing
+    lse[:, 1, 2, 1] = -math.inf  # a row no part saw
+    out, merged = flashtile.flash_attn_combine(parts, lse, out_dtype=torch.float32)
+    ref_lse = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - ref_lse).nan_to_num(0.0)  # (splits, B, H, Sq)
+    ref = (weights.permute(0, 1, 3, 2)[..., None] * parts).sum(0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, ref_lse, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[1, 1, 2] == 0)
+
+
+def _bad_calls():
+    def call(**overrides):
+        q, k_cache, v_cache, lengths = cache_case(capacity=50)
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                    cache_seqlens=torch.tensor([1, 45, 20], dtype=torch.int32))
+        args.update(overrides)
+        return lambda: flashtile.flash_attn_with_kvcache(**args)
+
+    k_pool, v_pool, table = paged_cache(torch.randn(3, 50, 2, 64, dtype=F16), torch.randn(3, 50, 2, 64, dtype=F16), 8)
+    return [
+        pytest.param(call(k_cache=torch.randn(3, 50, 2, 64, dtype=BF16)), TypeError, "k_cache has dtype", id="dtype"),
+        pytest.param(call(k=torch.randn(3, 6, 2, 64, dtype=F16), v=torch.randn(3, 6, 2, 64, dtype=F16)),
+                     ValueError, "cache holds 50", id="cache-too-small"),
+        pytest.param(call(cache_seqlens=torch.zeros(3, dtype=torch.int64)), TypeError, "int32", id="seqlens-dtype"),
+        pytest.param(call(k_cache=k_pool, v_cache=v_pool, block_table=table + 100), ValueError,
+                     "block_table entries", id="table-range"),
+        pytest.param(call(k_cache=k_pool, v_cache=v_pool[:, :4], block_table=table), ValueError,
+                     "same shape", id="page-size-mismatch"),
+        pytest.param(call(rotary_cos=torch.zeros(1)), NotImplementedError, "rotary", id="rotary"),
+        pytest.param(call(num_splits=-1), ValueError, "num_splits", id="splits"),
+    ]
+
+
+@pytest.mark.parametrize("fn,exc,message", _bad_calls())
+def test_bad_input_is_named(fn, exc, message):
+    with pytest.raises(exc, match=message):
+        fn()
+
+
+def test_decode_compiles():
+    q, k_cache, v_cache, lengths = cache_case(capacity=40)
+
+    def step(q, k_cache, v_cache, lengths):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+
+    assert torch.equal(torch.compile(step, fullgraph=True)(q, k_cache, v_cache, lengths),
+                       step(q, k_cache, v_cache, lengths))
