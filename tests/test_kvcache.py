@@ -139,13 +139,16 @@ def _bad_calls():
     return [
         pytest.param(call(k_cache=torch.randn(3, 50, 2, 64, dtype=BF16)), TypeError, "k_cache has dtype", id="dtype"),
         pytest.param(call(k=torch.randn(3, 6, 2, 64, dtype=F16), v=torch.randn(3, 6, 2, 64, dtype=F16)),
-                     ValueError, "cache holds 50", id="cache-too-small"),
+                     ValueError, "cache holds 50 positions", id="cache-too-small"),
         pytest.param(call(cache_seqlens=torch.zeros(3, dtype=torch.int64)), TypeError, "int32", id="seqlens-dtype"),
         pytest.param(call(k_cache=k_pool, v_cache=v_pool, block_table=table + 100), ValueError,
                      "block_table entries", id="table-range"),
         pytest.param(call(k_cache=k_pool, v_cache=v_pool[:, :4], block_table=table), ValueError,
                      "same shape", id="page-size-mismatch"),
-        pytest.param(call(rotary_cos=torch.zeros(1)), NotImplementedError, "rotary", id="rotary"),
+        pytest.param(call(rotary_cos=torch.zeros(1), rotary_sin=torch.zeros(1)), ValueError, "rotary_cos must be",
+                     id="rotary-shape"),
+        pytest.param(call(rotary_cos=torch.zeros(30, 16), rotary_sin=torch.zeros(30, 16)), ValueError,
+                     "rotary_cos/rotary_sin have 30 positions", id="rotary-too-short"),
         pytest.param(call(num_splits=-1), ValueError, "num_splits", id="splits"),
     ]
 
@@ -164,3 +167,45 @@ def test_decode_compiles():
 
     assert torch.equal(torch.compile(step, fullgraph=True)(q, k_cache, v_cache, lengths),
                        step(q, k_cache, v_cache, lengths))
+
+
+def rotate(x, cos, sin, positions, interleaved):
+    """Rotary embedding written with complex numbers: an independent check of flashtile's."""
+    half = cos.shape[1]
+    angle = torch.atan2(sin[positions].double(), cos[positions].double()).unsqueeze(2)  # (B, S, 1, half)
+    rot = x[..., :2 * half].double()
+    if interleaved:
+        z = torch.complex(rot[..., 0::2], rot[..., 1::2]) * torch.exp(1j * angle)
+        rotated = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(rot[..., :half], rot[..., half:]) * torch.exp(1j * angle)
+        rotated = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rotated, x[..., 2 * half:].double()], dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_rotary_and_leftpad(interleaved, rotary_dim, causal):
+    batch, seqlen_q, capacity = 3, 3, 80
+    q, k_cache, v_cache, _ = cache_case(batch=batch, seqlen_q=seqlen_q, capacity=capacity)
+    lengths = torch.tensor([5, 60, 30], dtype=torch.int32)
+    leftpad = torch.tensor([0, 7, 29], dtype=torch.int32)
+    k_new, v_new = torch.randn(batch, seqlen_q, 2, 64, dtype=F16), torch.randn(batch, seqlen_q, 2, 64, dtype=F16)
+    angles = torch.rand(100, rotary_dim // 2) * 6
+    cos, sin = torch.cos(angles).to(F16), torch.sin(angles).to(F16)
+    cache_before = k_cache.clone()
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                            cache_seqlens=lengths, cache_leftpad=leftpad, causal=causal,
+                                            rotary_interleaved=interleaved)
+    for b in range(batch):
+        start, n = int(leftpad[b]), int(lengths[b])
+        pos = torch.arange(seqlen_q) + (n - start)
+        k_rot = rotate(k_new[b:b + 1], cos, sin, pos[None], interleaved)
+        torch.testing.assert_close(k_cache[b, n:n + seqlen_q], k_rot[0], atol=2e-3, rtol=0)
+        assert torch.equal(k_cache[b, :n], cache_before[b, :n])
+        q_pos = pos if causal else torch.full((seqlen_q,), n - start)
+        q_rot = rotate(q[b:b + 1], cos, sin, q_pos[None], interleaved)
+        keys = slice(start, n + seqlen_q)
+        assert_matches_reference(out[b:b + 1], None, q_rot, k_cache[b:b + 1, keys], v_cache[b:b + 1, keys],
+                                 causal=causal)

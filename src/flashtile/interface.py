@@ -370,7 +370,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                              names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
-def _check_cache_append(lengths, new_tokens: int, capacity: int):
+def _check_cache_append(lengths, new_tokens: int, capacity: int, what: str = "the cache holds"):
     """That the appended tokens fit, with one device-to-host copy; skipped under CUDA graph capture
     and torch.compile, where lengths must stay within the cache by construction."""
     if torch.compiler.is_compiling() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -379,8 +379,8 @@ def _check_cache_append(lengths, new_tokens: int, capacity: int):
     if low < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {low}")
     if high + new_tokens > capacity:
-        raise ValueError(f"the cache holds {capacity} tokens per sequence but cache_seqlens reaches {high} "
-                         f"and {new_tokens} new tokens are appended")
+        raise ValueError(f"{what} {capacity} positions per sequence but cache_seqlens reaches {high} "
+                         f"and {new_tokens} new tokens follow")
 
 
 def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx):
@@ -399,6 +399,36 @@ def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_i
         v_cache[rows, positions] = v
 
 
+def _apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """Rotate the first 2 * cos.shape[1] dims of x (B, S, H, D) by the angles at ``positions`` (B, S):
+    pairs (2i, 2i + 1) when ``interleaved`` (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)."""
+    half = cos.shape[1]
+    c = cos[positions].float().unsqueeze(2)  # (B, S, 1, half)
+    s = sin[positions].float().unsqueeze(2)
+    rot = x[..., :2 * half].float()
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _check_rotary(rotary_cos, rotary_sin, head_dim: int, device: torch.device) -> None:
+    for t, n in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.device != device:
+            raise ValueError(f"{n} must be (seqlen_ro, rotary_dim / 2) on {device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
+                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    if 2 * rotary_cos.shape[1] > head_dim:
+        raise ValueError(f"rotary dim {2 * rotary_cos.shape[1]} exceeds the head dim {head_dim}")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -414,11 +444,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     log-sum-exp; lengths are read on the device, so the call can be captured in a CUDA graph.
     Returns out, or (out, softmax_lse (B, H, Sq)) with ``return_softmax_lse``.
     """
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("flashtile: rotary_cos/rotary_sin in flash_attn_with_kvcache are not "
-                                  "implemented yet; apply the rotary embedding before the call")
-    if cache_leftpad is not None:
-        raise NotImplementedError("flashtile: cache_leftpad is not implemented yet")
     _check_tensor(q, "q", 4)
     paged = block_table is not None
     for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -472,17 +497,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_cache_append(lengths, new_tokens, capacity)
     if paged:
         _check_pages(block_table, k_cache.shape[0], capacity, 0)
+    if cache_leftpad is not None:
+        if paged:
+            raise ValueError("cache_leftpad cannot be combined with block_table")
+        if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32:
+            raise TypeError("cache_leftpad must be an int32 tensor")
+        if tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device:
+            raise ValueError(f"cache_leftpad must have shape ({batch},) on {q.device}")
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        _check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
+        if isinstance(cache_seqlens, torch.Tensor) or new_tokens:
+            _check_cache_append(lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
+                                what="rotary_cos/rotary_sin have")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    if rotary:  # positions count from the sequence's first slot (after any left padding)
+        start = lengths.long() if cache_leftpad is None else (lengths - cache_leftpad).long()
+        if new_tokens:
+            k = _apply_rotary(k, rotary_cos, rotary_sin,
+                              start[:, None] + torch.arange(new_tokens, device=q.device), rotary_interleaved)
+        offsets = (torch.arange(q.shape[1], device=q.device) if causal or left >= 0 or right >= 0
+                   else torch.zeros(q.shape[1], dtype=torch.long, device=q.device))
+        q = _apply_rotary(q, rotary_cos, rotary_sin, start[:, None] + offsets, rotary_interleaved)
     if new_tokens:
         _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
         lengths = lengths + new_tokens
     out, lse = ops.attn_kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
-                                scale, left, right, softcap, num_splits)
+                                scale, left, right, softcap, num_splits, cache_leftpad)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -135,18 +135,20 @@ def attn_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                  cache_batch_idx: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                  softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_splits: int,
+                 cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row."""
     from .kernels.decode import decode_attention
 
     return decode_attention(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                             window_left=window_left, window_right=window_right, softcap=softcap,
                             alibi_slopes=alibi_slopes, block_table=block_table,
-                            cache_batch_idx=cache_batch_idx, num_splits=num_splits)
+                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                            num_splits=num_splits)
 
 
 @attn_kvcache.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes, softmax_scale,
-      window_left, window_right, softcap, num_splits):
+      window_left, window_right, softcap, num_splits, cache_leftpad=None):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, heads, seqlen_q, dtype=torch.float32)

@@ -21,7 +21,8 @@ from .forward import LOG2E, _attn_fwd_inner, head_dim_padded, interpreting
 
 
 @triton.jit
-def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, BlockTable, Alibi,
+def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable,
+                 Alibi,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
                  stride_ls, stride_lb, stride_lh, stride_btb, stride_ab,
@@ -31,12 +32,16 @@ def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, BlockTa
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 LEFTPAD: tl.constexpr, UPCAST: tl.constexpr):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
     num_splits = tl.num_programs(0)
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
+    key_start = seqlen_k * 0
+    if LEFTPAD:  # the sequence occupies cache slots [leftpad, cache_seqlens)
+        key_start = tl.minimum(tl.maximum(tl.load(CacheLeftpad + batch), 0), seqlen_k)
+        seqlen_k -= key_start
     diag_offset = seqlen_k - seqlen_q
 
     r = tl.arange(0, ROWS)  # row r = (query head g of the group, query position i)
@@ -62,10 +67,10 @@ def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, BlockTa
         v_src = V + kv_head.to(tl.int64) * stride_vh + offs_d[None, :]
         block_table_row = BlockTable + batch.to(tl.int64) * stride_btb
     else:
-        k_src = (K + cache_row.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-                 + offs_n[:, None] * stride_ks + offs_d[None, :])
-        v_src = (V + cache_row.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-                 + offs_n[:, None] * stride_vs + offs_d[None, :])
+        k_src = (K + cache_row.to(tl.int64) * stride_kb + key_start.to(tl.int64) * stride_ks
+                 + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :])
+        v_src = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
+                 + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
 
     alibi_slope = tl.zeros([ROWS], dtype=tl.float32)
     if ALIBI:
@@ -169,12 +174,14 @@ def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.de
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, *, softmax_scale: float, window_left: int,
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
-                     cache_batch_idx=None, num_splits: int = 0, block_n: int | None = None):
+                     cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
+                     block_n: int | None = None):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
     ``block_table`` (B, max_pages). Query i of sequence b sits at key position
-    i + cache_seqlens[b] - Sq (bottom-right). Returns out (B, Sq, H, D) and lse (B, H, Sq) (+inf for
+    i + cache_seqlens[b] - Sq (bottom-right); with ``cache_leftpad`` sequence b's keys are slots
+    [cache_leftpad[b], cache_seqlens[b]) of a contiguous cache. Returns out (B, Sq, H, D) and lse (B, H, Sq) (+inf for
     rows that see no key, as the forward).
     """
     batch, seqlen_q, heads, head_dim = q.shape
@@ -202,8 +209,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_strides = k_cache.stride()
     v_strides = v_cache.stride()
     _attn_decode[(splits, batch, heads_k)](
-        q, k_cache, v_cache, out_partial, lse_partial, cache_seqlens, cache_batch_idx, block_table,
-        alibi_slopes, *q.stride()[:3], *k_strides[:3], *v_strides[:3], *out_partial.stride()[:4],
+        q, k_cache, v_cache, out_partial, lse_partial, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, alibi_slopes, *q.stride()[:3], *k_strides[:3], *v_strides[:3], *out_partial.stride()[:4],
         *lse_partial.stride()[:3], block_table.stride(0) if paged else 0,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         seqlen_q, capacity, group, max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
@@ -212,6 +219,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ROWS=rows, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0,
         ALIBI=alibi_slopes is not None, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
-        UPCAST=upcast, num_warps=4, num_stages=3 if paged else 2)
-    combine(out_partial, lse_partial, out, lse, empty_lse=math.inf)
+        LEFTPAD=cache_leftpad is not None, UPCAST=upcast, num_warps=4, num_stages=3 if paged else 2)
+    if upcast:  # the interpreter truncates fp32 -> bf16 stores: merge in fp32, let torch round
+        merged = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        combine(out_partial, lse_partial, merged, lse, empty_lse=math.inf)
+        out.copy_(merged)
+    else:
+        combine(out_partial, lse_partial, out, lse, empty_lse=math.inf)
     return out, lse

@@ -123,8 +123,8 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
         elif name == "dLse":
             signature[name] = "constexpr"  # the common case: no gradient on the LSE
             constexprs[name] = None
-        elif name in ("CacheSeqlens", "CacheBatchIdx"):
-            if name == "CacheBatchIdx":
+        elif name in ("CacheSeqlens", "CacheBatchIdx", "CacheLeftpad"):
+            if name != "CacheSeqlens":
                 signature[name] = "constexpr"
                 constexprs[name] = None
             else:
@@ -199,7 +199,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
-    decode = {**flags, "ROWS": 16, "BLOCK_N": 64, "BATCH_IDX": False}
+    decode = {**flags, "ROWS": 16, "BLOCK_N": 64, "BATCH_IDX": False, "LEFTPAD": False}
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     return [_compile(_attn_decode, decode, variant, arch, 4, 3 if variant.paged else 2),
