@@ -12,4 +12,9 @@ COMMANDS = {
                "against SDPA's flash and cuDNN backends and textbook attention",
     "train": "forward + backward (training) throughput: the prefill sweep and packed variable-length "
              "sequences, against SDPA's flash and cuDNN backends; backward correctness check first",
+    "decode": "one-token decode against a KV cache as K+V GB/s (CUDA graph over many layers' caches, "
+              "against a measured read ceiling), against SDPA's flash and cuDNN backends; decode and "
+              "graph-replay checks first",
+    "paged": "decode through a block table (page size 16, and 1 and 256 at one context) against the "
+             "contiguous cache in the same run; decode and graph-replay checks first",
 }

@@ -48,6 +48,11 @@ def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / (ms * 1e-3) / 1e12
 
 
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    """Bytes moved in ``ms`` milliseconds as GB/s (GB = 1e9 bytes)."""
+    return None if ms is None or ms <= 0 else nbytes / (ms * 1e-3) / 1e9
+
+
 def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
