@@ -42,7 +42,6 @@ class Variant:
         return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
-ForwardVariant = Variant
 
 
 def forward_variants() -> list[Variant]:
@@ -124,11 +123,13 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             signature[name] = "constexpr"  # the common case: no gradient on the LSE
             constexprs[name] = None
         elif name in ("CacheSeqlens", "CacheBatchIdx", "CacheLeftpad"):
-            if name != "CacheSeqlens":
+            used = {"CacheSeqlens": True, "CacheBatchIdx": values.get("BATCH_IDX"),
+                    "CacheLeftpad": values.get("LEFTPAD")}[name]
+            if used:
+                signature[name] = "*i32"
+            else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
-            else:
-                signature[name] = "*i32"
         elif name in ("OutPart", "LsePart") or (fn.__name__ == "_combine" and name == "Lse"):
             signature[name] = "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -199,7 +200,9 @@ def compile_decode(variant: Variant, arch: int) -> list:
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
-    decode = {**flags, "ROWS": 16, "BLOCK_N": 64, "BATCH_IDX": False, "LEFTPAD": False}
+    # cache_batch_idx and cache_leftpad ride along on the contiguous variants
+    decode = {**flags, "ROWS": 16, "BLOCK_N": 64, "BATCH_IDX": not variant.paged,
+              "LEFTPAD": not variant.paged}
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     return [_compile(_attn_decode, decode, variant, arch, 4, 3 if variant.paged else 2),
