@@ -184,3 +184,19 @@ def test_offsets_checked_once_per_tensor_version():
     cu[1] = 25  # an in-place change bumps the version: checked again, and refused
     with pytest.raises(ValueError, match="max_seqlen_q is 20 but a sequence has 25"):
         flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20)
+
+
+def test_tensor_descriptor_path_with_empty_sequences():
+    """The Hopper (TMA) path builds a descriptor per sequence: empty ones, last one included, too."""
+    from flashtile.kernels.forward import TileConfig, attention_forward
+
+    lengths_q, lengths_k = [0, 37, 5, 0], [3, 50, 0, 0]
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    q = torch.randn(sum(lengths_q), 4, 64, dtype=F16)
+    k, v = torch.randn(sum(lengths_k), 2, 64, dtype=F16), torch.randn(sum(lengths_k), 2, 64, dtype=F16)
+    args = dict(softmax_scale=0.125, window_left=-1, window_right=0, diag_offset=0, cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_q=37)
+    pointers = attention_forward(q, k, v, config=TileConfig(32, 32, 4, 1), **args)
+    descriptors = attention_forward(q, k, v, config=TileConfig(32, 32, 4, 1, use_tma=True), **args)
+    assert torch.equal(pointers[0], descriptors[0]) and torch.equal(pointers[1], descriptors[1])
+    assert torch.all(descriptors[0][37:] == 0)  # sequence 2 sees no key
