@@ -1,0 +1,34 @@
+"""Random shapes and features through flash_attn_func forward+backward against the reference.
+
+    python tests/fuzz_training.py SEED CASES     (CPU, interpreter; not part of the pytest run)
+"""
+import os, sys, random, traceback
+os.environ["TRITON_INTERPRET"]="1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch, flashtile
+from helpers import assert_matches_reference, assert_grads_match_reference
+from flashtile.kernels.forward import TileConfig, attention_forward
+seed = int(sys.argv[1]); n = int(sys.argv[2])
+rng = random.Random(seed); torch.manual_seed(seed)
+fails = 0
+for case in range(n):
+    B = rng.randint(1, 3); Hk = rng.choice([1, 2, 3]); H = Hk * rng.choice([1, 2, 4])
+    Sq = rng.randint(1, 120); Sk = rng.randint(1, 120); d = rng.choice([8, 16, 24, 40, 64, 72, 96, 128, 160])
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    kw = {}
+    if rng.random() < 0.5: kw["causal"] = True
+    if rng.random() < 0.3: kw["window_size"] = (rng.randint(-1, 60), rng.randint(-1, 60))
+    if rng.random() < 0.2: kw["softcap"] = rng.choice([3.0, 20.0])
+    if rng.random() < 0.2: kw["alibi_slopes"] = torch.rand(B, H) if rng.random() < 0.5 else torch.rand(H)
+    q = torch.randn(B, Sq, H, d, dtype=dtype); k = torch.randn(B, Sk, Hk, d, dtype=dtype); v = torch.randn_like(k)
+    try:
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out, lse, _ = flashtile.flash_attn_func(qq, kk, vv, return_attn_probs=True, **kw)
+        assert_matches_reference(out.detach(), lse, q, k, v, **kw)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **kw)
+    except Exception as e:
+        fails += 1
+        print("FAIL", dict(B=B, H=H, Hk=Hk, Sq=Sq, Sk=Sk, d=d, dtype=dtype, **{k2: (v2 if not torch.is_tensor(v2) else tuple(v2.shape)) for k2, v2 in kw.items()}), str(e)[:200], flush=True)
+print(f"seed {seed}: {n} cases, {fails} failures")
