@@ -2,12 +2,11 @@
 
     python tests/fuzz_training.py SEED CASES     (CPU, interpreter; not part of the pytest run)
 """
-import os, sys, random, traceback
+import os, sys, random
 os.environ["TRITON_INTERPRET"]="1"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch, flashtile
 from helpers import assert_matches_reference, assert_grads_match_reference
-from flashtile.kernels.forward import TileConfig, attention_forward
 seed = int(sys.argv[1]); n = int(sys.argv[2])
 rng = random.Random(seed); torch.manual_seed(seed)
 fails = 0
