@@ -171,3 +171,37 @@ class _PlainProgress:
 
     def close(self) -> None:
         pass
+
+
+def add_common_arguments(parser, quick_help: str, check_help: str, with_dtype: bool = True) -> None:
+    """The options every benchmark command takes."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--no-check", action="store_true", help=check_help)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
+    if with_dtype:
+        parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                            help="input dtype of the benchmark (the check covers both)")
+
+
+def check_without_gpu(command: str, what: str, checks, args) -> int:
+    """The CPU-only path of a benchmark command: run its checks through the interpreter and say that
+    timings need a GPU. ``checks`` are callables returning lists of check records."""
+    import warnings
+
+    from .check import all_passed
+
+    why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU"
+    print(f"flashtile bench {command}: {why}, so flashtile's kernels run on the CPU through the Triton "
+          "interpreter (small shapes only).")
+    passed = True
+    if not args.no_check:
+        # Rows that see no key divide by zero inside tl.where's unused branch; numpy warns, the
+        # result is right.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+        passed = all([all_passed(check()) for check in checks])
+        if not passed:
+            print("CORRECTNESS CHECK FAILED")
+    print(f"Timings need a GPU: skipped the {what} benchmark (no timings are taken through the "
+          "interpreter; nothing was written).")
+    return 0 if passed else 1

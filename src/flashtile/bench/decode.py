@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from .. import reference
 from . import check
-from .common import (DEFAULT_OUT, choose_device, environment, format_number, format_seqlen, gbps,
-                     progress, result_path, write_json)
+from .common import (DEFAULT_OUT, check_without_gpu, choose_device, environment, format_number,
+                     format_seqlen, gbps, progress, result_path, write_json)
 from .prefill import _error_text, backend_context
 
 DTYPE = torch.bfloat16
@@ -967,18 +967,8 @@ def _what(command: str) -> str:
 
 
 def _run_without_gpu(args, device: torch.device, command: str) -> int:
-    why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU"
-    print(f"flashtile bench {command}: {why}, so flashtile's kernels run on the CPU through the Triton "
-          "interpreter (small shapes only).")
-    passed = True
-    if not args.no_check:
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
-        passed = all_passed(run_check(device)) & all_passed(run_replay_check(device))
-        if not passed:
-            print("CORRECTNESS CHECK FAILED")
-    print(f"Timings need a GPU: skipped the {_what(command)} benchmark (CUDA graphs and bandwidth "
-          "cannot be measured through the interpreter; nothing was written).")
-    return 0 if passed else 1
+    return check_without_gpu(command, _what(command),
+                             [lambda: run_check(device), lambda: run_replay_check(device)], args)
 
 
 def _run_on_gpu(args, device: torch.device, command: str) -> int:

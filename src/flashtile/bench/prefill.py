@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from .. import reference
 from . import check
-from .common import (DEFAULT_OUT, DTYPES, attention_flops, choose_device, environment, format_number,
-                     format_seqlen, progress, result_path, tflops, write_json)
+from .common import (DTYPES, add_common_arguments, attention_flops, check_without_gpu, choose_device,
+                     environment, format_number, format_seqlen, progress, result_path, tflops,
+                     write_json)
 
 TOKENS = 16384  # FA2 paper: batch x seqlen held at 16k tokens
 HIDDEN = 2048  # FA2 paper: heads = hidden / head_dim
@@ -359,13 +360,8 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
 # ----------------------------------------------------------------------------------------- command
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="short sweep (d128 at 2k and 8k, causal and not, seed shape at 8k)")
-    parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="input dtype of the benchmark (the check covers both)")
+    add_common_arguments(parser, "short sweep (d128 at 2k and 8k, causal and not, seed shape at 8k)",
+                         "skip the correctness check")
 
 
 def run(args) -> int:
@@ -376,20 +372,7 @@ def run(args) -> int:
 
 
 def _run_without_gpu(args, device: torch.device) -> int:
-    why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU"
-    print(f"flashtile bench prefill: {why}, so flashtile's kernels run on the CPU through "
-          "the Triton interpreter (small shapes only).")
-    passed = True
-    if not args.no_check:
-        # Rows that see no key divide by zero inside tl.where's unused branch; numpy warns, the
-        # result is right.
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
-        passed = check.all_passed(check.run_check(device))
-        if not passed:
-            print("CORRECTNESS CHECK FAILED")
-    print("Timings need a GPU: skipped the prefill benchmark (no timings are taken through the "
-          "interpreter; nothing was written).")
-    return 0 if passed else 1
+    return check_without_gpu("prefill", "prefill", [lambda: check.run_check(device)], args)
 
 
 def _run_on_gpu(args, device: torch.device) -> int:

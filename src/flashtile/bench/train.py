@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from .. import reference
 from . import check
-from .common import (DEFAULT_OUT, DTYPES, FWD_BWD_FACTOR, attention_train_flops, choose_device,
-                     environment, format_number, format_seqlen, progress, result_path, tflops,
-                     write_json)
+from .common import (DTYPES, FWD_BWD_FACTOR, add_common_arguments, attention_train_flops,
+                     check_without_gpu, choose_device, environment, format_number, format_seqlen,
+                     progress, result_path, tflops, write_json)
 from .prefill import (COLORS, Point, _error_text, _panels, backend_context, peak_extra_mb,
                       sweep_points, tile_config)
 
@@ -435,13 +435,8 @@ def _varlen_bars(ax, varlen: dict) -> None:
 # ----------------------------------------------------------------------------------------- command
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="short sweep (d128 at 2k and 8k, causal and not, seed shape at 8k, varlen)")
-    parser.add_argument("--no-check", action="store_true", help="skip the backward correctness check")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"directory for the JSON and PNG results (default: {DEFAULT_OUT})")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="input dtype of the benchmark (the check covers both)")
+    add_common_arguments(parser, "short sweep (d128 at 2k and 8k, causal and not, seed shape at 8k, varlen)",
+                         "skip the backward correctness check")
 
 
 def run(args) -> int:
@@ -452,20 +447,8 @@ def run(args) -> int:
 
 
 def _run_without_gpu(args, device: torch.device) -> int:
-    why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU"
-    print(f"flashtile bench train: {why}, so flashtile's kernels run on the CPU through "
-          "the Triton interpreter (small shapes only).")
-    passed = True
-    if not args.no_check:
-        # Rows that see no key divide by zero inside tl.where's unused branch; numpy warns, the
-        # result is right.
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
-        passed = check.all_passed(check.run_backward_check(device))
-        if not passed:
-            print("CORRECTNESS CHECK FAILED")
-    print("Timings need a GPU: skipped the train (forward + backward) benchmark (no timings are taken "
-          "through the interpreter; nothing was written).")
-    return 0 if passed else 1
+    return check_without_gpu("train", "train (forward + backward)",
+                             [lambda: check.run_backward_check(device)], args)
 
 
 def _run_on_gpu(args, device: torch.device) -> int:
