@@ -77,3 +77,20 @@ def test_cli_without_gpu_runs_the_check_and_skips_timings(tmp_path):
     assert len(verdicts) == len(check.check_cases(on_gpu=False)), log
     assert set(verdicts) == {"PASS"}, log
     assert "timings need a gpu" in done.stdout.lower(), log
+
+
+def test_plots_render(tmp_path):
+    """Both sweeps' plots draw from records shaped like a GPU run's (matplotlib is in the bench set)."""
+    pytest.importorskip("matplotlib")
+    from dataclasses import asdict
+
+    from flashtile.bench import prefill, train
+
+    records = []
+    for i, point in enumerate(prefill.sweep_points(quick=True)):
+        providers = {name: {"available": True, "tflops": 100.0 + 10 * i + j, "ms": 1.0}
+                     for j, name in enumerate(prefill.PROVIDERS)}
+        records.append({**asdict(point), "providers": providers, "ratios": {}, "out_lse_mb": None})
+    assert prefill.write_plot(records, tmp_path / "prefill.png", "t").startswith("Wrote")
+    assert train.write_plot(records, None, tmp_path / "train.png", "t").startswith("Wrote")
+    assert (tmp_path / "prefill.png").stat().st_size > 1000 and (tmp_path / "train.png").stat().st_size > 1000

@@ -315,21 +315,14 @@ def _panels(records: list[dict]) -> list[tuple[str, list[dict]]]:
     return panels
 
 
-def write_plot(records: list[dict], path: Path, title: str) -> str:
-    """TFLOP/s against seqlen, one panel per head dim plus the seed shape; returns what happened."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
-    except ImportError:
-        return "matplotlib is not installed: skipped the plot"
+def draw_tflops_panels(axes, records: list[dict], providers, ylabel: str) -> int:
+    """TFLOP/s against seqlen on ``axes``, one panel per head dim plus the seed shape (solid lines
+    non-causal, dashed causal); returns how many panels were drawn."""
+    from matplotlib.lines import Line2D
+
     panels = _panels(records)
-    if not panels:
-        return "no points to plot"
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
-    for ax, (panel_title, recs) in zip(axes[0], panels):
-        for name in PROVIDERS:
+    for ax, (panel_title, recs) in zip(axes, panels):
+        for name in providers:
             for causal in (False, True):
                 pts = [(r["seqlen"], _tflops_of(r, name)) for r in recs
                        if r["causal"] == causal and _tflops_of(r, name) is not None]
@@ -343,12 +336,29 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
         ax.set_xticklabels([format_seqlen(s) for s in seqlens])
         ax.minorticks_off()
         ax.set_ylim(bottom=0)
-        ax.set(title=panel_title, xlabel="sequence length", ylabel="TFLOP/s")
+        ax.set(title=panel_title, xlabel="sequence length", ylabel=ylabel)
         ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=COLORS[n], label=n) for n in PROVIDERS]
-    handles += [Line2D([], [], color="black", label="non-causal"),
-                Line2D([], [], color="black", linestyle="--", label="causal")]
-    axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
+    if panels:
+        handles = [Line2D([], [], color=COLORS[n], label=n) for n in providers]
+        handles += [Line2D([], [], color="black", label="non-causal"),
+                    Line2D([], [], color="black", linestyle="--", label="causal")]
+        axes[len(panels) - 1].legend(handles=handles, fontsize=7, loc="best")
+    return len(panels)
+
+
+def write_plot(records: list[dict], path: Path, title: str) -> str:
+    """TFLOP/s against seqlen, one panel per head dim plus the seed shape; returns what happened."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: skipped the plot"
+    count = len(_panels(records))
+    if not count:
+        return "no points to plot"
+    fig, axes = plt.subplots(1, count, figsize=(4.6 * count, 4.2), squeeze=False)
+    draw_tflops_panels(list(axes[0]), records, PROVIDERS, "TFLOP/s")
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from . import check
 from .common import (DTYPES, FWD_BWD_FACTOR, add_common_arguments, attention_train_flops,
                      check_without_gpu, choose_device, environment, format_number, format_seqlen,
                      progress, result_path, tflops, write_json)
-from .prefill import (COLORS, Point, _error_text, _panels, backend_context, peak_extra_mb,
+from .prefill import (COLORS, Point, _error_text, _panels, draw_tflops_panels, backend_context, peak_extra_mb,
                       sweep_points, tile_config)
 
 WARMUP_MS, REP_MS = 25, 100
@@ -373,37 +373,14 @@ def write_plot(records: list[dict], varlen: dict | None, path: Path, title: str)
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
     except ImportError:
         return "matplotlib is not installed: skipped the plot"
-    panels = _panels(records)
-    n_axes = len(panels) + (1 if varlen else 0)
+    n_axes = len(_panels(records)) + (1 if varlen else 0)
     if not n_axes:
         return "no points to plot"
     fig, axes = plt.subplots(1, n_axes, figsize=(4.6 * n_axes, 4.2), squeeze=False)
     axes = list(axes[0])
-    for ax, (panel_title, recs) in zip(axes, panels):
-        for name in PROVIDERS:
-            for causal in (False, True):
-                pts = [(r["seqlen"], _tflops_of(r, name)) for r in recs
-                       if r["causal"] == causal and _tflops_of(r, name) is not None]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, color=COLORS[name], linestyle="--" if causal else "-", marker="o",
-                            markersize=3)
-        seqlens = sorted({r["seqlen"] for r in recs})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(seqlens)
-        ax.set_xticklabels([format_seqlen(s) for s in seqlens])
-        ax.minorticks_off()
-        ax.set_ylim(bottom=0)
-        ax.set(title=panel_title, xlabel="sequence length", ylabel="fwd+bwd TFLOP/s")
-        ax.grid(alpha=0.3)
-    if panels:
-        handles = [Line2D([], [], color=COLORS[n], label=n) for n in PROVIDERS]
-        handles += [Line2D([], [], color="black", label="non-causal"),
-                    Line2D([], [], color="black", linestyle="--", label="causal")]
-        axes[len(panels) - 1].legend(handles=handles, fontsize=7, loc="best")
+    draw_tflops_panels(axes, records, PROVIDERS, "fwd+bwd TFLOP/s")
     if varlen:
         _varlen_bars(axes[-1], varlen)
     fig.suptitle(title)
