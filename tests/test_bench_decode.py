@@ -253,7 +253,7 @@ def test_speed_ratios_are_anchor_time_over_flashtile_time():
     results = {"flashtile": {"available": True, "ms_per_layer": 2.0},
                "sdpa-flash": {"available": True, "ms_per_layer": 3.0},
                "sdpa-cudnn": {"available": False, "error": "no"}}
-    assert decode.speed_ratios(results, "flashtile", decode.DECODE_ANCHORS) == \
+    assert decode.speed_ratios(results, "flashtile", decode.DECODE_ANCHORS, "ms_per_layer") == \
         {"sdpa-flash": 1.5, "sdpa-cudnn": None}
 
 

@@ -209,3 +209,13 @@ def test_rotary_and_leftpad(interleaved, rotary_dim, causal):
         keys = slice(start, n + seqlen_q)
         assert_matches_reference(out[b:b + 1], None, q_rot, k_cache[b:b + 1, keys], v_cache[b:b + 1, keys],
                                  causal=causal)
+
+
+def test_lengths_checked_again_after_an_in_place_change():
+    q, k_cache, v_cache, _ = cache_case(capacity=50)
+    lengths = torch.tensor([1, 40, 20], dtype=torch.int32)
+    k_new, v_new = torch.randn(3, 2, 2, 64, dtype=F16), torch.randn(3, 2, 2, 64, dtype=F16)
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)
+    lengths[1] = 49  # a cached check must notice the new version
+    with pytest.raises(ValueError, match="cache holds 50 positions"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)

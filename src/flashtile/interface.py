@@ -214,20 +214,32 @@ def _check_max_seqlen(value, name: str) -> int:
     return value
 
 
-# Offsets already checked, by id of cu_seqlens_q: every layer of a model reuses the same tensors, so
-# the device-to-host copy (which stalls the CPU until the GPU catches up) happens once per batch.
-_checked_offsets: dict[int, tuple] = {}
+# Value checks already passed, by (check, id of the tensor): every layer of a model reuses the same
+# offsets, block table and lengths, so the device-to-host copy (which stalls the CPU until the GPU
+# catches up) happens once per batch or decode step, not once per layer.
+_checked: dict[tuple[str, int], tuple] = {}
+
+
+def _values_to_check(check: str, tensor: torch.Tensor, key: tuple) -> bool:
+    """Whether ``check`` must read ``tensor``'s values now: not under torch.compile or CUDA graph
+    capture (no sync possible there; the kernels clamp every index into its tensor instead), and not
+    again for a tensor whose version and ``key`` were already checked."""
+    if torch.compiler.is_compiling() or (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return _checked.get((check, id(tensor))) != (tensor._version, *key)
+
+
+def _remember_checked(check: str, tensor: torch.Tensor, key: tuple) -> None:
+    slot = (check, id(tensor))
+    if slot not in _checked:
+        weakref.finalize(tensor, _checked.pop, slot, None)
+    _checked[slot] = (tensor._version, *key)
 
 
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
-    """The offsets' values, with one device-to-host copy per new pair of offset tensors; skipped where
-    a sync is impossible (CUDA graph capture, torch.compile), where the kernels' clamping still keeps
-    every access in bounds."""
-    if torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    key = (cu_seqlens_q._version, id(cu_seqlens_k), cu_seqlens_k._version, total_q, total_k,
-           max_seqlen_q, max_seqlen_k)
-    if _checked_offsets.get(id(cu_seqlens_q)) == key:
+    """The offsets' values: start at 0, non-decreasing, within the packed tokens and max_seqlen."""
+    key = (id(cu_seqlens_k), cu_seqlens_k._version, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    if not _values_to_check("offsets", cu_seqlens_q, key):
         return
     stats = []
     for cu in (cu_seqlens_q, cu_seqlens_k):
@@ -245,9 +257,7 @@ def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, m
             raise ValueError(f"{name} ends at {end}, past the {total} packed tokens")
         if high > max_value:
             raise ValueError(f"{max_name} is {max_value} but a sequence has {high} tokens")
-    if id(cu_seqlens_q) not in _checked_offsets:
-        weakref.finalize(cu_seqlens_q, _checked_offsets.pop, id(cu_seqlens_q), None)
-    _checked_offsets[id(cu_seqlens_q)] = key
+    _remember_checked("offsets", cu_seqlens_q, key)
 
 
 def _check_block_table(block_table, k, v, batch: int, device: torch.device):
@@ -273,15 +283,14 @@ def _check_block_table(block_table, k, v, batch: int, device: torch.device):
 
 
 def _check_pages(block_table, num_pages: int, capacity: int, max_seqlen_k: int):
-    if torch.compiler.is_compiling() or (block_table.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return  # no sync possible; the kernel clamps page numbers into the pool
     if max_seqlen_k > capacity:
         raise ValueError(f"max_seqlen_k is {max_seqlen_k} but block_table holds only {capacity} keys "
                          "per sequence")
-    if block_table.numel():
+    if block_table.numel() and _values_to_check("pages", block_table, (num_pages,)):
         low, high = torch.stack([block_table.min(), block_table.max()]).tolist()
         if low < 0 or high >= num_pages:
             raise ValueError(f"block_table entries must be in [0, {num_pages}), got [{low}, {high}]")
+        _remember_checked("pages", block_table, (num_pages,))
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -370,17 +379,24 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                              names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
-def _check_cache_append(lengths, new_tokens: int, capacity: int, what: str = "the cache holds"):
-    """That the appended tokens fit, with one device-to-host copy; skipped under CUDA graph capture
-    and torch.compile, where lengths must stay within the cache by construction."""
-    if torch.compiler.is_compiling() or (lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    low, high = torch.stack([lengths.min(), lengths.max()]).tolist()
+def _check_cache_append(cache_seqlens, lengths, new_tokens: int, capacity: int,
+                        what: str = "the cache holds"):
+    """That cache_seqlens plus the new tokens stay within ``capacity`` positions (an int is checked
+    on the host; a tensor's values once per tensor version)."""
+    key = (new_tokens, capacity)
+    if isinstance(cache_seqlens, torch.Tensor):
+        if not _values_to_check(f"lengths: {what}", lengths, key):
+            return
+        low, high = torch.stack([lengths.min(), lengths.max()]).tolist()
+    else:
+        low = high = cache_seqlens
     if low < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got {low}")
     if high + new_tokens > capacity:
         raise ValueError(f"{what} {capacity} positions per sequence but cache_seqlens reaches {high} "
                          f"and {new_tokens} new tokens follow")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _remember_checked(f"lengths: {what}", lengths, key)
 
 
 def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx):
@@ -493,8 +509,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         new_tokens = k.shape[1]
-    if isinstance(cache_seqlens, torch.Tensor) or new_tokens:
-        _check_cache_append(lengths, new_tokens, capacity)
+    _check_cache_append(cache_seqlens, lengths, new_tokens, capacity)
     if paged:
         _check_pages(block_table, k_cache.shape[0], capacity, 0)
     if cache_leftpad is not None:
@@ -507,9 +522,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary = rotary_cos is not None or rotary_sin is not None
     if rotary:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
-        if isinstance(cache_seqlens, torch.Tensor) or new_tokens:
-            _check_cache_append(lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
-                                what="rotary_cos/rotary_sin have")
+        _check_cache_append(cache_seqlens, lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
+                            what="rotary_cos/rotary_sin have")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     scale = _check_scale(softmax_scale, q.shape[-1])

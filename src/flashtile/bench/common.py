@@ -205,3 +205,25 @@ def check_without_gpu(command: str, what: str, checks, args) -> int:
     print(f"Timings need a GPU: skipped the {what} benchmark (no timings are taken through the "
           "interpreter; nothing was written).")
     return 0 if passed else 1
+
+
+def speed_ratios(results: dict, mine: str, others, time_key: str = "ms") -> dict:
+    """``mine``'s speed relative to each of ``others`` (> 1: ``mine`` is faster); None where either
+    was unavailable."""
+    me = results.get(mine, {})
+    out = {}
+    for other in others:
+        them = results.get(other, {})
+        both = me.get("available") and them.get("available")
+        out[other] = them[time_key] / me[time_key] if both else None
+    return out
+
+
+def save_figure(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return f"Wrote {path}"

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from .. import reference
 from . import check
 from .common import (DEFAULT_OUT, check_without_gpu, choose_device, environment, format_number,
-                     format_seqlen, gbps, progress, result_path, write_json)
+                     format_seqlen, gbps, progress, result_path, save_figure, speed_ratios,
+                     write_json)
 from .prefill import _error_text, backend_context
 
 DTYPE = torch.bfloat16
@@ -348,17 +349,6 @@ def measure(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tens
             "gbps": rate, "pct_ceiling": pct, **step.info}
 
 
-def speed_ratios(results: dict, mine: str, others) -> dict:
-    """``mine``'s speed relative to each of ``others`` (> 1: ``mine`` is faster)."""
-    me = results.get(mine, {})
-    out = {}
-    for other in others:
-        them = results.get(other, {})
-        both = me.get("available") and them.get("available")
-        out[other] = them["ms_per_layer"] / me["ms_per_layer"] if both else None
-    return out
-
-
 def run_point(planned: Planned, command: str, device: torch.device, timer: Callable,
               ceiling_gbps: float | None, bar, seed: int = 0) -> dict:
     point, layers = planned.point, planned.layers
@@ -388,9 +378,9 @@ def run_point(planned: Planned, command: str, device: torch.device, timer: Calla
             torch.cuda.empty_cache()
         record.update(skipped=None, providers=results)
     if command == "decode":
-        record["ratios"] = speed_ratios(record["providers"], "flashtile", DECODE_ANCHORS)
+        record["ratios"] = speed_ratios(record["providers"], "flashtile", DECODE_ANCHORS, "ms_per_layer")
     else:
-        record["ratios"] = {n: speed_ratios(record["providers"], n, [CONTIGUOUS])[CONTIGUOUS]
+        record["ratios"] = {n: speed_ratios(record["providers"], n, [CONTIGUOUS], "ms_per_layer")[CONTIGUOUS]
                             for n in names if n != CONTIGUOUS}
     return record
 
@@ -922,11 +912,7 @@ def write_plot(records: list[dict], command: str, ceiling_gbps: float | None, pa
                               label=f"read ceiling {ceiling_gbps:.0f} GB/s"))
     axes.flat[0].legend(handles=handles, fontsize=7, loc="lower right")
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return f"Wrote {path}"
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------- command

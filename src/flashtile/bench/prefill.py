@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from .. import reference
 from . import check
 from .common import (DTYPES, add_common_arguments, attention_flops, check_without_gpu, choose_device,
-                     environment, format_number, format_seqlen, progress, result_path, tflops,
-                     write_json)
+                     environment, format_number, format_seqlen, progress, result_path, save_figure,
+                     speed_ratios, tflops, write_json)
 
 TOKENS = 16384  # FA2 paper: batch x seqlen held at 16k tokens
 HIDDEN = 2048  # FA2 paper: heads = hidden / head_dim
@@ -201,15 +201,9 @@ def measure(name: str, point: Point, inputs: Inputs, timer: Callable, with_memor
     return {"available": False, "error": error}
 
 
-def ratios(results: dict) -> dict:
+def ratios(results: dict, anchors=ANCHORS) -> dict:
     """flashtile's speed relative to each anchor (> 1: flashtile is faster)."""
-    mine = results["flashtile"]
-    out = {}
-    for anchor in ANCHORS:
-        other = results[anchor]
-        both = mine.get("available") and other.get("available")
-        out[anchor] = other["ms"] / mine["ms"] if both else None
-    return out
+    return speed_ratios(results, "flashtile", anchors)
 
 
 def output_mb(point: Point, dtype: torch.dtype) -> float:
@@ -282,21 +276,21 @@ def _point_summary(record: dict) -> str:
     return line
 
 
-def format_table(records: list[dict], title: str) -> str:
+def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
     """The short table printed last: TFLOP/s per provider and flashtile's ratio to the SDPA anchors."""
-    columns = f"{'d':>4} {'causal':>6} {'B':>3} {'H/Hk':>6} {'S':>5} | {'flashtile':>9} {'flash':>7} " \
-              f"{'cudnn':>7} {'textbook':>8} | {'vs flash':>8} {'vs cudnn':>8}"
+    short = {"flashtile": "flashtile", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "textbook": "textbook"}
+    widths = {"flashtile": 9, "sdpa-flash": 7, "sdpa-cudnn": 7, "textbook": 8}
+    columns = (f"{'d':>4} {'causal':>6} {'B':>3} {'H/Hk':>6} {'S':>5} | "
+               + " ".join(f"{short[n]:>{widths[n]}}" for n in providers)
+               + f" | {'vs flash':>8} {'vs cudnn':>8}")
     lines = [title, columns, "-" * len(columns)]
     for r in records:
         ratio = r["ratios"]
         lines.append(
             f"{r['head_dim']:>4} {'yes' if r['causal'] else 'no':>6} {r['batch']:>3} "
             f"{str(r['heads']) + '/' + str(r['heads_k']):>6} {format_seqlen(r['seqlen']):>5} | "
-            f"{format_number(_tflops_of(r, 'flashtile')):>9} "
-            f"{format_number(_tflops_of(r, 'sdpa-flash')):>7} "
-            f"{format_number(_tflops_of(r, 'sdpa-cudnn')):>7} "
-            f"{format_number(_tflops_of(r, 'textbook')):>8} | "
-            f"{format_number(ratio['sdpa-flash'], '{:.2f}x'):>8} "
+            + " ".join(f"{format_number(_tflops_of(r, n)):>{widths[n]}}" for n in providers)
+            + f" | {format_number(ratio['sdpa-flash'], '{:.2f}x'):>8} "
             f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}")
     return "\n".join(lines)
 
@@ -360,11 +354,7 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
     fig, axes = plt.subplots(1, count, figsize=(4.6 * count, 4.2), squeeze=False)
     draw_tflops_panels(list(axes[0]), records, PROVIDERS, "TFLOP/s")
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return f"Wrote {path}"
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------- command

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from .. import reference
 from . import check
 from .common import (DTYPES, FWD_BWD_FACTOR, add_common_arguments, attention_train_flops,
-                     check_without_gpu, choose_device, environment, format_number, format_seqlen,
-                     progress, result_path, tflops, write_json)
-from .prefill import (COLORS, Point, _error_text, _panels, draw_tflops_panels, backend_context, peak_extra_mb,
-                      sweep_points, tile_config)
+                     check_without_gpu, choose_device, environment, format_number, progress,
+                     result_path, save_figure, tflops, write_json)
+from .prefill import (COLORS, PROVIDERS, Point, _error_text, _panels, backend_context,
+                      draw_tflops_panels, peak_extra_mb, ratios, sweep_points, tile_config)
+from .prefill import format_table as prefill_table
 
 WARMUP_MS, REP_MS = 25, 100
 MEMORY_SEQLENS = (8192, 16384)
@@ -34,8 +35,6 @@ MEMORY_SEQLENS = (8192, 16384)
 # it runs only where that matrix is small, so it cannot dominate the run's time or memory.
 TEXTBOOK_MAX_SCORE_BYTES = 4e9
 
-PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "textbook")
-ANCHORS = ("sdpa-flash", "sdpa-cudnn", "textbook")
 
 # Packed sequences: lengths from a fixed-seed lognormal (median 600 tokens, long tail), clipped, with a
 # few explicit lengths; Python's own generator, so the lengths are the same on every machine.
@@ -186,17 +185,6 @@ def measure_step(forward: Callable, leaves, backend: str | None, timer: Callable
     return {"available": True, "ms": ms, "tflops": tflops(flops, ms), "peak_extra_mb": memory}
 
 
-def ratios(results: dict, anchors=ANCHORS) -> dict:
-    """flashtile's speed relative to each anchor (> 1: flashtile is faster)."""
-    mine = results["flashtile"]
-    out = {}
-    for anchor in anchors:
-        other = results.get(anchor, {})
-        both = mine.get("available") and other.get("available")
-        out[anchor] = other["ms"] / mine["ms"] if both else None
-    return out
-
-
 def grads_mb(point: Point, dtype: torch.dtype) -> float:
     """out + LSE + dq + dk + dv: what any fused fwd+bwd must hold at its peak; the memory yardstick."""
     item = torch.finfo(dtype).bits // 8
@@ -330,20 +318,7 @@ def _point_summary(record: dict) -> str:
 
 def format_table(records: list[dict], title: str) -> str:
     """The short table printed last: fwd+bwd TFLOP/s and flashtile's ratio to the SDPA anchors."""
-    columns = f"{'d':>4} {'causal':>6} {'B':>3} {'H/Hk':>6} {'S':>5} | {'flashtile':>9} {'flash':>7} " \
-              f"{'cudnn':>7} | {'vs flash':>8} {'vs cudnn':>8}"
-    lines = [title, columns, "-" * len(columns)]
-    for r in records:
-        ratio = r["ratios"]
-        lines.append(
-            f"{r['head_dim']:>4} {'yes' if r['causal'] else 'no':>6} {r['batch']:>3} "
-            f"{str(r['heads']) + '/' + str(r['heads_k']):>6} {format_seqlen(r['seqlen']):>5} | "
-            f"{format_number(_tflops_of(r, 'flashtile')):>9} "
-            f"{format_number(_tflops_of(r, 'sdpa-flash')):>7} "
-            f"{format_number(_tflops_of(r, 'sdpa-cudnn')):>7} | "
-            f"{format_number(ratio['sdpa-flash'], '{:.2f}x'):>8} "
-            f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}")
-    return "\n".join(lines)
+    return prefill_table(records, title, providers=("flashtile", "sdpa-flash", "sdpa-cudnn"))
 
 
 def format_varlen(v: dict) -> str:
@@ -384,11 +359,7 @@ def write_plot(records: list[dict], varlen: dict | None, path: Path, title: str)
     if varlen:
         _varlen_bars(axes[-1], varlen)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return f"Wrote {path}"
+    return save_figure(fig, path)
 
 
 def _varlen_bars(ax, varlen: dict) -> None:
