@@ -23,9 +23,9 @@ def api_grads(q, k, v, dout, **kw):
     return q.grad, k.grad, v.grad
 
 
-def check(q, k, v, **kw):
+def check(q, k, v, deterministic=False, **kw):
     dout = torch.randn_like(q)
-    grads = api_grads(q, k, v, dout, **kw)
+    grads = api_grads(q, k, v, dout, deterministic=deterministic, **kw)
     assert_grads_match_reference(grads, q, k, v, dout, **kw)
 
 
@@ -74,17 +74,19 @@ def test_alibi(per_batch, causal):
     check(q, k, v, causal=causal, alibi_slopes=torch.rand(2, 4) if per_batch else torch.rand(4))
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-pass"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
-def test_everything_at_once(dtype):
+def test_everything_at_once(dtype, deterministic):
     q, k, v = make_qkv(3, 60, 90, 6, 2, 80, dtype)
     check(q, k, v, causal=True, window_size=(25, -1), softcap=10.0, alibi_slopes=torch.rand(3, 6),
-          softmax_scale=0.3)
+          softmax_scale=0.3, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("blocks", [(16, 16, 16, 16), (16, 64, 64, 16), (64, 16, 16, 64), (32, 64, 64, 32)],
                          ids=str)
 @pytest.mark.parametrize("case", ["causal", "window", "ragged"])
-def test_tile_shapes(blocks, case):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-pass"])
+def test_tile_shapes(blocks, case, deterministic):
     """The query/key block ranges hold for any tile shape of either backward kernel."""
     kw = {"causal": dict(causal=True), "window": dict(window_size=(19, 7)), "ragged": dict(causal=True)}[case]
     sq, sk = (100, 100) if case != "ragged" else (75, 119)
@@ -94,7 +96,8 @@ def test_tile_shapes(blocks, case):
     right = 0 if kw.get("causal") else right
     args = dict(softmax_scale=32 ** -0.5, window_left=left, window_right=right, diag_offset=sk - sq)
     out, lse = attention_forward(q, k, v, **args)
-    grads = attention_backward(dout, q, k, v, out, lse, config=BackwardConfig(*blocks, 4, 1), **args)
+    grads = attention_backward(dout, q, k, v, out, lse, config=BackwardConfig(*blocks, 4, 1),
+                               deterministic=deterministic, **args)
     assert_grads_match_reference(grads, q, k, v, dout, **kw)
 
 
@@ -122,6 +125,13 @@ def test_deterministic():
     second = api_grads(q, k, v, dout, causal=True, deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    assert_grads_match_reference(first, q, k, v, dout, causal=True)
+
+
+def test_deterministic_must_be_a_bool():
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 32, F16)
+    with pytest.raises(TypeError, match="deterministic"):
+        flashtile.flash_attn_func(q, k, v, deterministic="yes")
 
 
 def test_packed_gradients_reach_the_packed_tensor():

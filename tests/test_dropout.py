@@ -28,8 +28,9 @@ def test_kept_fraction(p):
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window_size=(9, 4), softcap=5.0),
-                                dict(causal=True, alibi_slopes="per-batch")],
-                         ids=["causal", "full", "window-softcap", "alibi"])
+                                dict(causal=True, alibi_slopes="per-batch"),
+                                dict(causal=True, deterministic=True)],
+                         ids=["causal", "full", "window-softcap", "alibi", "deterministic"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 def test_matches_reference_with_the_same_mask(kw, dtype):
     kw = dict(kw)
@@ -43,6 +44,7 @@ def test_matches_reference_with_the_same_mask(kw, dtype):
     out = flashtile.flash_attn_func(qq, kk, vv, dropout_p=p, **kw)
     dout = torch.randn_like(out)
     out.backward(dout)
+    kw.pop("deterministic", None)
     ref_kw = dict(kw, dropout_p=p, dropout_mask=keep)
     assert_matches_reference(out.detach(), None, q, k, v, **ref_kw)
     assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **ref_kw)

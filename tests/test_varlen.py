@@ -42,8 +42,9 @@ LENGTHS = [([5, 70, 0, 33, 1], [9, 50, 4, 33, 64]), ([64, 64], [64, 64]), ([1], 
 
 @pytest.mark.parametrize("lengths_q,lengths_k", LENGTHS, ids=lambda x: "-".join(map(str, x)))
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window_size=(20, 0)),
-                                dict(window_size=(7, 12), softcap=5.0), dict(causal=True, alibi=True)],
-                         ids=["full", "causal", "sliding", "window-softcap", "alibi"])
+                                dict(window_size=(7, 12), softcap=5.0), dict(causal=True, alibi=True),
+                                dict(causal=True, deterministic=True)],
+                         ids=["full", "causal", "sliding", "window-softcap", "alibi", "deterministic"])
 def test_each_sequence_as_if_alone(lengths_q, lengths_k, kw):
     kw = dict(kw)
     heads, heads_k, head_dim = 4, 2, 40

@@ -121,8 +121,14 @@ def _check_dropout(dropout_p) -> float:
     return float(dropout_p)
 
 
+def _check_deterministic(deterministic) -> bool:
+    if deterministic is not None and not isinstance(deterministic, (bool, int)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return bool(deterministic)
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, names=("q", "k", "v")):
+               return_attn_probs, deterministic=False, names=("q", "k", "v")):
     _check_attention_inputs(q, k, v, names)
     dropout_p = _check_dropout(dropout_p)
     scale = _check_scale(softmax_scale, q.shape[-1])
@@ -131,7 +137,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     seed = ops.new_dropout_seed(dropout_p, q.device)
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, None, None, 0, 0,
-                           dropout_p, seed)
+                           dropout_p, seed, None, _check_deterministic(deterministic))
     if not return_attn_probs:
         return out
     s_dmask = None
@@ -163,7 +169,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``return_attn_probs`` the tuple (out, softmax_lse (B, H, Sq) float32, None).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs)
+                      return_attn_probs, deterministic)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -175,7 +181,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_k, head_dim), got {tuple(kv.shape)}")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+                      softcap, alibi_slopes, return_attn_probs, deterministic,
+                      names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -187,7 +194,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, head_dim), got {tuple(qkv.shape)}")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                      window_size, softcap, alibi_slopes, return_attn_probs,
+                      window_size, softcap, alibi_slopes, return_attn_probs, deterministic,
                       names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
@@ -295,7 +302,7 @@ def _check_pages(block_table, num_pages: int, capacity: int, max_seqlen_k: int):
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                      block_table, names=("q", "k", "v")):
+                      block_table, deterministic=False, names=("q", "k", "v")):
     _check_tensor(q, names[0], 3)
     batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     if block_table is None:
@@ -326,7 +333,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           ops.new_dropout_seed(dropout_p, q.device), block_table)
+                           ops.new_dropout_seed(dropout_p, q.device), block_table,
+                           _check_deterministic(deterministic))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -348,7 +356,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             return_attn_probs, block_table)
+                             return_attn_probs, block_table, deterministic)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -362,7 +370,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         raise ValueError(f"kv must have shape (total_k, 2, heads_k, head_dim), got {tuple(kv.shape)}")
     return _varlen_attention(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, return_attn_probs, None, names=("q", "kv[:, 0]", "kv[:, 1]"))
+                             alibi_slopes, return_attn_probs, None, deterministic,
+                             names=("q", "kv[:, 0]", "kv[:, 1]"))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -375,7 +384,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         raise ValueError(f"qkv must have shape (total, 3, heads, head_dim), got {tuple(qkv.shape)}")
     return _varlen_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                              max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, return_attn_probs, None,
+                             alibi_slopes, return_attn_probs, None, deterministic,
                              names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
@@ -612,6 +621,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     softmax_scale = _check_scale(scale, q.shape[-1], name="scale")
     right = 0 if is_causal else -1
     out, _ = ops.forward(q, k, v, softmax_scale, -1, right, False, 0.0, None, None, None, 0, 0,
-                         dropout_p, ops.new_dropout_seed(dropout_p, q.device))
+                         dropout_p, ops.new_dropout_seed(dropout_p, q.device), None,
+                         torch.are_deterministic_algorithms_enabled())
     out = out.transpose(1, 2)
     return out.squeeze(0) if unbatched else out

@@ -24,7 +24,8 @@ def new_dropout_seed(dropout_p: float, device: torch.device):
 
 def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
             softcap: float, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
-            max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None, block_table=None):
+            max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None, block_table=None,
+            deterministic: bool = False):
     """The forward as the public functions call it.
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
@@ -36,7 +37,7 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
             block_table)
     if torch.compiler.is_compiling() or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return attn_fwd(*args)
+        return attn_fwd(*args, deterministic)
     return _attn_fwd_impl(*args)
 
 
@@ -59,8 +60,10 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
              cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
              max_seqlen_k: int = 0, dropout_p: float = 0.0,
              dropout_seed: Optional[torch.Tensor] = None,
-             block_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on validated tensors; returns (out, lse)."""
+             block_table: Optional[torch.Tensor] = None,
+             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on validated tensors; returns (out, lse). ``deterministic`` only chooses
+    the backward's dQ path."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                           alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           dropout_p, dropout_seed, block_table)
@@ -69,7 +72,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
 @attn_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
-      dropout_seed=None, block_table=None):
+      dropout_seed=None, block_table=None, deterministic=False):
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
@@ -86,7 +89,7 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              alibi_slopes: Optional[torch.Tensor], dlse: Optional[torch.Tensor],
              cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
              max_seqlen_q: int = 0, max_seqlen_k: int = 0, dropout_p: float = 0.0,
-             dropout_seed: Optional[torch.Tensor] = None
+             dropout_seed: Optional[torch.Tensor] = None, deterministic: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, from the saved output and LSE."""
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
@@ -95,20 +98,22 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                               diag_offset=diag_offset, softcap=softcap, alibi_slopes=alibi_slopes,
                               dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                              dropout_p=dropout_p, dropout_seed=dropout_seed)
+                              dropout_p=dropout_p, dropout_seed=dropout_seed,
+                              deterministic=deterministic)
 
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, softcap,
       alibi_slopes, dlse, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-      dropout_p=0.0, dropout_seed=None):
+      dropout_p=0.0, dropout_seed=None, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_fwd_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
-     block_table) = inputs
+     block_table, *rest) = inputs
+    ctx.deterministic = bool(rest[0]) if rest else False
     ctx.paged = block_table is not None
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed)
@@ -123,8 +128,8 @@ def _attn_fwd_backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
-                          cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed)
-    return (dq, dk, dv) + (None,) * 13
+                          cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 14
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

@@ -97,15 +97,16 @@ def _scores_log2(qk, rows_pos, cols, seqlen_k, window_left, window_right, qk_sca
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds,
-                         offs_m, offs_d, cols, blk_lo, blk_hi, seqlen_q, seqlen_k, diag_offset,
-                         window_left, window_right, qk_scale, softcap_in, alibi_slope,
-                         rng_seed, dropout_p,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs,
+                         stride_ds, stride_dqs, offs_m, offs_d, cols, blk_lo, blk_hi, seqlen_q,
+                         seqlen_k, diag_offset, window_left, window_right, qk_scale, softcap_in,
+                         alibi_slope, softmax_scale, rng_seed, dropout_p,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                         DROPOUT: tl.constexpr):
-    """Accumulate dK, dV (key block x head dim) over query blocks [blk_lo, blk_hi) of one head.
+                         DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Accumulate dK, dV (key block x head dim) over query blocks [blk_lo, blk_hi) of one head;
+    with ATOMIC_DQ also add this key block's share of dQ into the float32 dQ buffer.
 
     Tiles are transposed (keys x queries) so P^T and dS^T come out ready for the two products.
     """
@@ -141,14 +142,19 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, st
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        if ATOMIC_DQ:  # the order of the adds varies: dQ is not bitwise reproducible on this path
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * softmax_scale
+            tl.atomic_add(dq_base + rows[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq,
+                          mask=tile_ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
+def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                   stride_dqb, stride_dqs, stride_dqh,
                    stride_lb, stride_lh, stride_ab,
                    seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
                    qk_scale, softcap_in, softmax_scale, dropout_p,
@@ -156,7 +162,7 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqle
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
-                   DROPOUT: tl.constexpr):
+                   DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -191,6 +197,8 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqle
                    + head.to(tl.int64) * stride_dh)
         lse_base = Lse + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start
         delta_base = Delta + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start
+        dq_base = (dQ + batch.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqs
+                   + head.to(tl.int64) * stride_dqh)
         alibi_slope = 0.0
         if ALIBI:
             alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
@@ -199,21 +207,24 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Alibi, CuSeqlensQ, CuSeqle
             rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1) * group_size)
         if HAS_RIGHT:  # rows at the causal diagonal / right window edge
             dk, dv = _attn_bwd_dkdv_inner(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
-                offs_d, cols, blk_lo, full_blk_lo, seqlen_q, seqlen_k, diag_offset, window_left,
-                window_right, qk_scale, softcap_in, alibi_slope, rng_seed, dropout_p, BLOCK_M,
-                HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds,
+                stride_dqs, offs_m, offs_d, cols, blk_lo, full_blk_lo, seqlen_q, seqlen_k,
+                diag_offset, window_left, window_right, qk_scale, softcap_in, alibi_slope,
+                softmax_scale, rng_seed, dropout_p, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT, ATOMIC_DQ)
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
-            offs_d, cols, full_blk_lo, full_blk_hi, seqlen_q, seqlen_k, diag_offset, window_left,
-            window_right, qk_scale, softcap_in, alibi_slope, rng_seed, dropout_p, BLOCK_M,
-            HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds,
+            stride_dqs, offs_m, offs_d, cols, full_blk_lo, full_blk_hi, seqlen_q, seqlen_k, diag_offset,
+            window_left, window_right, qk_scale, softcap_in, alibi_slope, softmax_scale, rng_seed,
+            dropout_p, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+            UPCAST, DROPOUT, ATOMIC_DQ)
         # Left window edge, the ragged end of the queries, ragged key blocks.
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_m,
-            offs_d, cols, full_blk_hi, blk_hi, seqlen_q, seqlen_k, diag_offset, window_left,
-            window_right, qk_scale, softcap_in, alibi_slope, rng_seed, dropout_p, BLOCK_M,
-            HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds,
+            stride_dqs, offs_m, offs_d, cols, full_blk_hi, blk_hi, seqlen_q, seqlen_k, diag_offset,
+            window_left, window_right, qk_scale, softcap_in, alibi_slope, softmax_scale, rng_seed,
+            dropout_p, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+            UPCAST, DROPOUT, ATOMIC_DQ)
 
     dk = dk * softmax_scale
     tl.store(dK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -347,10 +358,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        cu_seqlens_q: torch.Tensor | None = None,
                        cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, dropout_p: float = 0.0,
-                       dropout_seed: torch.Tensor | None = None):
+                       dropout_seed: torch.Tensor | None = None, deterministic: bool = True):
     """Gradients (dq, dk, dv) of attention_forward's output (and LSE, if ``dlse``); same arguments
     and layouts as the forward, packed sequences included. Returns contiguous tensors in the inputs'
-    dtypes."""
+    dtypes.
+
+    ``deterministic``: dQ from its own pass over the key blocks (bitwise reproducible); otherwise the
+    dK/dV pass adds each key block's share of dQ atomically into a float32 buffer, which saves
+    recomputing the scores and dP a second time (flash_attn's default). dK and dV are always
+    deterministic.
+    """
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:  # autograd can hand over expanded (stride 0) gradients
         dout = dout.contiguous()
@@ -368,7 +385,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         alloc = functools.partial(torch.full, fill_value=math.nan, dtype=grad_dtype, device=q.device)
     else:
         alloc = functools.partial(torch.empty, dtype=grad_dtype, device=q.device)
-    dq, dk, dv = alloc(q.shape), alloc(k.shape), alloc(v.shape)
+    dk, dv = alloc(k.shape), alloc(v.shape)
+    if deterministic:
+        dq = alloc(q.shape)
+    else:  # the atomic adds accumulate into it: zeros, float32
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     rows_q, rows_k = (max_seqlen_q, max_seqlen_k) if varlen else (seqlen_q, seqlen_k)
     if varlen:
         batch = cu_seqlens_q.shape[0] - 1
@@ -378,8 +399,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                          softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
                          config, upcast, cu_seqlens_q, cu_seqlens_k,
-                         dropout_p if dropout_seed is not None else 0.0, dropout_seed)
-        grads = (dq, dk, dv)
+                         dropout_p if dropout_seed is not None else 0.0, dropout_seed, deterministic)
+        grads = (dq.to(grad_dtype), dk, dv)
     if varlen:
         grads = tuple(g[0] for g in grads)
     return tuple(g.to(q.dtype) for g in grads) if upcast else grads
@@ -387,7 +408,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                      softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
-                     config, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed):
+                     config, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed,
+                     deterministic):
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -414,10 +436,12 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
         sl[1], seqlen_q, BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         HAS_DLSE=dlse is not None, VARLEN=varlen)
     _attn_bwd_dkdv[(-(-rows_k // cfg.dkdv_block_n), heads_k, batch)](
-        q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
-        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
-        *sdk[:3], *sdv[:3], sl[0], sl[1], alibi_stride_b, *common,
-        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **flags)
+        q, k, v, dout, lse, delta, dk, dv, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        dropout_seed, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1],
+        sd[2], *sdk[:3], *sdv[:3], *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, ATOMIC_DQ=not deterministic, **flags)
+    if not deterministic:
+        return
     _attn_bwd_dq[(-(-rows_q // cfg.dq_block_m), heads, batch)](
         q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
