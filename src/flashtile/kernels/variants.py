@@ -84,8 +84,11 @@ def backward_variants() -> list[Variant]:
     return out
 
 
-def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_stages: int):
-    """triton.compile one kernel with the signature and divisibility hints the JIT would use."""
+def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_stages: int,
+             pointer_types: dict | None = None):
+    """triton.compile one kernel with the signature and divisibility hints the JIT would use;
+    ``pointer_types`` overrides the element type of named pointers (e.g. {"dQ": "*fp32"})."""
+    pointer_types = pointer_types or {}
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -97,6 +100,9 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
         if name in values:
             signature[name] = "constexpr"
             constexprs[name] = values[name]
+        elif name in pointer_types:
+            signature[name] = pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "Alibi" and not variant.alibi:
             signature[name] = "constexpr"
             constexprs[name] = None
@@ -170,7 +176,8 @@ def compile_forward(variant: Variant, arch: int):
 
 
 def compile_backward(variant: Variant, arch: int) -> list:
-    """Compile the backward's preprocess, dK/dV and dQ kernels for one variant."""
+    """Compile the backward's preprocess, its dK/dV kernel in both modes (atomic dQ into float32,
+    the default; and without, for deterministic=True) and the separate dQ kernel."""
     from .backward import _attn_bwd_dkdv, _attn_bwd_dq, _attn_bwd_preprocess, backward_config_for_arch
 
     cfg = backward_config_for_arch(variant.head_dim, arch)
@@ -179,7 +186,11 @@ def compile_backward(variant: Variant, arch: int) -> list:
            "HAS_DLSE": False, "VARLEN": variant.varlen}
     return [
         _compile(_attn_bwd_preprocess, pre, variant, arch, 4, 1),
-        _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n},
+        _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n,
+                                  "ATOMIC_DQ": True},
+                 variant, arch, cfg.num_warps, cfg.num_stages, {"dQ": "*fp32"}),
+        _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n,
+                                  "ATOMIC_DQ": False},
                  variant, arch, cfg.num_warps, cfg.num_stages),
         _compile(_attn_bwd_dq, {**flags, "BLOCK_M": cfg.dq_block_m, "BLOCK_N": cfg.dq_block_n,
                                 "LONGEST_FIRST": variant.has_right},
