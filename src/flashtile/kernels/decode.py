@@ -11,6 +11,7 @@ replayed as the lengths grow.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -162,20 +163,49 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Ten
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse)
 
 
-def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device) -> int:
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per step
+    num_warps: int
+    num_stages: int
+    waves: int = 2  # the split heuristic aims at this many programs per SM
+    min_split_keys: int = 256  # ... and never splits below this many keys of the largest context
+
+
+def decode_config(paged: bool, device: torch.device) -> DecodeConfig:
+    if interpreting() or device.type != "cuda":
+        return DecodeConfig(32, 4, 1)
+    return DecodeConfig(64, 4, 3 if paged else 2)
+
+
+def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
+                    config: DecodeConfig | None = None) -> int:
     """Splits from what the host knows without reading the lengths: enough programs to cover the SMs
-    about twice, none shorter than 256 keys of the largest possible context."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    ``waves`` times, none shorter than ``min_split_keys`` keys of the largest possible context."""
+    cfg = config or DecodeConfig(64, 4, 2)
+    sms = _sm_count(device)
     programs = max(1, batch * heads_k)
-    wanted = -(-2 * sms // programs)
-    return max(1, min(wanted, -(-max_context // 256), 128))
+    wanted = -(-cfg.waves * sms // programs)
+    return max(1, min(wanted, -(-max_context // cfg.min_split_keys), 128))
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:  # get_device_properties costs microseconds on every decode step
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, *, softmax_scale: float, window_left: int,
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
-                     block_n: int | None = None):
+                     config: DecodeConfig | None = None):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -192,7 +222,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
-    splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, q.device)
+    cfg = config or decode_config(paged, q.device)
+    splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, q.device, cfg)
     out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -205,7 +236,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
     rows = max(16, triton.next_power_of_2(group * seqlen_q))
     upcast = interpreting() and q.dtype == torch.bfloat16
-    block_n = block_n or (32 if interpreting() else 64)
     k_strides = k_cache.stride()
     v_strides = v_cache.stride()
     _attn_decode[(splits, batch, heads_k)](
@@ -216,10 +246,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         seqlen_q, capacity, group, max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
         k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
         block_table.shape[1] if paged else 0,
-        ROWS=rows, BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
+        ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0,
         ALIBI=alibi_slopes is not None, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
-        LEFTPAD=cache_leftpad is not None, UPCAST=upcast, num_warps=4, num_stages=3 if paged else 2)
+        LEFTPAD=cache_leftpad is not None, UPCAST=upcast, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if upcast:  # the interpreter truncates fp32 -> bf16 stores: merge in fp32, let torch round
         merged = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         combine(out_partial, lse_partial, merged, lse, empty_lse=math.inf)

@@ -1,0 +1,201 @@
+"""Sweep split-KV decode configs on the GPU, cold cache, against SDPA cudnn and the read ceiling.
+
+    PYTHONPATH=src python benchmarks/tune_decode.py --out $OUT
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/tune_decode.py --dry   # CPU smoke run
+
+Same method as ``flashtile bench decode``: a CUDA graph over L layers with their own caches (>= 1 GiB
+of K+V), replay timed with do_bench (median) / L, GB/s of K+V read. First every (block_n, warps,
+stages) at the default split target, then the split target (waves per SM, shortest split) for the
+best kernel configs. Each config's output is checked against the float64 reference on one layer.
+Writes tune-decode.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+# (batch, heads, heads_k, context, page_size or 0)
+POINTS = [(1, 32, 8, 1024, 0), (1, 32, 8, 4096, 0), (1, 32, 8, 32768, 0), (1, 32, 8, 131072, 0),
+          (16, 32, 8, 4096, 0), (16, 32, 8, 32768, 0), (64, 32, 8, 4096, 0), (1, 12, 2, 32768, 0),
+          (1, 32, 8, 32768, 16), (16, 32, 8, 32768, 16)]
+KERNEL_CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # block_n, warps, stages
+SPLIT_TARGETS = [(1, 256), (2, 256), (4, 256), (2, 512), (4, 128), (8, 256)]  # waves, min keys
+
+
+def _cfg(kernel, split=(2, 256)):
+    from flashtile.kernels.decode import DecodeConfig
+    return DecodeConfig(*kernel, *split)
+
+
+def _call(q, k, v, lengths, table, cfg):
+    from flashtile.kernels.decode import decode_attention
+    return decode_attention(q, k, v, lengths, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
+                            window_right=0, block_table=table, config=cfg)[0]
+
+
+def _warm(job):
+    kernel, paged = job
+    try:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16)
+        if paged:
+            k = torch.randn(64, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+            table = torch.randperm(64, device=dev).view(2, 32).to(torch.int32)
+        else:
+            k = torch.randn(2, 512, 8, 128, device=dev, dtype=torch.bfloat16)
+            table = None
+        lengths = torch.tensor([300, 512], dtype=torch.int32, device=dev)
+        _call(q, k, k, lengths, table, _cfg(kernel))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return job, None
+    except Exception as exc:
+        return job, f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _check(out, q, k, v, lengths, table, page_size):
+    """Max error over 2x textbook bf16's, on batch row 0, against float64."""
+    from flashtile.bench.decode import read_tokens
+    from flashtile.reference import attention
+    n = int(lengths[0])
+    ks = read_tokens(k, table, 0, 0, n).unsqueeze(0)
+    vs = read_tokens(v, table, 0, 0, n).unsqueeze(0)
+    qs = q[:1]
+    ref, _ = attention(qs.double(), ks.double(), vs.double(), causal=True)
+    low, _ = attention(qs, ks, vs, causal=True)
+    err = (out[:1].double() - ref).abs().max().item()
+    return err / max(2 * (low.double() - ref).abs().max().item(), 1e-6)
+
+
+def main():
+    from flashtile.bench.decode import (LayerCaches, Point, build_replay, gpu_timer, layers_for,
+                                        measure_ceiling, point_bytes, shuffled_block_table)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--top", type=int, default=3, help="kernel configs per point in the split sweep")
+    ap.add_argument("--dry", action="store_true")
+    args = ap.parse_args()
+    points = POINTS
+    kernel_configs = KERNEL_CONFIGS
+    split_targets = SPLIT_TARGETS
+    if args.dry:
+        points = [(2, 8, 2, 256, 0), (2, 8, 2, 256, 16)]
+        kernel_configs, split_targets = [(32, 4, 1)], [(2, 256)]
+
+    jobs = [(kc, paged) for kc in kernel_configs for paged in (False, True)]
+    t0 = time.time()
+    if args.dry:
+        errors = dict(_warm(j) for j in jobs)
+    else:
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            errors = dict(pool.map(_warm, jobs))
+    print(f"compiled {len(jobs)} configs in {time.time() - t0:.0f} s", flush=True)
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.dry:
+        def timer(fn):
+            fn()
+            return 1.0
+        ceiling = None
+    else:
+        timer = gpu_timer
+        ceiling = measure_ceiling(dev)["sum_gbps"]
+        print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    rows = []
+    for batch, heads, heads_k, context, page_size in points:
+        point = Point("tune", batch, heads, heads_k, context)
+        layers = 2 if args.dry else layers_for(point)
+        nbytes = point_bytes(point)
+        caches = LayerCaches.allocate(point, layers, dev)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(batch, 1, heads, 128, generator=gen).to(dev, torch.bfloat16)
+        lengths = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        table = (shuffled_block_table(batch, context // page_size, dev, gen) if page_size else None)
+
+        def kv(layer):
+            return caches.pools(layer, page_size) if page_size else caches.nhd(layer)
+
+        rec = {"batch": batch, "heads": heads, "heads_k": heads_k, "context": context,
+               "page_size": page_size, "layers": layers, "kv_bytes_per_layer": nbytes,
+               "ceiling_gbps": ceiling, "results": []}
+
+        def measure(kernel, split):
+            cfg = _cfg(kernel, split)
+            entry = {"block_n": kernel[0], "warps": kernel[1], "stages": kernel[2],
+                     "waves": split[0], "min_split_keys": split[1]}
+            if errors.get((kernel, bool(page_size))):
+                entry["error"] = errors[(kernel, bool(page_size))]
+                return entry
+            try:
+                with torch.no_grad():
+                    out = _call(q, *kv(0), lengths, table, cfg)
+                    entry["err_over_budget"] = _check(out, q, *kv(0), lengths, table, page_size)
+                    replay = build_replay(lambda layer: _call(q, *kv(layer), lengths, table, cfg),
+                                          layers, dev)
+                    ms = timer(replay) / layers
+                entry["us"] = ms * 1e3
+                entry["gbps"] = nbytes / ms / 1e6
+                del replay
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            return entry
+
+        if not args.dry and not page_size:
+            q_t = q.transpose(1, 2).contiguous()
+            try:
+                def sdpa(layer):
+                    k, v = caches.hnd(layer)
+                    return F.scaled_dot_product_attention(q_t, k, v, enable_gqa=heads != heads_k)
+                with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    sdpa(0)
+                    replay = build_replay(sdpa, layers, dev)
+                    ms = timer(replay) / layers
+                rec["sdpa_cudnn_gbps"] = nbytes / ms / 1e6
+                del replay
+            except Exception as exc:
+                rec["sdpa_cudnn_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        for kernel in kernel_configs:
+            rec["results"].append(measure(kernel, (2, 256)))
+        ranked = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])
+        for best in ranked[:args.top]:
+            kernel = (best["block_n"], best["warps"], best["stages"])
+            for split in split_targets:
+                if split != (2, 256):
+                    rec["results"].append(measure(kernel, split))
+        rows.append(rec)
+        caches = None  # frees this point's layers before the next allocation
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        top = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])[:3]
+        print(json.dumps({k: v for k, v in rec.items() if k != "results"}), json.dumps(top), flush=True)
+
+    import triton
+    info = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
+    with open(os.path.join(args.out, "tune-decode.json"), "w") as f:
+        json.dump({"info": info, "points": rows}, f, indent=1)
+    print("\nB  H/Hk  ctx     page | cudnn GB/s | best (block_n, warps, stages, waves, min keys) GB/s")
+    for r in rows:
+        ok = sorted((x for x in r["results"] if "gbps" in x), key=lambda x: -x["gbps"])
+        best = "  ".join(f"({x['block_n']},{x['warps']},{x['stages']},{x['waves']},{x['min_split_keys']})"
+                         f"={x['gbps']:.0f}{'' if x['err_over_budget'] <= 1 else '!BAD'}" for x in ok[:3])
+        default = [x for x in r["results"] if (x["block_n"], x["warps"], x["stages"], x["waves"],
+                                               x["min_split_keys"]) == (64, 4, 3 if r["page_size"] else 2, 2, 256)]
+        dflt = f"default={default[0].get('gbps', 0):.0f}" if default else ""
+        print(f"{r['batch']:<3d}{r['heads']}/{r['heads_k']:<3d}{r['context']:<8d}{r['page_size']:<4d} | "
+              f"{r.get('sdpa_cudnn_gbps') or 0:6.0f} | {dflt} {best}")
+
+
+if __name__ == "__main__":
+    main()
