@@ -14,6 +14,7 @@ import torch
 
 from . import ops
 from .kernels.forward import interpreting
+from .kernels.rotary import rotate_and_append
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -408,38 +409,6 @@ def _check_cache_append(cache_seqlens, lengths, new_tokens: int, capacity: int,
         _remember_checked(f"lengths: {what}", lengths, key)
 
 
-def _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx):
-    """Write k/v (B, Sn, Hk, D) at positions lengths[b] + j of each sequence, in place, on the device."""
-    positions = lengths.long()[:, None] + torch.arange(k.shape[1], device=k.device)[None, :]
-    if block_table is not None:
-        page_size = k_cache.shape[1]
-        pages = block_table.long().gather(1, positions // page_size)
-        slots = positions % page_size
-        k_cache[pages, slots] = k
-        v_cache[pages, slots] = v
-    else:
-        rows = (cache_batch_idx.long() if cache_batch_idx is not None
-                else torch.arange(k.shape[0], device=k.device))[:, None]
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-
-
-def _apply_rotary(x, cos, sin, positions, interleaved: bool):
-    """Rotate the first 2 * cos.shape[1] dims of x (B, S, H, D) by the angles at ``positions`` (B, S):
-    pairs (2i, 2i + 1) when ``interleaved`` (GPT-J), else (i, i + rotary_dim / 2) (GPT-NeoX)."""
-    half = cos.shape[1]
-    c = cos[positions].float().unsqueeze(2)  # (B, S, 1, half)
-    s = sin[positions].float().unsqueeze(2)
-    rot = x[..., :2 * half].float()
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
-    else:
-        a, b = rot[..., :half], rot[..., half:]
-        rotated = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
-    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
-
-
 def _check_rotary(rotary_cos, rotary_sin, head_dim: int, device: torch.device) -> None:
     for t, n in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
         if not isinstance(t, torch.Tensor):
@@ -464,7 +433,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
     ``block_table`` (B, max_pages) int32, any page size. ``cache_seqlens`` (int or (B,) int32) is each
     sequence's cached length (default: the whole cache); new ``k``/``v`` (B, Sn, Hk, D) are written
-    in place at those positions first, then attended to. Causal and windows align bottom-right.
+    in place at those positions first, then attended to. With ``rotary_cos``/``rotary_sin``
+    (seqlen_ro, rotary_dim / 2), q and the new k are rotated in the same kernel that appends.
+    Causal and windows align bottom-right.
     The KV sequence is split across programs (``num_splits``: 0 = heuristic, 1 = none) and merged by
     log-sum-exp; lengths are read on the device, so the call can be captured in a CUDA graph.
     Returns out, or (out, softmax_lse (B, H, Sq)) with ``return_softmax_lse``.
@@ -539,17 +510,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
-    if rotary:  # positions count from the sequence's first slot (after any left padding)
-        start = lengths.long() if cache_leftpad is None else (lengths - cache_leftpad).long()
+    if rotary or new_tokens:
+        # One kernel rotates q and the new keys and writes the new keys/values into the cache; it
+        # reads the lengths on the device. Queries take consecutive positions only under causal or
+        # local attention, as in flash_attn.
+        q = rotate_and_append(q, k, v, k_cache, v_cache, rotary_cos, rotary_sin, lengths,
+                              cache_batch_idx, cache_leftpad, block_table, bool(rotary_interleaved),
+                              q_consecutive=causal or left >= 0 or right >= 0)
         if new_tokens:
-            k = _apply_rotary(k, rotary_cos, rotary_sin,
-                              start[:, None] + torch.arange(new_tokens, device=q.device), rotary_interleaved)
-        offsets = (torch.arange(q.shape[1], device=q.device) if causal or left >= 0 or right >= 0
-                   else torch.zeros(q.shape[1], dtype=torch.long, device=q.device))
-        q = _apply_rotary(q, rotary_cos, rotary_sin, start[:, None] + offsets, rotary_interleaved)
-    if new_tokens:
-        _append_to_cache(k_cache, v_cache, k, v, lengths, block_table, cache_batch_idx)
-        lengths = lengths + new_tokens
+            lengths = lengths + new_tokens
     out, lse = ops.attn_kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
                                 scale, left, right, softcap, num_splits, cache_leftpad)
     return (out, lse) if return_softmax_lse else out
