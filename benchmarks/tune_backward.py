@@ -24,24 +24,32 @@ import torch
 HIDDEN = 2048
 TOKENS = 16384
 
-# (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, num_warps, num_stages)
-ATOMIC = {
-    64: [(64, 128, 0, 0, 4, 2), (32, 128, 0, 0, 4, 3), (64, 64, 0, 0, 4, 3), (128, 64, 0, 0, 8, 2),
-         (64, 128, 0, 0, 8, 2)],
-    128: [(32, 128, 0, 0, 8, 2), (64, 128, 0, 0, 8, 2), (32, 128, 0, 0, 4, 2), (64, 64, 0, 0, 4, 2),
-          (64, 64, 0, 0, 8, 2), (32, 64, 0, 0, 4, 3), (128, 64, 0, 0, 8, 2), (64, 128, 0, 0, 8, 1)],
-    256: [(32, 64, 0, 0, 8, 2), (64, 64, 0, 0, 8, 1), (16, 64, 0, 0, 4, 2), (32, 64, 0, 0, 4, 2)],
+# dK/dV kernel (block_m, block_n, warps, stages) and dQ kernel (block_m, block_n, warps, stages):
+# every pair runs with the separate dQ pass; ATOMIC dK/dV configs add dQ atomically instead.
+DKDV = {
+    64: [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 3)],
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2)],
+    256: [(32, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 2)],
 }
-DETERMINISTIC = {
-    64: [(64, 128, 128, 64, 4, 2), (32, 128, 128, 32, 4, 2)],
-    128: [(32, 128, 128, 32, 8, 2), (32, 128, 128, 64, 8, 2), (64, 128, 64, 64, 8, 2),
-          (64, 64, 64, 64, 4, 2), (64, 128, 64, 128, 8, 2)],
-    256: [(32, 64, 64, 32, 8, 2)],
+DQ = {
+    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 3)],
+    128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 128, 8, 2)],
+    256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2)],
+}
+ATOMIC = {
+    64: [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2)],
+    128: [(64, 128, 8, 2), (64, 64, 4, 3)],
+    256: [(32, 64, 8, 2), (64, 64, 8, 1)],
 }
 
 
 def candidates(d):
-    return [(cfg, False) for cfg in ATOMIC.get(d, [])] + [(cfg, True) for cfg in DETERMINISTIC.get(d, [])]
+    """(BackwardConfig fields, deterministic) for head dim d."""
+    out = [((m, n, 64, 64, w, st, 0, 0, True), False) for m, n, w, st in ATOMIC.get(d, [])]
+    for m1, n1, w1, s1 in DKDV.get(d, []):
+        for m2, n2, w2, s2 in DQ.get(d, []):
+            out.append(((m1, n1, m2, n2, w1, s1, w2, s2, False), True))
+    return out
 
 
 def _device():
@@ -61,8 +69,7 @@ def _inputs(b, s, h, d, dtype=torch.bfloat16):
 
 def _config(cfg):
     from flashtile.kernels.backward import BackwardConfig
-    m1, n1, m2, n2, w, st = cfg
-    return BackwardConfig(m1, n1, m2 or 64, n2 or 64, w, st)
+    return BackwardConfig(*cfg)
 
 
 def _fwd(q, k, v, causal):
@@ -130,6 +137,13 @@ def _sdpa_step(backend, qt, kt, vt, dout_t, causal):
     return step
 
 
+def _label(c):
+    m1, n1, m2, n2, w1, s1, w2, s2, _ = c["cfg"]
+    if not c["deterministic"]:
+        return f"A{m1},{n1},{w1},{s1}"
+    return f"D{m1},{n1}|{m2},{n2}|{w1},{s1}|{w2},{s2}"
+
+
 def main():
     import triton
     ap = argparse.ArgumentParser()
@@ -143,7 +157,7 @@ def main():
     seqlens = [int(x) for x in args.seqlens.split(",")] if not args.dry else [64]
     if args.dry:
         for d in dims:  # the interpreter's tiles are small; one candidate per kind is enough
-            ATOMIC[d], DETERMINISTIC[d] = [(32, 32, 0, 0, 4, 1)], [(32, 32, 32, 32, 4, 1)]
+            ATOMIC[d], DKDV[d], DQ[d] = [(32, 32, 4, 1)], [(32, 32, 4, 1)], [(32, 32, 4, 1)]
 
     jobs = [(d, cfg, det) for d in dims for cfg, det in candidates(d)]
     t0 = time.time()
@@ -209,10 +223,11 @@ def main():
     with open(os.path.join(args.out, "tune-backward.json"), "w") as f:
         json.dump({"info": info, "points": rows}, f, indent=1)
 
-    print("\n d     n  causal | flash  cudnn | best configs fwd+bwd TFLOP/s (A = atomic dQ, D = dQ pass)")
+    print("\n d     n  causal | flash  cudnn | best fwd+bwd TFLOP/s: A = atomic dQ (m,n,w,s); "
+          "D = dQ pass (dkdv m,n | dq m,n | w,s dkdv | w,s dq)")
     for p in rows:
         ok = sorted((c for c in p["configs"] if "tflops" in c), key=lambda c: -c["tflops"])
-        best = "  ".join(f"{'D' if c['deterministic'] else 'A'}{tuple(c['cfg'])}={c['tflops']:.0f}"
+        best = "  ".join(f"{_label(c)}={c['tflops']:.0f}"
                          f"{'' if c['err_over_budget'] <= 1 else '!BAD'}" for c in ok[:4])
         fa, cu = p["anchors"].get("sdpa-flash"), p["anchors"].get("sdpa-cudnn")
         print(f"{p['d']:3d} {p['n']:6d} {str(p['causal']):5s} | {fa or 0:5.0f} {cu or 0:5.0f} | {best}")

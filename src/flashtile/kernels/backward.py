@@ -32,15 +32,23 @@ class BackwardConfig:
     dq_block_n: int  # keys per step of the dQ loop
     num_warps: int
     num_stages: int
+    dq_num_warps: int = 0  # 0: as the dK/dV kernel
+    dq_num_stages: int = 0
+    # With deterministic=False, add dQ atomically from the dK/dV pass instead of running the dQ
+    # pass. Fewer FLOPs, but on the H200 at head dim 128 the atomics cost more than they save.
+    atomic_dq: bool = True
 
 
 def backward_config_for_arch(head_dim: int, arch: int) -> BackwardConfig:
+    """Tile configs measured on the H200 (benchmarks/results/tune-backward-*.json)."""
     d = head_dim_padded(head_dim)
-    if 90 <= arch < 120:  # not tuned yet on the H200: shapes after Triton's fused-attention tutorial
+    if 90 <= arch < 120:
+        if d <= 64:
+            return BackwardConfig(64, 64, 64, 64, 4, 3)
         if d <= 128:
-            return BackwardConfig(32, 128, 128, 32, 8 if d > 64 else 4, 2)
+            return BackwardConfig(64, 64, 64, 64, 4, 2, atomic_dq=False)
         return BackwardConfig(32, 64, 64, 32, 8, 2)
-    if d <= 128:
+    if d <= 128:  # not measured: shapes after Triton's fused-attention tutorial
         return BackwardConfig(32, 64, 64, 32, 4, 2)
     return BackwardConfig(16, 64, 64, 16, 8, 1)
 
@@ -385,8 +393,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         alloc = functools.partial(torch.full, fill_value=math.nan, dtype=grad_dtype, device=q.device)
     else:
         alloc = functools.partial(torch.empty, dtype=grad_dtype, device=q.device)
+    cfg = config or pick_backward_config(q.shape[-1], q.device)
+    atomic = not deterministic and cfg.atomic_dq
     dk, dv = alloc(k.shape), alloc(v.shape)
-    if deterministic:
+    if not atomic:
         dq = alloc(q.shape)
     else:  # the atomic adds accumulate into it: zeros, float32
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -394,12 +404,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if varlen:
         batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or heads == 0 or rows_q == 0 or rows_k == 0:
-        grads = (dq.zero_(), dk.zero_(), dv.zero_())
+        grads = (dq.zero_().to(grad_dtype), dk.zero_(), dv.zero_())
     else:
         _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                          softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
-                         config, upcast, cu_seqlens_q, cu_seqlens_k,
-                         dropout_p if dropout_seed is not None else 0.0, dropout_seed, deterministic)
+                         cfg, upcast, cu_seqlens_q, cu_seqlens_k,
+                         dropout_p if dropout_seed is not None else 0.0, dropout_seed, atomic)
         grads = (dq.to(grad_dtype), dk, dv)
     if varlen:
         grads = tuple(g[0] for g in grads)
@@ -408,12 +418,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                      softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
-                     config, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed,
-                     deterministic):
+                     cfg, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed, atomic):
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
-    cfg = config or pick_backward_config(head_dim, q.device)
     d_pad = head_dim_padded(head_dim)
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
@@ -423,7 +431,7 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
     delta = torch.empty_like(lse)
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0)
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = (
         (0, *t.stride()[1:]) if varlen else t.stride() for t in (q, k, v, dout, out, lse, dq, dk, dv))
     window = (max(window_left, 0), max(window_right, 0))
@@ -439,11 +447,14 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
         q, k, v, dout, lse, delta, dk, dv, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
         dropout_seed, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1],
         sd[2], *sdk[:3], *sdv[:3], *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
-        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, ATOMIC_DQ=not deterministic, **flags)
-    if not deterministic:
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, ATOMIC_DQ=atomic,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+    if atomic:
         return
     _attn_bwd_dq[(-(-rows_q // cfg.dq_block_m), heads, batch)](
         q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
         *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=window_right >= 0, **flags)
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=window_right >= 0,
+        num_warps=cfg.dq_num_warps or cfg.num_warps, num_stages=cfg.dq_num_stages or cfg.num_stages,
+        **flags)

@@ -20,7 +20,9 @@ _FLOATS = ("qk_scale", "softcap_in", "softmax_scale", "dropout_p")
 
 @dataclass(frozen=True)
 class Variant:
-    """One specialization: ``kind`` "fwd" (the forward) or "bwd" (the backward's three kernels)."""
+    """One specialization: ``kind`` "fwd" (the forward), "bwd" (the backward's three kernels),
+    "decode" (split-KV decode and combine) or "rotary" (rotary + cache append; ``rotary_dim`` 0 is
+    a plain append)."""
     head_dim: int
     dtype: str = "bf16"
     has_left: bool = False
@@ -32,13 +34,16 @@ class Variant:
     varlen: bool = False
     dropout: bool = False
     paged: bool = False
+    rotary_dim: int = 0
+    interleaved: bool = False
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("left", self.has_left), ("right", self.has_right),
                                  ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma),
                                  ("varlen", self.varlen), ("dropout", self.dropout),
-                                 ("paged", self.paged)) if on]
+                                 ("paged", self.paged), (f"rot{self.rotary_dim}", self.rotary_dim),
+                                 ("interleaved", self.interleaved)) if on]
         return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
@@ -85,9 +90,11 @@ def backward_variants() -> list[Variant]:
 
 
 def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_stages: int,
-             pointer_types: dict | None = None):
+             pointer_types: dict | None = None, **options):
     """triton.compile one kernel with the signature and divisibility hints the JIT would use;
-    ``pointer_types`` overrides the element type of named pointers (e.g. {"dQ": "*fp32"})."""
+    ``pointer_types`` overrides the element type of named pointers (e.g. {"dQ": "*fp32"}), a pointer
+    given as None in ``values`` is one the launch leaves out, and ``options`` go to the compiler
+    (e.g. enable_fp_fusion)."""
     pointer_types = pointer_types or {}
     import triton
     from triton.backends.compiler import GPUTarget
@@ -155,7 +162,7 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def _flags(variant: Variant) -> dict:
@@ -194,7 +201,8 @@ def compile_backward(variant: Variant, arch: int) -> list:
                  variant, arch, cfg.num_warps, cfg.num_stages),
         _compile(_attn_bwd_dq, {**flags, "BLOCK_M": cfg.dq_block_m, "BLOCK_N": cfg.dq_block_n,
                                 "LONGEST_FIRST": variant.has_right},
-                 variant, arch, cfg.num_warps, cfg.num_stages),
+                 variant, arch, cfg.dq_num_warps or cfg.num_warps,
+                 cfg.dq_num_stages or cfg.num_stages),
     ]
 
 
@@ -220,8 +228,35 @@ def compile_decode(variant: Variant, arch: int) -> list:
             _compile(_combine, comb, variant, arch, 4, 1)]
 
 
+def rotary_variants() -> list[Variant]:
+    """Both rotary styles, full and partial rotary dims, paged and contiguous caches, and a plain append."""
+    return [Variant(128, "bf16", kind="rotary", rotary_dim=128),
+            Variant(128, "bf16", kind="rotary", rotary_dim=64, interleaved=True, paged=True),
+            Variant(64, "fp16", kind="rotary", rotary_dim=64, interleaved=True),
+            Variant(80, "fp16", kind="rotary", rotary_dim=64, paged=True),
+            Variant(256, "bf16", kind="rotary", rotary_dim=128),
+            Variant(40, "fp16", kind="rotary", rotary_dim=40, interleaved=True),
+            Variant(128, "bf16", kind="rotary", paged=True)]
+
+
+def compile_rotary(variant: Variant, arch: int) -> list:
+    """Compile the rotary + append kernel as a decode step of 32 query heads launches it."""
+    from .rotary import _rotate_and_append, heads_per_program, tile_extents
+
+    rotary = variant.rotary_dim > 0
+    values = {"BLOCK_H": heads_per_program(32, variant.head_dim), "HEAD_DIM": variant.head_dim,
+              "ROTARY_DIM": variant.rotary_dim, **tile_extents(variant.head_dim, variant.rotary_dim),
+              "INTERLEAVED": variant.interleaved, "Q_CONSECUTIVE": True, "ROTATE_Q": rotary,
+              "APPEND": True, "PAGED": variant.paged, "BATCH_IDX": not variant.paged,
+              "LEFTPAD": not variant.paged, "ROUND_BF16_BY_HAND": False}
+    if not rotary:
+        values.update(QOut=None, Cos=None, Sin=None)
+    # The launch turns FMA contraction off (each product rounded, as the torch formulation is).
+    return [_compile(_rotate_and_append, values, variant, arch, 4, 1, enable_fp_fusion=False)]
+
+
 def all_variants() -> list[Variant]:
-    return forward_variants() + backward_variants() + decode_variants()
+    return forward_variants() + backward_variants() + decode_variants() + rotary_variants()
 
 
 def main(argv=None) -> int:
@@ -238,6 +273,8 @@ def main(argv=None) -> int:
                     kernels = [compile_forward(variant, arch)]
                 elif variant.kind == "bwd":
                     kernels = compile_backward(variant, arch)
+                elif variant.kind == "rotary":
+                    kernels = compile_rotary(variant, arch)
                 else:
                     kernels = compile_decode(variant, arch)
                 shared = ", ".join(str(k.metadata.shared) for k in kernels)
