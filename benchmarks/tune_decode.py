@@ -13,7 +13,6 @@ Writes tune-decode.json under --out.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -24,13 +23,16 @@ import torch
 # (batch, heads, heads_k, context, page_size or 0)
 POINTS = [(1, 32, 8, 1024, 0), (1, 32, 8, 4096, 0), (1, 32, 8, 32768, 0), (1, 32, 8, 131072, 0),
           (16, 32, 8, 4096, 0), (16, 32, 8, 32768, 0), (1, 12, 2, 32768, 0), (1, 32, 8, 32768, 16)]
-KERNEL_CONFIGS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # block_n, warps, stages
-SPLIT_TARGETS = [(1, 256), (2, 256), (4, 256), (2, 512), (4, 128), (8, 256)]  # waves, min keys
+# block_n, warps, stages, programmatic dependent launch
+KERNEL_CONFIGS = [(*c, pdl) for c in ((32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4),
+                                      (128, 4, 2), (128, 8, 2), (128, 4, 3)) for pdl in (False, True)]
+SPLIT_TARGETS = [(1, 256), (2, 256), (4, 256), (2, 512), (4, 128), (8, 256), (2, 128), (8, 128)]
 
 
 def _cfg(kernel, split=(2, 256)):
     from flashtile.kernels.decode import DecodeConfig
-    return DecodeConfig(*kernel, *split)
+    block_n, warps, stages, pdl = kernel
+    return DecodeConfig(block_n, warps, stages, *split, pdl=pdl)
 
 
 def _call(q, k, v, lengths, table, cfg):
@@ -87,7 +89,7 @@ def main():
     split_targets = SPLIT_TARGETS
     if args.dry:
         points = [(2, 8, 2, 256, 0), (2, 8, 2, 256, 16)]
-        kernel_configs, split_targets = [(32, 4, 1)], [(2, 256)]
+        kernel_configs, split_targets = [(32, 4, 1, False)], [(2, 256)]
 
     jobs = [(kc, paged) for kc in kernel_configs for paged in (False, True)]
     t0 = time.time()
@@ -132,7 +134,7 @@ def main():
         def measure(kernel, split):
             cfg = _cfg(kernel, split)
             entry = {"block_n": kernel[0], "warps": kernel[1], "stages": kernel[2],
-                     "waves": split[0], "min_split_keys": split[1]}
+                     "pdl": kernel[3], "waves": split[0], "min_split_keys": split[1]}
             if errors.get((kernel, bool(page_size))):
                 entry["error"] = errors[(kernel, bool(page_size))]
                 return entry
@@ -168,7 +170,7 @@ def main():
             rec["results"].append(measure(kernel, (2, 256)))
         ranked = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])
         for best in ranked[:args.top]:
-            kernel = (best["block_n"], best["warps"], best["stages"])
+            kernel = (best["block_n"], best["warps"], best["stages"], best["pdl"])
             for split in split_targets:
                 if split != (2, 256):
                     rec["results"].append(measure(kernel, split))
@@ -184,13 +186,15 @@ def main():
             "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
     with open(os.path.join(args.out, "tune-decode.json"), "w") as f:
         json.dump({"info": info, "points": rows}, f, indent=1)
-    print("\nB  H/Hk  ctx     page | cudnn GB/s | best (block_n, warps, stages, waves, min keys) GB/s")
+    print("\nB  H/Hk  ctx     page | cudnn GB/s | best (block_n, warps, stages, pdl, waves, min keys) GB/s")
     for r in rows:
         ok = sorted((x for x in r["results"] if "gbps" in x), key=lambda x: -x["gbps"])
-        best = "  ".join(f"({x['block_n']},{x['warps']},{x['stages']},{x['waves']},{x['min_split_keys']})"
+        best = "  ".join(f"({x['block_n']},{x['warps']},{x['stages']},{'P' if x['pdl'] else '-'},"
+                         f"{x['waves']},{x['min_split_keys']})"
                          f"={x['gbps']:.0f}{'' if x['err_over_budget'] <= 1 else '!BAD'}" for x in ok[:3])
-        default = [x for x in r["results"] if (x["block_n"], x["warps"], x["stages"], x["waves"],
-                                               x["min_split_keys"]) == (64, 4, 3 if r["page_size"] else 2, 2, 256)]
+        default = [x for x in r["results"] if (x["block_n"], x["warps"], x["stages"], x["pdl"], x["waves"],
+                                               x["min_split_keys"]) == (64, 4, 3 if r["page_size"] else 2,
+                                                                        False, 2, 256)]
         dflt = f"default={default[0].get('gbps', 0):.0f}" if default else ""
         print(f"{r['batch']:<3d}{r['heads']}/{r['heads_k']:<3d}{r['context']:<8d}{r['page_size']:<4d} | "
               f"{r.get('sdpa_cudnn_gbps') or 0:6.0f} | {dflt} {best}")

@@ -3,9 +3,11 @@
 One program per (split, batch, KV head). The query heads that share the KV head, times the Sq query
 rows, are packed into the rows of one tile, so each K/V tile is read once for the whole group. The
 keys a sequence sees are cut into ``num_splits`` chunks; each program writes its chunk's normalized
-output and LSE, and ``combine`` merges the chunks by log-sum-exp. Sequence lengths are read on the
-device (``cache_seqlens``), never on the host, so a decode step can be captured in a CUDA graph and
-replayed as the lengths grow.
+output and LSE, and the last of a (sequence, KV head)'s programs to finish (an atomic counter tells)
+merges the chunks by log-sum-exp, so a decode step is one kernel launch. With one split the program
+writes the output directly. Sequence lengths are read on the device (``cache_seqlens``), never on
+the host, so a decode step can be captured in a CUDA graph and replayed as the lengths grow.
+``combine`` is the same merge as a kernel of its own, for flash_attn_combine.
 """
 
 from __future__ import annotations
@@ -17,27 +19,33 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_wait
+
 from .common import key_blocks
-from .forward import LOG2E, _attn_fwd_inner, head_dim_padded, interpreting
+from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting
 
 
 @triton.jit
-def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable,
-                 Alibi,
+def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, CacheBatchIdx,
+                 CacheLeftpad, BlockTable, Alibi,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
-                 stride_ls, stride_lb, stride_lh, stride_btb, stride_ab,
+                 stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
+                 stride_lrh, stride_btb, stride_ab,
                  seqlen_q, seqlen_k_max, group_size, window_left, window_right, qk_scale, softcap_in,
                  page_size, num_pages, block_table_width,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
-                 LEFTPAD: tl.constexpr, UPCAST: tl.constexpr):
+                 LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+                 EMPTY_LSE: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
     num_splits = tl.num_programs(0)
+    if PDL:  # launched before the previous kernel ends: touch no memory until it has
+        gdc_wait()
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
     key_start = seqlen_k * 0
     if LEFTPAD:  # the sequence occupies cache slots [leftpad, cache_seqlens)
@@ -108,17 +116,49 @@ def _attn_decode(Q, K, V, OutPart, LsePart, CacheSeqlens, CacheBatchIdx, CacheLe
         HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
         PAGED)
 
-    # A split that saw nothing: output 0 and LSE -inf, so the merge gives it no weight.
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    o_ptrs = (OutPart + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
-              + qi[:, None].to(tl.int64) * stride_oq + head[:, None].to(tl.int64) * stride_oh
-              + offs_d[None, :])
-    tl.store(o_ptrs, out, mask=q_ok)
-    tl.store(LsePart + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
-             + head.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    r_ptrs = (Out + batch.to(tl.int64) * stride_rb + qi[:, None].to(tl.int64) * stride_rq
+              + head[:, None].to(tl.int64) * stride_rh + offs_d[None, :])
+    lr_ptrs = Lse + batch.to(tl.int64) * stride_lrb + head.to(tl.int64) * stride_lrh + qi
+    if not SPLIT:  # the whole row in one program: no partials, no merge
+        tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=q_ok)
+        tl.store(lr_ptrs, tl.where(seen, lse, EMPTY_LSE), mask=row_ok)
+    else:
+        # A split that saw nothing: output 0 and LSE -inf, so the merge gives it no weight.
+        o_ptrs = (OutPart + batch.to(tl.int64) * stride_ob + qi[:, None].to(tl.int64) * stride_oq
+                  + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
+        l_ptrs = LsePart + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + qi
+        tl.store(o_ptrs + split.to(tl.int64) * stride_os, out, mask=q_ok)
+        tl.store(l_ptrs + split.to(tl.int64) * stride_ls, tl.where(seen, lse, float("-inf")),
+                 mask=row_ok)
+        # The last split of this (sequence, KV head) to finish merges all of them: no second kernel.
+        # The barrier puts every thread's stores before the release of the counter increment.
+        tl.debug_barrier()
+        counter = Counters + batch * tl.num_programs(2) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+        if ticket == num_splits - 1:
+            m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+            for s in range(num_splits):
+                m = tl.maximum(m, tl.load(l_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros([ROWS], dtype=tl.float32)
+            merged = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+            for s in range(num_splits):
+                w = tl.exp(tl.load(l_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
+                                   cache_modifier=".cg") - m_safe)
+                total += w
+                merged += w[:, None] * tl.load(o_ptrs + s * stride_os, mask=q_ok, other=0.0,
+                                               cache_modifier=".cg")
+            some = total > 0
+            merged = merged / tl.where(some, total, 1.0)[:, None]
+            tl.store(r_ptrs, merged.to(Out.dtype.element_ty), mask=q_ok)
+            tl.store(lr_ptrs, tl.where(some, m_safe + tl.log(tl.where(some, total, 1.0)), EMPTY_LSE),
+                     mask=row_ok)
+            tl.store(counter, 0)  # ready for the next call (and the next CUDA graph replay)
 
 
 @triton.jit
@@ -170,12 +210,31 @@ class DecodeConfig:
     num_stages: int
     waves: int = 2  # the split heuristic aims at this many programs per SM
     min_split_keys: int = 256  # ... and never splits below this many keys of the largest context
+    # Programmatic dependent launch (sm_90+): the kernel may start while the previous one in the
+    # stream finishes, and waits (griddepcontrol.wait) before touching memory.
+    pdl: bool = False
 
 
 def decode_config(paged: bool, device: torch.device) -> DecodeConfig:
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     return DecodeConfig(64, 4, 3 if paged else 2)
+
+
+_COUNTERS: dict = {}
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """int32 zeros, at least ``n``, that the split-KV kernel counts finished splits in; the last split
+    resets its counter, so the buffer is zero between calls. One buffer per (device, stream): calls
+    on one stream run in order, so they never share a counter at the same time."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
@@ -224,24 +283,37 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         capacity = k_cache.shape[1]
     cfg = config or decode_config(paged, q.device)
     splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, q.device, cfg)
-    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
+    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=torch.float32 if upcast else q.dtype,
+                      device=q.device)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out, lse
-    out_partial = torch.empty(splits, batch, seqlen_q, heads, head_dim, dtype=torch.float32, device=q.device)
-    lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+        return out.to(q.dtype), lse
+    if splits > 1:
+        out_partial = torch.empty(splits, batch, seqlen_q, heads, head_dim, dtype=torch.float32,
+                                  device=q.device)
+        lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+        counters = split_counters(batch * heads_k, q.device)
+    else:
+        out_partial, lse_partial, counters = out, lse, lse  # unused: the kernel writes out directly
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
         qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
     rows = max(16, triton.next_power_of_2(group * seqlen_q))
-    upcast = interpreting() and q.dtype == torch.bfloat16
     k_strides = k_cache.stride()
     v_strides = v_cache.stride()
+    part_strides = out_partial.stride()[:4] if splits > 1 else (0, 0, 0, 0)
+    lse_part_strides = lse_partial.stride()[:3] if splits > 1 else (0, 0, 0)
+    pdl = cfg.pdl and not interpreting() and q.device.type == "cuda" and _arch(
+        q.device.index if q.device.index is not None else torch.cuda.current_device()) >= 90
+    launch = {"launch_pdl": True} if pdl else {}
     _attn_decode[(splits, batch, heads_k)](
-        q, k_cache, v_cache, out_partial, lse_partial, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, alibi_slopes, *q.stride()[:3], *k_strides[:3], *v_strides[:3], *out_partial.stride()[:4],
-        *lse_partial.stride()[:3], block_table.stride(0) if paged else 0,
+        q, k_cache, v_cache, out_partial, lse_partial, out, lse, counters, cache_seqlens,
+        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *q.stride()[:3], *k_strides[:3],
+        *v_strides[:3], *part_strides, *lse_part_strides, *out.stride()[:3], *lse.stride()[:2],
+        block_table.stride(0) if paged else 0,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         seqlen_q, capacity, group, max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
         k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
@@ -249,12 +321,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0,
         ALIBI=alibi_slopes is not None, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
-        LEFTPAD=cache_leftpad is not None, UPCAST=upcast, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if upcast:  # the interpreter truncates fp32 -> bf16 stores: merge in fp32, let torch round
-        merged = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        combine(out_partial, lse_partial, merged, lse, empty_lse=math.inf)
-        out.copy_(merged)
-    else:
-        combine(out_partial, lse_partial, out, lse, empty_lse=math.inf)
-    return out, lse
+        LEFTPAD=cache_leftpad is not None, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    return (out.to(q.dtype) if upcast else out), lse

@@ -215,16 +215,21 @@ def decode_variants() -> list[Variant]:
 
 
 def compile_decode(variant: Variant, arch: int) -> list:
-    """Compile the split-KV decode kernel (8 query heads per KV head, one query) and the combine."""
+    """Compile the split-KV decode kernel (8 query heads per KV head, one query) with the in-kernel
+    merge of splits and without (one split), and the public combine kernel."""
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
     decode = {**flags, "ROWS": 16, "BLOCK_N": 64, "BATCH_IDX": not variant.paged,
-              "LEFTPAD": not variant.paged}
+              "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90}
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
-    return [_compile(_attn_decode, decode, variant, arch, 4, 3 if variant.paged else 2),
+    stages = 3 if variant.paged else 2
+    return [_compile(_attn_decode, {**decode, "SPLIT": True}, variant, arch, 4, stages,
+                     pointer_types={"Counters": "*i32"}),
+            _compile(_attn_decode, {**decode, "SPLIT": False}, variant, arch, 4, stages,
+                     pointer_types={"Counters": "*i32"}),
             _compile(_combine, comb, variant, arch, 4, 1)]
 
 
