@@ -3,11 +3,11 @@
 One program per (split, batch, KV head). The query heads that share the KV head, times the Sq query
 rows, are packed into the rows of one tile, so each K/V tile is read once for the whole group. The
 keys a sequence sees are cut into ``num_splits`` chunks; each program writes its chunk's normalized
-output and LSE, and the last of a (sequence, KV head)'s programs to finish (an atomic counter tells)
-merges the chunks by log-sum-exp, so a decode step is one kernel launch. With one split the program
-writes the output directly. Sequence lengths are read on the device (``cache_seqlens``), never on
-the host, so a decode step can be captured in a CUDA graph and replayed as the lengths grow.
-``combine`` is the same merge as a kernel of its own, for flash_attn_combine.
+output and LSE, and ``combine`` merges the chunks by log-sum-exp (with one split the program writes
+the output directly). Merging inside the split kernel (the last program to finish reads every
+partial) was slower on the H200: its loop over the splits is serial, the combine kernel is not.
+Sequence lengths are read on the device (``cache_seqlens``), never on the host, so a decode step can
+be captured in a CUDA graph and replayed as the lengths grow.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import key_blocks
 from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting
 
 
 @triton.jit
-def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, CacheBatchIdx,
+def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
                  CacheLeftpad, BlockTable, Alibi,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
@@ -46,6 +46,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, Ca
     num_splits = tl.num_programs(0)
     if PDL:  # launched before the previous kernel ends: touch no memory until it has
         gdc_wait()
+        gdc_launch_dependents()  # the merge may launch now and wait for this grid in its turn
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
     key_start = seqlen_k * 0
     if LEFTPAD:  # the sequence occupies cache slots [leftpad, cache_seqlens)
@@ -128,37 +129,13 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, Ca
         tl.store(lr_ptrs, tl.where(seen, lse, EMPTY_LSE), mask=row_ok)
     else:
         # A split that saw nothing: output 0 and LSE -inf, so the merge gives it no weight.
-        o_ptrs = (OutPart + batch.to(tl.int64) * stride_ob + qi[:, None].to(tl.int64) * stride_oq
-                  + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
-        l_ptrs = LsePart + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + qi
-        tl.store(o_ptrs + split.to(tl.int64) * stride_os, out, mask=q_ok)
-        tl.store(l_ptrs + split.to(tl.int64) * stride_ls, tl.where(seen, lse, float("-inf")),
+        o_ptrs = (OutPart + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
+                  + qi[:, None].to(tl.int64) * stride_oq + head[:, None].to(tl.int64) * stride_oh
+                  + offs_d[None, :])
+        tl.store(o_ptrs, out, mask=q_ok)
+        tl.store(LsePart + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
+                 + head.to(tl.int64) * stride_lh + qi, tl.where(seen, lse, float("-inf")),
                  mask=row_ok)
-        # The last split of this (sequence, KV head) to finish merges all of them: no second kernel.
-        # The barrier puts every thread's stores before the release of the counter increment.
-        tl.debug_barrier()
-        counter = Counters + batch * tl.num_programs(2) + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel")
-        if ticket == num_splits - 1:
-            m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-            for s in range(num_splits):
-                m = tl.maximum(m, tl.load(l_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.zeros([ROWS], dtype=tl.float32)
-            merged = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-            for s in range(num_splits):
-                w = tl.exp(tl.load(l_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"),
-                                   cache_modifier=".cg") - m_safe)
-                total += w
-                merged += w[:, None] * tl.load(o_ptrs + s * stride_os, mask=q_ok, other=0.0,
-                                               cache_modifier=".cg")
-            some = total > 0
-            merged = merged / tl.where(some, total, 1.0)[:, None]
-            tl.store(r_ptrs, merged.to(Out.dtype.element_ty), mask=q_ok)
-            tl.store(lr_ptrs, tl.where(some, m_safe + tl.log(tl.where(some, total, 1.0)), EMPTY_LSE),
-                     mask=row_ok)
-            tl.store(counter, 0)  # ready for the next call (and the next CUDA graph replay)
 
 
 @triton.jit
@@ -166,7 +143,9 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
              stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
              stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
              SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-             EMPTY_LSE: tl.constexpr):
+             EMPTY_LSE: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # resident while the splits finish; reads their partials only after they all have
+        gdc_wait()
     qi = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -191,7 +170,7 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
 
 
 def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor, empty_lse: float = -math.inf) -> None:
+            lse: torch.Tensor, empty_lse: float = -math.inf, pdl: bool = False) -> None:
     """Merge (splits, B, Sq, H, D) partial outputs by their LSEs (splits, B, H, Sq) into ``out``
     (B, Sq, H, D) and ``lse`` (B, H, Sq); rows no split saw get 0 and ``empty_lse``."""
     splits, batch, seqlen_q, heads, head_dim = out_partial.shape
@@ -200,7 +179,8 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Ten
     _combine[(seqlen_q, heads, batch)](
         out_partial, lse_partial, out, lse, splits, *out_partial.stride()[:4], *lse_partial.stride()[:3],
         *out.stride()[:3], *lse.stride()[:2], SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse)
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}))
 
 
 @dataclass(frozen=True)
@@ -216,25 +196,13 @@ class DecodeConfig:
 
 
 def decode_config(paged: bool, device: torch.device) -> DecodeConfig:
+    """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
+    pipeline on contiguous caches; long steps on pages, where each key's page lookup adds latency."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
-    return DecodeConfig(64, 4, 3 if paged else 2)
-
-
-_COUNTERS: dict = {}
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """int32 zeros, at least ``n``, that the split-KV kernel counts finished splits in; the last split
-    resets its counter, so the buffer is zero between calls. One buffer per (device, stream): calls
-    on one stream run in order, so they never share a counter at the same time."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    if paged:
+        return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256, pdl=True)
+    return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
@@ -294,9 +262,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out_partial = torch.empty(splits, batch, seqlen_q, heads, head_dim, dtype=torch.float32,
                                   device=q.device)
         lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-        counters = split_counters(batch * heads_k, q.device)
     else:
-        out_partial, lse_partial, counters = out, lse, lse  # unused: the kernel writes out directly
+        out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -310,7 +277,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.device.index if q.device.index is not None else torch.cuda.current_device()) >= 90
     launch = {"launch_pdl": True} if pdl else {}
     _attn_decode[(splits, batch, heads_k)](
-        q, k_cache, v_cache, out_partial, lse_partial, out, lse, counters, cache_seqlens,
+        q, k_cache, v_cache, out_partial, lse_partial, out, lse, cache_seqlens,
         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *q.stride()[:3], *k_strides[:3],
         *v_strides[:3], *part_strides, *lse_part_strides, *out.stride()[:3], *lse.stride()[:2],
         block_table.stride(0) if paged else 0,
@@ -323,4 +290,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ALIBI=alibi_slopes is not None, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
         LEFTPAD=cache_leftpad is not None, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf,
         PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    if splits > 1:
+        combine(out_partial, lse_partial, out, lse, empty_lse=math.inf, pdl=pdl)
     return (out.to(q.dtype) if upcast else out), lse

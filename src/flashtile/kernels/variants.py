@@ -215,8 +215,8 @@ def decode_variants() -> list[Variant]:
 
 
 def compile_decode(variant: Variant, arch: int) -> list:
-    """Compile the split-KV decode kernel (8 query heads per KV head, one query) with the in-kernel
-    merge of splits and without (one split), and the public combine kernel."""
+    """Compile the split-KV decode kernel (8 query heads per KV head, one query) writing partials
+    and writing the output directly (one split), and the combine kernel that merges partials."""
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
@@ -226,11 +226,9 @@ def compile_decode(variant: Variant, arch: int) -> list:
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     stages = 3 if variant.paged else 2
-    return [_compile(_attn_decode, {**decode, "SPLIT": True}, variant, arch, 4, stages,
-                     pointer_types={"Counters": "*i32"}),
-            _compile(_attn_decode, {**decode, "SPLIT": False}, variant, arch, 4, stages,
-                     pointer_types={"Counters": "*i32"}),
-            _compile(_combine, comb, variant, arch, 4, 1)]
+    return [_compile(_attn_decode, {**decode, "SPLIT": True}, variant, arch, 4, stages),
+            _compile(_attn_decode, {**decode, "SPLIT": False}, variant, arch, 4, stages),
+            _compile(_combine, {**comb, "PDL": arch >= 90}, variant, arch, 4, 1)]
 
 
 def rotary_variants() -> list[Variant]:
