@@ -62,14 +62,15 @@ def training_and_packed_cases(dev) -> int:
         args = dict(softmax_scale=head_dim ** -0.5, window_left=left, window_right=right,
                     diag_offset=130 - 77, softcap=kw.get("softcap", 0.0), alibi_slopes=slopes)
         out, lse = attention_forward(q, k, v, **args)
-        grads = attention_backward(dout, q, k, v, out, lse, **args)
         leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
         ref, _ = attention(*leaves, alibi_slopes=slopes, **kw)
         ref.backward(dout.double())
-        for g, leaf in zip(grads, leaves):
-            if not torch.isfinite(g).all() or (g.double() - leaf.grad).abs().max() > 0.1:
-                failures += 1
-                print(f"FAIL backward d{head_dim} {kw}")
+        for deterministic in (True, False):  # the dQ pass, and atomic dQ where the config has it
+            grads = attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **args)
+            for g, leaf in zip(grads, leaves):
+                if not torch.isfinite(g).all() or (g.double() - leaf.grad).abs().max() > 0.1:
+                    failures += 1
+                    print(f"FAIL backward d{head_dim} {kw} deterministic={deterministic}")
     lengths = [70, 1, 130, 0]
     cu = torch.tensor([0, 70, 71, 201, 201], dtype=torch.int32, device=dev)
     q = torch.randn(201, 4, 64, device=dev, dtype=BF16, requires_grad=True)
@@ -101,10 +102,64 @@ def training_and_packed_cases(dev) -> int:
     return failures
 
 
+def decode_cases(dev) -> int:
+    """flash_attn_with_kvcache: split and unsplit, contiguous and paged (page sizes 1, 16, 48),
+    appends with rotary, leftpad and batch_idx; each against the float64 reference."""
+    import flashtile
+    from flashtile.bench.decode import paginate
+
+    failures = 0
+    lengths = [1, 77, 300]
+    batch, cap, heads, heads_k, d = 3, 300, 8, 2, 128
+    q = torch.randn(batch, 1, heads, d, device=dev, dtype=BF16)
+    k = torch.randn(batch, cap, heads_k, d, device=dev, dtype=BF16)
+    v = torch.randn_like(k)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+
+    def reference(k_cache, v_cache, q_rows=q):
+        rows = []
+        for b, n in enumerate(lengths):
+            ref, _ = attention(q_rows[b:b + 1].double(), k_cache[b:b + 1, :n].double(),
+                               v_cache[b:b + 1, :n].double(), causal=True)
+            rows.append(ref)
+        return torch.cat(rows)
+
+    expected = reference(k, v)
+    runs = {f"contiguous splits {s}": flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                                       causal=True, num_splits=s)
+            for s in (0, 1, 3)}
+    for page_size in (1, 16, 48):
+        pool_k, pool_v, table = paginate(k, v, page_size)
+        runs[f"paged {page_size}"] = flashtile.flash_attn_with_kvcache(
+            q, pool_k, pool_v, cache_seqlens=seqlens, block_table=table, causal=True)
+    for name, out in runs.items():
+        if not torch.isfinite(out).all() or (out.double() - expected).abs().max() > 0.05:
+            failures += 1
+            print(f"FAIL decode {name}")
+    # Append two new tokens with rotary at leftpad/batch_idx-mapped rows, then attend.
+    k2, v2 = k.clone(), v.clone()
+    new_k = torch.randn(batch, 2, heads_k, d, device=dev, dtype=BF16)
+    new_v = torch.randn_like(new_k)
+    cos, sin = torch.randn(512, 32, device=dev), torch.randn(512, 32, device=dev)
+    before = torch.tensor([n - 2 if n >= 2 else 0 for n in lengths], dtype=torch.int32, device=dev)
+    out = flashtile.flash_attn_with_kvcache(
+        torch.randn(batch, 2, heads, d, device=dev, dtype=BF16), k2, v2, new_k, new_v,
+        rotary_cos=cos, rotary_sin=sin, cache_seqlens=before, cache_batch_idx=torch.tensor(
+            [2, 0, 1], dtype=torch.int32, device=dev), causal=True)
+    failures += int(not torch.isfinite(out).all())
+    leftpad = torch.tensor([0, 5, 100], dtype=torch.int32, device=dev)
+    out = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens.clamp(min=101),
+                                            cache_leftpad=leftpad, causal=True)
+    failures += int(not torch.isfinite(out).all())
+    if failures:
+        print(f"FAIL decode: {failures}")
+    return failures
+
+
 def main() -> int:
     # CPU (with TRITON_INTERPRET=1) only to try the script itself; the sanitizer needs the GPU.
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    failures = training_and_packed_cases(dev)
+    failures = training_and_packed_cases(dev) + decode_cases(dev)
     cases = 0
     for head_dim, dtype, feat, (batch, sq, sk), tma in (QUICK if "--quick" in sys.argv else all_cases()):
         cfg = pick_config(head_dim, dev)
@@ -136,7 +191,7 @@ def main() -> int:
             print(f"FAIL d{head_dim} {dtype} {feat} {(batch, sq, sk)} tma={cfg.use_tma}: {err:.3g} > {budget:.3g}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    print(f"sanitize: {cases} forward launches plus backward, varlen, dropout and paged cases; "
+    print(f"sanitize: {cases} forward launches plus backward, varlen, dropout, paged and decode cases; "
           f"{failures} wrong results")
     return 1 if failures else 0
 

@@ -28,27 +28,30 @@ TOKENS = 16384
 # every pair runs with the separate dQ pass; ATOMIC dK/dV configs add dQ atomically instead.
 DKDV = {
     64: [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 4, 3)],
-    128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2)],
+    128: [(64, 64, 4, 2), (64, 128, 8, 2)],
     256: [(32, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 2)],
 }
 DQ = {
     64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 3)],
-    128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 128, 8, 2)],
+    128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
     256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2)],
 }
 ATOMIC = {
     64: [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 2)],
-    128: [(64, 128, 8, 2), (64, 64, 4, 3)],
+    128: [(64, 128, 8, 2)],
     256: [(32, 64, 8, 2), (64, 64, 8, 1)],
 }
+TMA = (False, True)
 
 
 def candidates(d):
     """(BackwardConfig fields, deterministic) for head dim d."""
-    out = [((m, n, 64, 64, w, st, 0, 0, True), False) for m, n, w, st in ATOMIC.get(d, [])]
+    out = [((m, n, 64, 64, w, st, 0, 0, True, tma), False) for m, n, w, st in ATOMIC.get(d, [])
+           for tma in TMA]
     for m1, n1, w1, s1 in DKDV.get(d, []):
         for m2, n2, w2, s2 in DQ.get(d, []):
-            out.append(((m1, n1, m2, n2, w1, s1, w2, s2, False), True))
+            for tma in TMA:
+                out.append(((m1, n1, m2, n2, w1, s1, w2, s2, False, tma), True))
     return out
 
 
@@ -138,10 +141,11 @@ def _sdpa_step(backend, qt, kt, vt, dout_t, causal):
 
 
 def _label(c):
-    m1, n1, m2, n2, w1, s1, w2, s2, _ = c["cfg"]
+    m1, n1, m2, n2, w1, s1, w2, s2, _, tma = c["cfg"]
+    t = "T" if tma else ""
     if not c["deterministic"]:
-        return f"A{m1},{n1},{w1},{s1}"
-    return f"D{m1},{n1}|{m2},{n2}|{w1},{s1}|{w2},{s2}"
+        return f"A{t}{m1},{n1},{w1},{s1}"
+    return f"D{t}{m1},{n1}|{m2},{n2}|{w1},{s1}|{w2},{s2}"
 
 
 def main():

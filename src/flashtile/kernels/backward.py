@@ -21,7 +21,8 @@ import triton.language as tl
 
 from .common import (dropout_keep, dropout_seed, key_blocks, load_tile, query_blocks,
                      sequence_span, tanh, visible)
-from .forward import LOG2E, _arch, head_dim_padded, interpreting
+from .forward import (LOG2E, _arch, _descriptor_scratch, _tma_eligible, _triton_allocator,
+                      head_dim_padded, interpreting)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class BackwardConfig:
     # With deterministic=False, add dQ atomically from the dK/dV pass instead of running the dQ
     # pass. Fewer FLOPs, but on the H200 at head dim 128 the atomics cost more than they save.
     atomic_dq: bool = True
+    use_tma: bool = False  # the streamed tiles (Q, dO in dK/dV; K, V in dQ) through tensor descriptors
 
 
 def backward_config_for_arch(head_dim: int, arch: int) -> BackwardConfig:
@@ -44,10 +46,10 @@ def backward_config_for_arch(head_dim: int, arch: int) -> BackwardConfig:
     d = head_dim_padded(head_dim)
     if 90 <= arch < 120:
         if d <= 64:
-            return BackwardConfig(64, 64, 64, 64, 4, 3)
+            return BackwardConfig(64, 64, 64, 64, 4, 3, atomic_dq=False)
         if d <= 128:
             return BackwardConfig(64, 64, 64, 64, 4, 2, atomic_dq=False)
-        return BackwardConfig(32, 64, 64, 32, 8, 2)
+        return BackwardConfig(32, 32, 64, 32, 4, 2, atomic_dq=False)
     if d <= 128:  # not measured: shapes after Triton's fused-attention tutorial
         return BackwardConfig(32, 64, 64, 32, 4, 2)
     return BackwardConfig(16, 64, 64, 16, 8, 1)
@@ -112,7 +114,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                         DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                         DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dK, dV (key block x head dim) over query blocks [blk_lo, blk_hi) of one head;
     with ATOMIC_DQ also add this key block's share of dQ into the float32 dQ buffer.
 
@@ -123,10 +125,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq
         rows = blk * BLOCK_M + offs_m
         rows_ok = rows < seqlen_q
         tile_ok = rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-        q = load_tile(q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :], blk, tile_ok,
-                      MASKED, BLOCK_M, D_MASK, UPCAST, False)
-        do = load_tile(do_base + rows[:, None].to(tl.int64) * stride_ds + offs_d[None, :], blk,
-                       tile_ok, MASKED, BLOCK_M, D_MASK, UPCAST, False)
+        if USE_TMA:  # q_base, do_base are descriptors: rows past the sequence come back as zeros
+            q = load_tile(q_base, blk, tile_ok, MASKED, BLOCK_M, D_MASK, UPCAST, True)
+            do = load_tile(do_base, blk, tile_ok, MASKED, BLOCK_M, D_MASK, UPCAST, True)
+        else:
+            q = load_tile(q_base + rows[:, None].to(tl.int64) * stride_qs + offs_d[None, :], blk,
+                          tile_ok, MASKED, BLOCK_M, D_MASK, UPCAST, False)
+            do = load_tile(do_base + rows[:, None].to(tl.int64) * stride_ds + offs_d[None, :], blk,
+                           tile_ok, MASKED, BLOCK_M, D_MASK, UPCAST, False)
         if MASKED:  # rows past the end: LSE +inf makes their P exactly 0
             lse = tl.load(lse_base + rows, mask=rows_ok, other=float("inf")) * 1.4426950408889634
             delta = tl.load(delta_base + rows, mask=rows_ok, other=0.0)
@@ -170,7 +176,7 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuS
                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
-                   DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                   DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -207,6 +213,13 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuS
         delta_base = Delta + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start
         dq_base = (dQ + batch.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqs
                    + head.to(tl.int64) * stride_dqh)
+        if USE_TMA:  # an empty sequence gets a one-row box inside the tensor, never loaded from
+            q_base = tl.make_tensor_descriptor(tl.where(seqlen_q > 0, q_base, Q),
+                                               [tl.maximum(seqlen_q, 1), HEAD_DIM], [stride_qs, 1],
+                                               [BLOCK_M, HEAD_DIM_PAD])
+            do_base = tl.make_tensor_descriptor(tl.where(seqlen_q > 0, do_base, dOut),
+                                                [tl.maximum(seqlen_q, 1), HEAD_DIM], [stride_ds, 1],
+                                                [BLOCK_M, HEAD_DIM_PAD])
         alibi_slope = 0.0
         if ALIBI:
             alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
@@ -219,20 +232,20 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuS
                 stride_dqs, offs_m, offs_d, cols, blk_lo, full_blk_lo, seqlen_q, seqlen_k,
                 diag_offset, window_left, window_right, qk_scale, softcap_in, alibi_slope,
                 softmax_scale, rng_seed, dropout_p, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
-                HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT, ATOMIC_DQ)
+                HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT, ATOMIC_DQ, USE_TMA)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds,
             stride_dqs, offs_m, offs_d, cols, full_blk_lo, full_blk_hi, seqlen_q, seqlen_k, diag_offset,
             window_left, window_right, qk_scale, softcap_in, alibi_slope, softmax_scale, rng_seed,
             dropout_p, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-            UPCAST, DROPOUT, ATOMIC_DQ)
+            UPCAST, DROPOUT, ATOMIC_DQ, USE_TMA)
         # Left window edge, the ragged end of the queries, ragged key blocks.
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds,
             stride_dqs, offs_m, offs_d, cols, full_blk_hi, blk_hi, seqlen_q, seqlen_k, diag_offset,
             window_left, window_right, qk_scale, softcap_in, alibi_slope, softmax_scale, rng_seed,
             dropout_p, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-            UPCAST, DROPOUT, ATOMIC_DQ)
+            UPCAST, DROPOUT, ATOMIC_DQ, USE_TMA)
 
     dk = dk * softmax_scale
     tl.store(dK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -250,17 +263,18 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                        MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                       DROPOUT: tl.constexpr):
+                       DROPOUT: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dQ (query block x head dim) over key blocks [blk_lo, blk_hi)."""
-    start = blk_lo * BLOCK_N
-    k_ptrs += start.to(tl.int64) * stride_ks
-    v_ptrs += start.to(tl.int64) * stride_vs
+    if not USE_TMA:
+        start = blk_lo * BLOCK_N
+        k_ptrs += start.to(tl.int64) * stride_ks
+        v_ptrs += start.to(tl.int64) * stride_vs
     D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, False)
-        v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, False)
+        k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         s, t = _scores_log2(qk, rows_pos[:, None], cols[None, :], seqlen_k, window_left,
                             window_right, qk_scale, softcap_in, alibi_slope, MASKED, HAS_LEFT,
@@ -274,8 +288,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq)
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
+        if not USE_TMA:
+            k_ptrs += BLOCK_N * stride_ks
+            v_ptrs += BLOCK_N * stride_vs
     return dq
 
 
@@ -290,7 +305,7 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK, D
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
-                 VARLEN: tl.constexpr, DROPOUT: tl.constexpr):
+                 VARLEN: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -327,10 +342,20 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK, D
         rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1))
     rng_rows = offs_m * seqlen_k
 
-    k_ptrs = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
-              + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
-              + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
+    k_base = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
+              + kv_head.to(tl.int64) * stride_kh)
+    v_base = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
+              + kv_head.to(tl.int64) * stride_vh)
+    if USE_TMA:  # an empty sequence gets a one-row box inside the tensor, never loaded from
+        k_ptrs = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, k_base, K),
+                                           [tl.maximum(seqlen_k, 1), HEAD_DIM], [stride_ks, 1],
+                                           [BLOCK_N, HEAD_DIM_PAD])
+        v_ptrs = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, v_base, V),
+                                           [tl.maximum(seqlen_k, 1), HEAD_DIM], [stride_vs, 1],
+                                           [BLOCK_N, HEAD_DIM_PAD])
+    else:
+        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
     rows_pos = offs_m + diag_offset
     blk_lo, full_blk_lo, full_blk_hi, blk_hi = key_blocks(
         m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -341,17 +366,17 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK, D
             dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT, USE_TMA)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT, USE_TMA)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
-        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT)
+        HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, DROPOUT, USE_TMA)
     dq = dq * softmax_scale
     tl.store(dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
              + rows * stride_dqs + offs_d[None, :],
@@ -429,15 +454,32 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
         qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
     alibi_stride_b = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
     delta = torch.empty_like(lse)
-    flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
-                 HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0)
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = (
         (0, *t.stride()[1:]) if varlen else t.stride() for t in (q, k, v, dout, out, lse, dq, dk, dv))
-    window = (max(window_left, 0), max(window_right, 0))
-    common = (seqlen_q, seqlen_k, heads // heads_k, diag_offset, *window, qk_scale, softcap_in,
-              softmax_scale, dropout_p)
+    use_tma = cfg.use_tma and _tma_eligible((q, k, v, dout), (sq, sk, sv, sd))
+    flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
+                 HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
+                 UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
+    # Our allocator only for these launches: the caller's own Triton allocator stays as it was.
+    token = _triton_allocator.set(_descriptor_scratch) if use_tma and not interpreting() else None
+    try:
+        _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, rows_q, rows_k,
+                        heads, heads_k, cfg, atomic, flags, (sq, sk, sv, sd, so, sl, sdq, sdk, sdv),
+                        (seqlen_q, seqlen_k, heads // heads_k, diag_offset, max(window_left, 0),
+                         max(window_right, 0), qk_scale, softcap_in, softmax_scale, dropout_p),
+                        alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k, dropout_seed)
+    finally:
+        if token is not None:
+            _triton_allocator.reset(token)
 
+
+def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, rows_q, rows_k, heads,
+                    heads_k, cfg, atomic, flags, strides, common, alibi_slopes, alibi_stride_b,
+                    cu_seqlens_q, cu_seqlens_k, dropout_seed):
+    """The backward's three launches; ``common`` is the scalar arguments every kernel shares."""
+    sq, sk, sv, sd, so, sl, sdq, sdk, sdv = strides
+    seqlen_q, head_dim, d_pad = common[0], flags["HEAD_DIM"], flags["HEAD_DIM_PAD"]
+    varlen = flags["VARLEN"]
     pre_block = 64
     _attn_bwd_preprocess[(-(-rows_q // pre_block), heads, batch)](
         out, dout, dlse, delta, cu_seqlens_q, so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0],
@@ -455,6 +497,6 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
         q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2],
         *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=window_right >= 0,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=flags["HAS_RIGHT"],
         num_warps=cfg.dq_num_warps or cfg.num_warps, num_stages=cfg.dq_num_stages or cfg.num_stages,
         **flags)

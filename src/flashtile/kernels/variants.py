@@ -189,17 +189,19 @@ def compile_backward(variant: Variant, arch: int) -> list:
 
     cfg = backward_config_for_arch(variant.head_dim, arch)
     flags = _flags(variant)
+    # As the launcher decides: descriptors on Hopper when rows are 16-byte multiples.
+    tma = {"USE_TMA": cfg.use_tma and arch >= 90 and variant.head_dim % 8 == 0}
     pre = {"BLOCK_M": 64, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
            "HAS_DLSE": False, "VARLEN": variant.varlen}
     return [
         _compile(_attn_bwd_preprocess, pre, variant, arch, 4, 1),
-        _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n,
-                                  "ATOMIC_DQ": True},
+        _compile(_attn_bwd_dkdv, {**flags, **tma, "BLOCK_M": cfg.dkdv_block_m,
+                                  "BLOCK_N": cfg.dkdv_block_n, "ATOMIC_DQ": True},
                  variant, arch, cfg.num_warps, cfg.num_stages, {"dQ": "*fp32"}),
-        _compile(_attn_bwd_dkdv, {**flags, "BLOCK_M": cfg.dkdv_block_m, "BLOCK_N": cfg.dkdv_block_n,
-                                  "ATOMIC_DQ": False},
+        _compile(_attn_bwd_dkdv, {**flags, **tma, "BLOCK_M": cfg.dkdv_block_m,
+                                  "BLOCK_N": cfg.dkdv_block_n, "ATOMIC_DQ": False},
                  variant, arch, cfg.num_warps, cfg.num_stages),
-        _compile(_attn_bwd_dq, {**flags, "BLOCK_M": cfg.dq_block_m, "BLOCK_N": cfg.dq_block_n,
+        _compile(_attn_bwd_dq, {**flags, **tma, "BLOCK_M": cfg.dq_block_m, "BLOCK_N": cfg.dq_block_n,
                                 "LONGEST_FIRST": variant.has_right},
                  variant, arch, cfg.dq_num_warps or cfg.num_warps,
                  cfg.dq_num_stages or cfg.num_stages),
