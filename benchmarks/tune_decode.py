@@ -24,9 +24,8 @@ import torch
 POINTS = [(1, 32, 8, 1024, 0), (1, 32, 8, 4096, 0), (1, 32, 8, 32768, 0), (1, 32, 8, 131072, 0),
           (16, 32, 8, 4096, 0), (16, 32, 8, 32768, 0), (1, 12, 2, 32768, 0), (1, 32, 8, 32768, 16)]
 # block_n, warps, stages, programmatic dependent launch
-KERNEL_CONFIGS = [(*c, pdl) for c in ((32, 4, 3), (32, 4, 4), (64, 4, 3), (128, 4, 2), (128, 8, 2))
-                  for pdl in (False, True)]
-SPLIT_TARGETS = [(2, 128), (2, 256), (4, 128), (1, 256)]
+KERNEL_CONFIGS = [(*c, pdl) for c in ((32, 4, 4), (64, 4, 3), (128, 4, 2)) for pdl in (False, True)]
+SPLIT_TARGETS = [(2, 128), (2, 256), (1, 256)]
 
 
 def _cfg(kernel, split=(2, 256)):
@@ -87,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--top", type=int, default=3, help="kernel configs per point in the split sweep")
+    ap.add_argument("--top", type=int, default=2, help="kernel configs per point in the split sweep")
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args()
     points = POINTS

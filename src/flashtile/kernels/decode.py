@@ -201,8 +201,8 @@ def decode_config(paged: bool, device: torch.device) -> DecodeConfig:
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     if paged:
-        return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256, pdl=True)
-    return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
+        return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
+    return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128)
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
