@@ -24,14 +24,17 @@ import torch
 POINTS = [(1, 32, 8, 1024, 0), (1, 32, 8, 4096, 0), (1, 32, 8, 32768, 0), (1, 32, 8, 131072, 0),
           (16, 32, 8, 4096, 0), (16, 32, 8, 32768, 0), (1, 12, 2, 32768, 0), (1, 32, 8, 32768, 16)]
 # block_n, warps, stages, programmatic dependent launch
-KERNEL_CONFIGS = [(*c, pdl) for c in ((32, 4, 4), (64, 4, 3), (128, 4, 2)) for pdl in (False, True)]
+# block_n, warps, stages, programmatic dependent launch, page-number prefetch (paged points only)
+KERNEL_CONFIGS = [(*c, pdl, True) for c in ((32, 4, 4), (64, 4, 3), (128, 4, 2)) for pdl in (False, True)]
+PAGED_CONFIGS = [(*c, False, prefetch) for c in ((32, 4, 4), (64, 4, 3), (128, 4, 2), (128, 4, 3))
+                 for prefetch in (False, True)]
 SPLIT_TARGETS = [(2, 128), (2, 256), (1, 256)]
 
 
 def _cfg(kernel, split=(2, 256)):
     from flashtile.kernels.decode import DecodeConfig
-    block_n, warps, stages, pdl = kernel
-    return DecodeConfig(block_n, warps, stages, *split, pdl=pdl)
+    block_n, warps, stages, pdl, prefetch = kernel
+    return DecodeConfig(block_n, warps, stages, *split, pdl=pdl, page_prefetch=prefetch)
 
 
 def _call(q, k, v, lengths, table, cfg):
@@ -77,7 +80,7 @@ def _check(out, q, k, v, lengths, table, page_size):
 def _default(page_size):
     from flashtile.kernels.decode import decode_config
     c = decode_config(bool(page_size), torch.device("cuda"))
-    return (c.block_n, c.num_warps, c.num_stages, c.pdl, c.waves, c.min_split_keys)
+    return (c.block_n, c.num_warps, c.num_stages, c.pdl, c.page_prefetch, c.waves, c.min_split_keys)
 
 
 def main():
@@ -88,15 +91,19 @@ def main():
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--top", type=int, default=2, help="kernel configs per point in the split sweep")
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--paged-only", action="store_true", help="only the paged points")
     args = ap.parse_args()
-    points = POINTS
+    points = [p for p in POINTS if p[4] or not args.paged_only]
+    if args.paged_only:
+        points += [(16, 12, 2, 32768, 16), (1, 12, 2, 32768, 16), (16, 32, 8, 32768, 16)]
     kernel_configs = KERNEL_CONFIGS
     split_targets = SPLIT_TARGETS
     if args.dry:
         points = [(2, 8, 2, 256, 0), (2, 8, 2, 256, 16)]
-        kernel_configs, split_targets = [(32, 4, 1, False)], [(2, 256)]
+        kernel_configs, split_targets = [(32, 4, 1, False, True)], [(2, 256)]
+        PAGED_CONFIGS[:] = [(32, 4, 1, False, False), (32, 4, 1, False, True)]
 
-    jobs = [(kc, paged) for kc in kernel_configs for paged in (False, True)]
+    jobs = [(kc, False) for kc in kernel_configs] + [(kc, True) for kc in PAGED_CONFIGS]
     t0 = time.time()
     if args.dry:
         errors = dict(_warm(j) for j in jobs)
@@ -139,7 +146,8 @@ def main():
         def measure(kernel, split):
             cfg = _cfg(kernel, split)
             entry = {"block_n": kernel[0], "warps": kernel[1], "stages": kernel[2],
-                     "pdl": kernel[3], "waves": split[0], "min_split_keys": split[1]}
+                     "pdl": kernel[3], "page_prefetch": kernel[4], "waves": split[0],
+                     "min_split_keys": split[1]}
             if errors.get((kernel, bool(page_size))):
                 entry["error"] = errors[(kernel, bool(page_size))]
                 return entry
@@ -171,11 +179,11 @@ def main():
                 del replay
             except Exception as exc:
                 rec["sdpa_cudnn_error"] = f"{type(exc).__name__}: {exc}"[:200]
-        for kernel in kernel_configs:
+        for kernel in (PAGED_CONFIGS if page_size else kernel_configs):
             rec["results"].append(measure(kernel, split_targets[0]))
         ranked = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])
         for best in ranked[:args.top]:
-            kernel = (best["block_n"], best["warps"], best["stages"], best["pdl"])
+            kernel = (best["block_n"], best["warps"], best["stages"], best["pdl"], best["page_prefetch"])
             for split in split_targets:
                 if split != split_targets[0]:
                     rec["results"].append(measure(kernel, split))
@@ -191,13 +199,15 @@ def main():
             "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
     with open(os.path.join(args.out, "tune-decode.json"), "w") as f:
         json.dump({"info": info, "points": rows}, f, indent=1)
-    print("\nB  H/Hk  ctx     page | cudnn GB/s | best (block_n, warps, stages, pdl, waves, min keys) GB/s")
+    print("\nB  H/Hk  ctx     page | cudnn GB/s | best (block_n, warps, stages, pdl, prefetch, waves, min keys) GB/s")
     for r in rows:
         ok = sorted((x for x in r["results"] if "gbps" in x), key=lambda x: -x["gbps"])
         best = "  ".join(f"({x['block_n']},{x['warps']},{x['stages']},{'P' if x['pdl'] else '-'},"
+                         f"{'F' if x['page_prefetch'] else '-'},"
                          f"{x['waves']},{x['min_split_keys']})"
                          f"={x['gbps']:.0f}{'' if x['err_over_budget'] <= 1 else '!BAD'}" for x in ok[:3])
-        default = [x for x in r["results"] if (x["block_n"], x["warps"], x["stages"], x["pdl"], x["waves"],
+        default = [x for x in r["results"] if (x["block_n"], x["warps"], x["stages"], x["pdl"],
+                                               x["page_prefetch"], x["waves"],
                                                x["min_split_keys"]) == _default(r["page_size"])]
         dflt = f"default={default[0].get('gbps', 0):.0f}" if default else ""
         print(f"{r['batch']:<3d}{r['heads']}/{r['heads_k']:<3d}{r['context']:<8d}{r['page_size']:<4d} | "

@@ -193,6 +193,7 @@ class DecodeConfig:
     # Programmatic dependent launch (sm_90+): the kernel may start while the previous one in the
     # stream finishes, and waits (griddepcontrol.wait) before touching memory.
     pdl: bool = False
+    page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
 
 
 def decode_config(paged: bool, device: torch.device) -> DecodeConfig:
@@ -289,7 +290,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_table.shape[1] if paged else 0,
         ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
         HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0,
-        ALIBI=alibi_slopes is not None, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
+        ALIBI=alibi_slopes is not None, PAGED=(2 if cfg.page_prefetch else 1) if paged else 0,
+        BATCH_IDX=cache_batch_idx is not None,
         LEFTPAD=cache_leftpad is not None, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf,
         PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if splits > 1:

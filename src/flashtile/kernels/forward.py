@@ -96,18 +96,27 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
     (batch, head), whose loads zero-fill past the keys and the head dim. PAGED: they point at one
     head of the page pool, and each tile gathers its keys through the sequence's block table row
-    (any page size: every key looks up its own page).
+    (any page size: every key looks up its own page). PAGED == 2 loads the next tile's page numbers
+    one iteration ahead, so the K/V loads never wait on the block table.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
         k_ptrs += start.to(tl.int64) * stride_kn
         v_ptrs += start.to(tl.int64) * stride_vn
     D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    if PAGED == 2:
+        ahead = blk_lo * BLOCK_N + offs_n
+        page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k, other=0)
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
         if PAGED:
-            if MASKED:
+            if PAGED == 2:
+                page = page_ahead
+                ahead = cols + BLOCK_N
+                page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k,
+                                     other=0)
+            elif MASKED:
                 page = tl.load(block_table_row + cols // page_size, mask=cols < seqlen_k, other=0)
             else:
                 page = tl.load(block_table_row + cols // page_size)
