@@ -267,7 +267,7 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
                                                      causal=True)
 
         splits = split_heuristic(point.batch, point.heads_k, table.shape[1] * page_size, q.device,
-                                 decode_config(True, q.device))
+                                 decode_config(True, q.device, point.batch * point.heads_k))
         return Step(call, info={"layout": f"pages ({point.batch * point.context // page_size}, "
                                           f"{page_size}, Hk, D), shuffled block table",
                                 "page_size": page_size, "num_splits": splits})

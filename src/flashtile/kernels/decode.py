@@ -196,13 +196,17 @@ class DecodeConfig:
     page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
 
 
-def decode_config(paged: bool, device: torch.device) -> DecodeConfig:
+def decode_config(paged: bool, device: torch.device, programs: int = 1) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
-    pipeline on contiguous caches; long steps on pages, where each key's page lookup adds latency."""
+    pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 64-key
+    steps and 3 stages (+23% at batch 16 with 12/2 heads); with more, 128-key steps and 2 stages
+    (64-key steps lost 16% at batch 64 with 32/8 heads)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
-    if paged:  # PDL measured 6% slower here; 64-key steps: +23% at batch 16 with 12/2 heads
-        return DecodeConfig(64, 4, 3, waves=2, min_split_keys=256)
+    if paged:  # PDL measured 6% slower here
+        if programs < _sm_count(device):
+            return DecodeConfig(64, 4, 3, waves=2, min_split_keys=256)
+        return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
@@ -252,7 +256,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
-    cfg = config or decode_config(paged, q.device)
+    cfg = config or decode_config(paged, q.device, batch * heads_k)
     splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, q.device, cfg)
     upcast = interpreting() and q.dtype == torch.bfloat16
     # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
