@@ -166,3 +166,13 @@ def test_cli_without_gpu_runs_the_backward_check_and_skips_timings(tmp_path):
     assert set(verdicts) == {"PASS"}, log
     assert "timings need a gpu" in done.stdout.lower(), log
     assert not out_dir.exists()  # nothing written without timings
+
+
+def test_training_extras_pass_on_cpu():
+    """Determinism, dropout's kept fraction, torch.compile against eager and opcheck, as bench train
+    runs them before timing."""
+    results = check.run_training_extras(CPU, log=lambda line: None)
+    assert [r["label"].split()[0] for r in results] == [
+        "deterministic=True,", "dropout", "torch.compile(fullgraph=True)", "opcheck"]
+    failed = [r for r in results if not r["passed"]]
+    assert not failed, failed

@@ -506,3 +506,98 @@ def run_backward_check(device: torch.device, cases: list[BackwardCase] | None = 
     n_pass = sum(r["passed"] for r in results)
     log(f"Backward check: {n_pass}/{len(results)} passed")
     return results
+
+
+# ----------------------------------------------------------------------------------------- extras
+#
+# What the gradient check cannot see: bitwise determinism of repeated backward passes, dropout's kept
+# fraction, torch.compile against eager, and the custom ops' registrations (opcheck).
+
+def run_training_extras(device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
+    """Determinism, dropout's kept fraction, torch.compile(fullgraph=True) and opcheck, on real sizes
+    on a GPU and small ones on CPU; one record each, with ``passed``."""
+    import flashtile
+    from ..kernels.dropout import dropout_mask
+    from ..ops import new_dropout_seed
+
+    on_gpu = device.type == "cuda"
+    seqlen, heads, heads_k, head_dim = (2048, 8, 2, 128) if on_gpu else (80, 4, 2, 32)
+    dtype = torch.bfloat16
+    results = []
+
+    def record(name: str, passed: bool, detail: str):
+        results.append({"label": name, "passed": bool(passed), "detail": detail})
+        log(f"{'PASS' if passed else 'FAIL'}  {name:<44s}{detail}")
+
+    def run(name, fn):
+        try:
+            fn()
+        except Exception as exc:  # a crash is a failed check, not a crashed benchmark
+            record(name, False, f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+
+    gen = torch.Generator(device="cpu").manual_seed(random.SystemRandom().randrange(2**31))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, k, v = randn(2, seqlen, heads, head_dim), randn(2, seqlen, heads_k, head_dim), \
+        randn(2, seqlen, heads_k, head_dim)
+    dout = randn(2, seqlen, heads, head_dim)
+
+    def grads(**kw):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = flashtile.flash_attn_func(*leaves, causal=True, **kw)
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+    def determinism():
+        first, second = grads(deterministic=True), grads(deterministic=True)
+        same = all(torch.equal(a, b) for a, b in zip(first, second))
+        record(f"deterministic=True, two runs, B2 S{seqlen} H{heads}/{heads_k}", same,
+               "out, dq, dk, dv bitwise equal" if same else "runs differ")
+
+    def kept_fraction():
+        p = 0.17
+        shape = (2, 8, 2048, 2048) if on_gpu else (1, 2, 300, 300)
+        seed = new_dropout_seed(p, device)
+        keep = dropout_mask(seed, shape[0], shape[1], shape[2], shape[3], p)
+        frac = keep.float().mean().item()
+        record(f"dropout p={p} kept fraction over {keep.numel():.2e}", abs(frac - (1 - p)) < 0.01,
+               f"{frac:.4f} vs {1 - p:.4f} (tolerance 0.01)")
+
+    def compiled():
+        cu = torch.tensor([0, seqlen // 3, seqlen], dtype=torch.int32, device=device)
+        cache_k, cache_v = randn(2, seqlen, heads_k, head_dim), randn(2, seqlen, heads_k, head_dim)
+        lengths = torch.tensor([seqlen // 2, seqlen - 1], dtype=torch.int32, device=device)
+
+        def layer(q, k, v):
+            a = flashtile.flash_attn_func(q, k, v, causal=True)
+            b = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, seqlen, seqlen, causal=True)
+            c = flashtile.flash_attn_with_kvcache(q[:, -1:].detach(), cache_k, cache_v,
+                                                  cache_seqlens=lengths)  # inference only
+            return a, b, c
+
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        got = torch.compile(layer, fullgraph=True)(*leaves)
+        got_grads = torch.autograd.grad(got[0].float().sum() + got[1].float().sum(), leaves)
+        leaves_e = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        expected = layer(*leaves_e)
+        exp_grads = torch.autograd.grad(expected[0].float().sum() + expected[1].float().sum(), leaves_e)
+        same = (all(torch.equal(a, b) for a, b in zip(got, expected))
+                and all(torch.equal(a, b) for a, b in zip(got_grads, exp_grads)))
+        record("torch.compile(fullgraph=True) vs eager", same,
+               "flash_attn_func + varlen + kvcache outputs and gradients bitwise equal" if same
+               else "compiled and eager differ")
+
+    def opcheck():
+        small = [t[:1, :64].contiguous() for t in (q, k, v)]
+        small[0].requires_grad_(True)
+        torch.library.opcheck(torch.ops.flashtile.attn_fwd.default,
+                              (*small, head_dim ** -0.5, -1, 0, True, 0.0, None),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        record("opcheck flashtile::attn_fwd", True, "schema, autograd registration, fake tensor")
+
+    for name, fn in (("determinism", determinism), ("kept fraction", kept_fraction),
+                     ("torch.compile", compiled), ("opcheck", opcheck)):
+        run(name, fn)
+    log(f"Training extras: {sum(r['passed'] for r in results)}/{len(results)} passed")
+    return results

@@ -396,7 +396,8 @@ def run(args) -> int:
 
 def _run_without_gpu(args, device: torch.device) -> int:
     return check_without_gpu("train", "train (forward + backward)",
-                             [lambda: check.run_backward_check(device)], args)
+                             [lambda: check.run_backward_check(device),
+                              lambda: check.run_training_extras(device)], args)
 
 
 def _run_on_gpu(args, device: torch.device) -> int:
@@ -405,6 +406,7 @@ def _run_on_gpu(args, device: torch.device) -> int:
     print(f"flashtile bench train: {env['gpu']} ({env['sm_count']} SMs), {args.dtype}, "
           f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}")
     checks = None if args.no_check else check.run_backward_check(device)
+    extras = None if args.no_check else check.run_training_extras(device)
     torch.cuda.empty_cache()
     records, varlen = run_sweep(sweep_points(args.quick), dtype, device)
 
@@ -419,7 +421,7 @@ def _run_on_gpu(args, device: torch.device) -> int:
                "memory": "peak_extra_mb: max_memory_allocated during one step minus memory_allocated "
                          "before it (gradients included), MB = 1e6 bytes; out_lse_grads_mb: size of "
                          "out + LSE + dq + dk + dv",
-               "check": checks, "points": records, "varlen": varlen}
+               "check": checks, "extra_checks": extras, "points": records, "varlen": varlen}
     json_path = result_path(args.out, "train", env["gpu"], "json")
     write_json(json_path, payload)
     print(f"Wrote {json_path}")
@@ -428,7 +430,7 @@ def _run_on_gpu(args, device: torch.device) -> int:
         print(write_plot(records, varlen, result_path(args.out, "train", env["gpu"], "png"), title))
     except Exception as exc:  # the JSON is written; a plotting problem must not hide the table
         print(f"Plot failed: {type(exc).__name__}: {exc}")
-    return _finish(records, varlen, checks,
+    return _finish(records, varlen, None if args.no_check else checks + extras,
                    f"Train forward + backward TFLOP/s, {args.dtype}, {env['gpu']} "
                    f"(vs = flashtile / anchor)")
 
