@@ -1,0 +1,2 @@
+"""Integrations with other libraries; each is optional and imported explicitly
+(``import flashtile.integrations.transformers``)."""

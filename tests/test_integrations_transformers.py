@@ -1,0 +1,137 @@
+"""attn_implementation="flashtile" in Hugging Face transformers, on tiny random models through the
+interpreter: logits and gradients against eager attention in float32 (the budget is 2x, for gradients
+3x, the error of eager attention in bf16), prefill, padding, packed sequences and greedy decoding."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # an optional extra; `make test` installs it
+from flashtile.integrations.transformers import NAME  # noqa: E402  (importing registers it)
+from transformers import (AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig,  # noqa: E402
+                          Qwen2Config)
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SMALL),
+    "qwen2": lambda: Qwen2Config(**SMALL),
+    "mistral-window": lambda: MistralConfig(**SMALL, sliding_window=8),
+    "gemma2-softcap": lambda: Gemma2Config(**SMALL, head_dim=16, sliding_window=8,
+                                           attn_logit_softcapping=20.0, final_logit_softcapping=30.0,
+                                           query_pre_attn_scalar=16),
+}
+
+
+def models(name: str):
+    """(flashtile bf16, eager bf16, eager fp32) with the same weights, the fp32 ones rounded to bf16."""
+    config = CONFIGS[name]()
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
+                                           dtype=torch.float32)
+    ref.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in ref.state_dict().items()})
+    out = []
+    for impl in (NAME, "eager"):
+        m = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                             dtype=torch.bfloat16)
+        m.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
+        out.append(m)
+    assert out[0].config._attn_implementation == NAME == "flashtile"
+    return out[0], out[1], ref
+
+
+def assert_close(got, low, exact, factor=2.0, what="logits"):
+    err = (got.float() - exact).abs().max().item()
+    budget = max(factor * (low.float() - exact).abs().max().item(),
+                 torch.finfo(torch.bfloat16).eps * exact.abs().max().item())
+    assert err <= budget, f"{what}: max error {err:.3g} > {factor:g}x eager bf16 ({budget:.3g})"
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_matches_eager(name):
+    ft, low, ref = models(name)
+    ids = torch.randint(0, 128, (2, 24))
+    assert_close(logits(ft, ids), logits(low, ids), logits(ref, ids))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_padding_runs_packed(name, side):
+    ft, low, ref = models(name)
+    ids = torch.randint(0, 128, (3, 20))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    pad = slice(0, 7) if side == "left" else slice(13, 20)
+    mask[0, pad] = 0
+    mask[2, slice(0, 2) if side == "left" else slice(18, 20)] = 0
+    real = mask.bool()
+    got, lo, exact = (logits(m, ids, attention_mask=mask) for m in (ft, low, ref))
+    assert_close(got[real], lo[real], exact[real])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("name", ["llama", "gemma2-softcap"])
+def test_greedy_decode_eight_steps(name, padded):
+    """The logits of each decode step (KV cache, split-KV kernel when unpadded) against eager fp32
+    on the generated sequence, teacher-forced."""
+    ft, low, ref = models(name)
+    ids = torch.randint(3, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    if padded:
+        mask[1, :4] = 0
+    with torch.no_grad():
+        gen = ft.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0)
+    seq = gen.sequences
+    assert seq.shape == (2, 20)
+    full_mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long)], dim=1)
+    exact = logits(ref, seq, attention_mask=full_mask)[:, 11:19]
+    lo = logits(low, seq, attention_mask=full_mask)[:, 11:19]
+    got = torch.stack(gen.logits, dim=1)
+    assert_close(got, lo, exact, what="decode logits")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_training_gradients(name):
+    ft, low, ref = models(name)
+    ids = torch.randint(0, 128, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 18:] = 0
+    labels = ids.masked_fill(mask == 0, -100)  # padding rows are not part of the loss
+    grads = []
+    for m in (ft, low, ref):
+        m.train()
+        m.zero_grad()
+        m(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if "self_attn" in n})
+    assert grads[0] and all(g is not None and torch.isfinite(g).all() for g in grads[0].values())
+    for n in grads[0]:
+        assert_close(grads[0][n], grads[1][n], grads[2][n], factor=3.0, what=f"grad {n}")
+
+
+def test_packed_sequences_from_position_ids():
+    """One row holding two sequences, position_ids restarting at 0: each sequence as if alone."""
+    ft, _, _ = models("llama")
+    a, b = torch.randint(0, 128, (1, 9)), torch.randint(0, 128, (1, 14))
+    packed = torch.cat([a, b], dim=1)
+    position_ids = torch.cat([torch.arange(9), torch.arange(14)]).unsqueeze(0)
+    got = logits(ft, packed, position_ids=position_ids)
+    alone = torch.cat([logits(ft, a), logits(ft, b)], dim=1)
+    torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=0)
+
+
+def test_what_it_cannot_honour_is_an_error():
+    ft, _, _ = models("llama")
+    ids = torch.randint(0, 128, (1, 10))
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        ft(ids, output_attentions=True)
+    holes = torch.ones(1, 10, dtype=torch.long)
+    holes[0, 4] = 0
+    with pytest.raises(ValueError, match="padding between real tokens"):
+        ft(ids, attention_mask=holes)
