@@ -1,0 +1,258 @@
+"""``flashtile bench e2e``: a whole decoder model in Hugging Face transformers, flashtile against
+transformers' ``sdpa`` and ``eager`` attention.
+
+The model is built from its config with random weights (no download): the Qwen2.5-1.5B architecture,
+and with ``--llama`` a Llama-3-8B-shaped config with fewer layers. One set of weights in bf16 serves
+every attention implementation (``set_attn_implementation`` between runs). Measured in the same run:
+
+* time to first token: one forward over a prompt of 2k, 8k and 32k tokens at batch 1 plus the argmax
+  of the last logits (CUDA events, median of a few repetitions);
+* decode tokens/s: greedy ``generate`` of 256 new tokens after a 512-token prompt at batch 1 and 16,
+  minus the prefill time, B x 256 / seconds.
+
+Correctness first: the last-position logits of flashtile and sdpa agree within bf16 tolerance on a
+prompt, and their greedy tokens agree for the first 32 steps. Without a GPU only a tiny model runs
+the check, through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from .common import add_common_arguments, choose_device, environment, result_path, save_figure, write_json
+
+IMPLEMENTATIONS = ("flashtile", "sdpa", "eager")
+PROMPTS = (2048, 8192, 32768)
+QUICK_PROMPTS = (2048, 8192)
+DECODE_BATCHES = (1, 16)
+DECODE_PROMPT, NEW_TOKENS, AGREE_STEPS = 512, 256, 32
+REPS = 3
+
+
+def qwen_config(layers: int | None = None):
+    from transformers import Qwen2Config
+    return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=layers or 28, num_attention_heads=12, num_key_value_heads=2,
+                       max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True,
+                       use_sliding_window=False)
+
+
+def llama_config(layers: int = 8):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=40960, rope_theta=5e5)
+
+
+def tiny_config():
+    from transformers import Qwen2Config
+    return Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def build_model(config, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.transformers import register
+    register()  # attn_implementation="flashtile"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    return model.to(device).eval()
+
+
+def use(model, implementation: str) -> None:
+    model.set_attn_implementation(implementation)
+
+
+def timed(fn, device: torch.device, reps: int = REPS) -> float:
+    """Median milliseconds of ``fn`` (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def check(model, device: torch.device, prompt: int, steps: int, log=print) -> dict:
+    """flashtile vs sdpa: last-position logits within a few bf16 ulps of the largest logit, and the
+    greedy tokens of ``steps`` steps identical."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (1, prompt), device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+    out = {}
+    with torch.no_grad():
+        for impl in ("flashtile", "sdpa"):
+            use(model, impl)
+            logits = model(ids).logits[:, -1].float()
+            gen = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                 pad_token_id=0)
+            out[impl] = (logits, gen[:, prompt:])
+    diff = (out["flashtile"][0] - out["sdpa"][0]).abs().max().item()
+    scale = out["sdpa"][0].abs().max().item()
+    # bf16 logits carry ~2^-8 relative rounding per layer's output; allow a few ulps of the largest.
+    tolerance = 8 * torch.finfo(torch.bfloat16).eps * max(scale, 1.0)
+    agree = int((out["flashtile"][1] == out["sdpa"][1]).cumprod(1).sum())
+    result = {"prompt": prompt, "logits_max_diff": diff, "logits_tolerance": tolerance,
+              "greedy_steps_agreeing": agree, "steps": steps,
+              "passed": diff <= tolerance and agree == steps}
+    log(f"{'PASS' if result['passed'] else 'FAIL'}  logits |flashtile - sdpa| {diff:.3g} <= "
+        f"{tolerance:.3g}; greedy tokens agree for {agree}/{steps} steps")
+    return result
+
+
+def time_to_first_token(model, device, prompt: int, impl: str) -> dict:
+    use(model, impl)
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), device=device)
+
+    def step():
+        with torch.no_grad():
+            return model(ids, logits_to_keep=1).logits[:, -1].argmax(-1)
+    try:
+        ms = timed(step, device)
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        return {"available": False, "error": f"OutOfMemoryError: {str(exc).splitlines()[0][:200]}"}
+    except Exception as exc:
+        return {"available": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return {"available": True, "ms": ms}
+
+
+def decode_rate(model, device, batch: int, impl: str, prompt: int = DECODE_PROMPT,
+                new_tokens: int = NEW_TOKENS) -> dict:
+    use(model, impl)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device)
+
+    def prefill():
+        with torch.no_grad():
+            return model(ids, logits_to_keep=1).logits
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0)
+    try:
+        prefill_ms = timed(prefill, device)
+        total_ms = timed(generate, device, reps=1)
+    except Exception as exc:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"available": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    decode_ms = max(total_ms - prefill_ms, 1e-6)
+    return {"available": True, "generate_ms": total_ms, "prefill_ms": prefill_ms,
+            "tokens_per_s": batch * new_tokens / (decode_ms / 1e3)}
+
+
+def format_table(payload: dict) -> str:
+    lines = [f"End to end, {payload['model']}, bf16, {payload.get('gpu', '')} "
+             "(vs = sdpa time / flashtile time)",
+             f"{'measure':<28s}" + "".join(f"{i:>12s}" for i in IMPLEMENTATIONS) + f"{'vs sdpa':>10s}"]
+    for p, r in payload["ttft"].items():
+        cells = [r[i].get("ms") if r[i].get("available") else None for i in IMPLEMENTATIONS]
+        ratio = cells[1] / cells[0] if cells[0] and cells[1] else None
+        lines.append(f"{'TTFT ms, prompt ' + p:<28s}"
+                     + "".join(f"{c:>12.1f}" if c else f"{'-':>12s}" for c in cells)
+                     + (f"{ratio:>9.2f}x" if ratio else f"{'-':>10s}"))
+    for b, r in payload["decode"].items():
+        cells = [r[i].get("tokens_per_s") if r[i].get("available") else None for i in IMPLEMENTATIONS]
+        ratio = cells[0] / cells[1] if cells[0] and cells[1] else None
+        lines.append(f"{'decode tok/s, batch ' + b:<28s}"
+                     + "".join(f"{c:>12.0f}" if c else f"{'-':>12s}" for c in cells)
+                     + (f"{ratio:>9.2f}x" if ratio else f"{'-':>10s}"))
+    return "\n".join(lines)
+
+
+def write_plot(payload: dict, path) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    prompts = list(payload["ttft"])
+    width = 0.25
+    for j, impl in enumerate(IMPLEMENTATIONS):
+        vals = [payload["ttft"][p][impl].get("ms") or math.nan for p in prompts]
+        ax1.bar([i + (j - 1) * width for i in range(len(prompts))], vals, width, label=impl)
+    ax1.set_xticks(range(len(prompts)), prompts)
+    ax1.set(xlabel="prompt tokens", ylabel="time to first token (ms, lower is better)", yscale="log")
+    batches = list(payload["decode"])
+    for j, impl in enumerate(IMPLEMENTATIONS):
+        vals = [payload["decode"][b][impl].get("tokens_per_s") or math.nan for b in batches]
+        ax2.bar([i + (j - 1) * width for i in range(len(batches))], vals, width, label=impl)
+    ax2.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax2.set(ylabel="decode tokens/s (higher is better)")
+    ax1.legend()
+    fig.suptitle(f"flashtile end to end: {payload['model']}, {payload.get('gpu', '')}")
+    return save_figure(fig, path)
+
+
+def add_arguments(parser) -> None:
+    add_common_arguments(parser, "prompts of 2k and 8k only", "skip the logits/greedy agreement check",
+                         with_dtype=False)
+    parser.add_argument("--llama", action="store_true",
+                        help="a Llama-3-8B-shaped config (8 layers) instead of Qwen2.5-1.5B")
+
+
+def run(args) -> int:
+    device = choose_device()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("flashtile bench e2e needs transformers: pip install 'flashtile[transformers]'")
+        return 1
+    if device.type != "cuda":
+        print("flashtile bench e2e: no CUDA GPU, so a tiny random Qwen2-architecture model runs the "
+              "agreement check through Triton's interpreter.")
+        model = build_model(tiny_config(), device)
+        result = check(model, device, prompt=24, steps=8)
+        print("Timings need a GPU: skipped the end-to-end benchmark (nothing was written).")
+        return 0 if result["passed"] else 1
+
+    config = llama_config() if args.llama else qwen_config()
+    name = "Llama-3-8B-shaped (8 layers)" if args.llama else "Qwen2.5-1.5B"
+    env = environment(device)
+    print(f"flashtile bench e2e: {name}, random weights, bf16, {env['gpu']}, torch {env['torch']}, "
+          f"transformers {transformers.__version__}")
+    model = build_model(config, device)
+    checks = None if args.no_check else check(model, device, prompt=2048, steps=AGREE_STEPS)
+    prompts = QUICK_PROMPTS if args.quick else PROMPTS
+    ttft = {}
+    for p in prompts:
+        ttft[str(p)] = {impl: time_to_first_token(model, device, p, impl) for impl in IMPLEMENTATIONS}
+        print(f"prompt {p}: " + ", ".join(f"{i} {r.get('ms', float('nan')):.1f} ms"
+                                          for i, r in ttft[str(p)].items()), flush=True)
+    decode = {}
+    for b in DECODE_BATCHES:
+        decode[str(b)] = {impl: decode_rate(model, device, b, impl) for impl in IMPLEMENTATIONS}
+        print(f"batch {b}: " + ", ".join(f"{i} {r.get('tokens_per_s', float('nan')):.0f} tok/s"
+                                         for i, r in decode[str(b)].items()), flush=True)
+    payload = {"benchmark": "e2e", **env, "model": name, "config": config.to_dict(),
+               "transformers": transformers.__version__, "command": " ".join(sys.argv),
+               "method": {"ttft": "one forward over the prompt (logits of the last position) + argmax, "
+                                  f"batch 1, CUDA events, median of {REPS} after a warm-up",
+                          "decode": f"generate {NEW_TOKENS} greedy tokens after a {DECODE_PROMPT}-token "
+                                    "prompt, minus the prompt's forward time; B x new tokens / s"},
+               "check": checks, "ttft": ttft, "decode": decode}
+    path = result_path(args.out, "e2e", env["gpu"], "json")
+    write_json(path, payload)
+    print(f"Wrote {path}")
+    try:
+        print(write_plot(payload, result_path(args.out, "e2e", env["gpu"], "png")))
+    except Exception as exc:
+        print(f"Plot failed: {type(exc).__name__}: {exc}")
+    print()
+    print(format_table(payload))
+    return 0 if checks is None or checks["passed"] else 1
