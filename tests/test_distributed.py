@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashtile.distributed import shard, unshard
+from flashtile.distributed import shard, shard_varlen, unshard, unshard_varlen
 
 
 def _worker(rank, world, init_file, case, result_dir):
@@ -43,6 +43,58 @@ def _worker(rank, world, init_file, case, result_dir):
         dist.destroy_process_group()
 
 
+def _varlen_worker(rank, world, init_file, case, result_dir):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        import flashtile
+        from flashtile.distributed import ring_flash_attn_varlen_func
+        layout, causal = case
+        gen = torch.Generator().manual_seed(99)
+        unit = 2 * world
+        lengths = [3 * unit, 1 * unit, 5 * unit]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        total, heads, heads_k, head_dim = sum(lengths), 4, 2, 32
+        q = torch.randn(total, heads, head_dim, generator=gen).to(torch.bfloat16)
+        k = torch.randn(total, heads_k, head_dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(total, heads_k, head_dim, generator=gen).to(torch.bfloat16)
+        dout = torch.randn(total, heads, head_dim, generator=gen).to(torch.bfloat16)
+        local = []
+        for i, t in enumerate((q, k, v, dout)):
+            piece, cu_local = shard_varlen(t, cu, rank, world, layout)
+            local.append(piece.requires_grad_(i < 3))
+        out, lse = ring_flash_attn_varlen_func(*local[:3], cu_local, max(lengths) // world, causal=causal,
+                                               layout=layout, return_lse=True)
+        out.backward(local[3])
+        torch.save({"out": out.detach(), "lse": lse, "dq": local[0].grad, "dk": local[1].grad,
+                    "dv": local[2].grad}, os.path.join(result_dir, f"{rank}.pt"))
+        if rank == 0:
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            full_out, full_lse, _ = flashtile.flash_attn_varlen_func(
+                *leaves, cu, cu, max(lengths), max(lengths), causal=causal, return_attn_probs=True)
+            full_out.backward(dout)
+            torch.save({"out": full_out.detach(), "lse": full_lse, "dq": leaves[0].grad,
+                        "dk": leaves[1].grad, "dv": leaves[2].grad, "cu": cu},
+                       os.path.join(result_dir, "full.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+def test_varlen_ring_matches_whole_batch(world, layout, causal):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_varlen_worker, args=(world, os.path.join(tmp, "init"), (layout, causal), tmp),
+                 nprocs=world, join=True)
+        parts = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+        full = torch.load(os.path.join(tmp, "full.pt"))
+    ring = {name: unshard_varlen([p[name] for p in parts], full["cu"], layout, dim=1 if name == "lse" else 0)
+            for name in ("out", "lse", "dq", "dk", "dv")}
+    torch.testing.assert_close(ring["lse"], full["lse"], atol=1e-4, rtol=1e-5)
+    for name in ("out", "dq", "dk", "dv"):
+        torch.testing.assert_close(ring[name].float(), full[name].float(), atol=3e-2, rtol=3e-2)
+
+
 CASES = [("zigzag", True, 4, 2, torch.float16), ("zigzag", False, 4, 4, torch.bfloat16),
          ("contiguous", True, 4, 1, torch.bfloat16), ("contiguous", False, 2, 2, torch.float16)]
 
@@ -66,6 +118,15 @@ def test_ring_matches_whole_sequence(world, case):
     torch.testing.assert_close(ring["lse"], full["lse"], atol=1e-4, rtol=1e-5)
     for name in ("out", "dq", "dk", "dv"):
         torch.testing.assert_close(ring[name].float(), full[name].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_varlen_shard_and_unshard_round_trip():
+    cu = torch.tensor([0, 8, 12, 28], dtype=torch.int32)
+    x = torch.arange(28)
+    for layout in ("zigzag", "contiguous"):
+        pieces = [shard_varlen(x, cu, r, 2, layout) for r in range(2)]
+        assert all(torch.equal(local, torch.tensor([0, 4, 6, 14], dtype=torch.int32)) for _, local in pieces)
+        assert torch.equal(unshard_varlen([p for p, _ in pieces], cu, layout), x)
 
 
 def test_shard_and_unshard_round_trip():

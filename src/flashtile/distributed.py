@@ -61,33 +61,81 @@ def _check_layout(layout: str) -> None:
 
 # ----------------------------------------------------------------------------------------- ring steps
 
-def _blocks(rank: int, src: int, causal: bool, layout: str, local_len: int):
+def _blocks(rank: int, src: int, causal: bool, layout: str):
     """What rank ``rank``'s queries compute against the K/V shard of rank ``src``: a list of
-    (query rows, key rows, causal) slices of the local shards; empty when nothing is visible."""
-    every = slice(0, local_len)
+    (query part, key part, causal) with parts "all", "first" or "second" (halves of each sequence's
+    local shard); empty when nothing is visible."""
     if not causal:
-        return [(every, every, False)]
+        return [("all", "all", False)]
     if layout == "contiguous":
         if src == rank:
-            return [(every, every, True)]
-        return [(every, every, False)] if src < rank else []
-    half = local_len // 2
-    first, second = slice(0, half), slice(half, local_len)
+            return [("all", "all", True)]
+        return [("all", "all", False)] if src < rank else []
     if src == rank:  # chunks (r, 2W-1-r) against themselves: causal over the concatenation
-        return [(every, every, True)]
+        return [("all", "all", True)]
     if src < rank:  # chunk src precedes both query chunks; chunk 2W-1-src follows both
-        return [(every, first, False)]
-    return [(second, every, False)]  # both key chunks precede query chunk 2W-1-r, follow chunk r
+        return [("all", "first", False)]
+    return [("second", "all", False)]  # both key chunks precede chunk 2W-1-r and follow chunk r
+
+
+class _Geometry:
+    """Where a part of the local shard lives: slices of dim 1 for (B, S, H, D) shards; for packed
+    shards (T, H, D) with local offsets ``cu``, index lists (each sequence's first or second half) and
+    the offsets and longest length the varlen kernels need."""
+
+    def __init__(self, local_len: int | None = None, cu: torch.Tensor | None = None, max_len: int = 0):
+        self.varlen = cu is not None
+        if not self.varlen:
+            half = local_len // 2
+            self.parts = {"all": slice(0, local_len), "first": slice(0, half),
+                          "second": slice(half, local_len)}
+            return
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        starts = cu[:-1].tolist()
+        first = [i for st, n in zip(starts, lengths) for i in range(st, st + n // 2)]
+        second = [i for st, n in zip(starts, lengths) for i in range(st + n // 2, st + n)]
+        self.index = {"first": torch.tensor(first, dtype=torch.long, device=cu.device),
+                      "second": torch.tensor(second, dtype=torch.long, device=cu.device)}
+        self.cu = {"all": cu, "first": cu // 2, "second": cu // 2}
+        self.max_len = {"all": max_len, "first": max_len // 2, "second": max_len // 2}
+
+    def take(self, x: torch.Tensor, part: str, lse: bool = False) -> torch.Tensor:
+        if not self.varlen:
+            return x[:, :, self.parts[part]] if lse else x[:, self.parts[part]]
+        if part == "all":
+            return x
+        return x.index_select(1 if lse else 0, self.index[part])
+
+    def kernel_args(self, q_part: str, kv_part: str) -> dict:
+        if not self.varlen:
+            return {}
+        return {"cu_seqlens_q": self.cu[q_part], "cu_seqlens_k": self.cu[kv_part],
+                "max_seqlen_q": self.max_len[q_part], "max_seqlen_k": self.max_len[kv_part]}
+
+    def merge(self, out, lse, part, o_part, l_part) -> None:
+        if not self.varlen or part == "all":  # views: merged in place
+            _merge(self.take(out, part), self.take(lse, part, lse=True), o_part, l_part)
+            return
+        o, l = self.take(out, part), self.take(lse, part, lse=True)
+        _merge(o, l, o_part, l_part)
+        out.index_copy_(0, self.index[part], o)
+        lse.index_copy_(1, self.index[part], l)
+
+    def add(self, buf, part, grad) -> None:
+        if not self.varlen or part == "all":
+            self.take(buf, part).add_(grad.float())
+        else:
+            buf.index_add_(0, self.index[part], grad.float())
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """out (B, S, H, D) float32 and lse (B, H, S) float32 absorb a partial result in place. The
+    """out (..., S, H, D) float32 and lse (..., H, S) float32 absorb a partial result in place. The
     kernels give rows without keys LSE +inf; here they carry no mass (-inf)."""
     part_lse = torch.where(torch.isposinf(part_lse), torch.full_like(part_lse, -math.inf), part_lse)
     new = torch.logaddexp(lse, part_lse)
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_old = torch.exp(lse - safe).movedim(-2, -1).unsqueeze(-1)
+    w_new = torch.exp(part_lse - safe).movedim(-2, -1).unsqueeze(-1)
     out.mul_(w_old).add_(part.float() * w_new)
     lse.copy_(new)
 
@@ -122,22 +170,25 @@ def _window(causal: bool):
     return (-1, 0) if causal else (-1, -1)
 
 
-def _ring_forward(q, k, v, group, causal, scale, softcap, layout):
+def _ring_forward(q, k, v, group, causal, scale, softcap, layout, geo: _Geometry):
     ring = _Ring(group)
-    batch, local_len, heads, _ = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((batch, heads, local_len), -math.inf, dtype=torch.float32, device=q.device)
+    lse_shape = (q.shape[1], q.shape[0]) if geo.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         if step + 1 < ring.world:
             k_next, v_next = ring.exchange([k_cur, v_cur])
-        for rows, cols, blk_causal in _blocks(ring.rank, src, causal, layout, local_len):
+        for q_part, kv_part, blk_causal in _blocks(ring.rank, src, causal, layout):
             left, right = _window(blk_causal)
-            part, part_lse = attention_forward(q[:, rows], k_cur[:, cols], v_cur[:, cols],
-                                               softmax_scale=scale, window_left=left, window_right=right,
-                                               diag_offset=0, softcap=softcap)
-            _merge(out[:, rows], lse[:, :, rows], part, part_lse)  # views: merged in place
+            kw = geo.kernel_args(q_part, kv_part)
+            kw.pop("max_seqlen_k", None)  # the forward launches by the longest query sequence
+            part, part_lse = attention_forward(
+                geo.take(q, q_part), geo.take(k_cur, kv_part), geo.take(v_cur, kv_part),
+                softmax_scale=scale, window_left=left, window_right=right, diag_offset=0,
+                softcap=softcap, **kw)
+            geo.merge(out, lse, q_part, part, part_lse)
         if step + 1 < ring.world:
             ring.wait()
             k_cur, v_cur = k_next, v_next
@@ -146,9 +197,8 @@ def _ring_forward(q, k, v, group, causal, scale, softcap, layout):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, softcap, layout):
+def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, softcap, layout, geo: _Geometry):
     ring = _Ring(group)
-    local_len = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -157,16 +207,17 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, softcap, layou
         src = (ring.rank - step) % ring.world
         if step + 1 < ring.world:  # K/V move on now; the gradient buffers once this step added to them
             k_next, v_next = ring.exchange([k_cur, v_cur])
-        for rows, cols, blk_causal in _blocks(ring.rank, src, causal, layout, local_len):
+        for q_part, kv_part, blk_causal in _blocks(ring.rank, src, causal, layout):
             left, right = _window(blk_causal)
             # With the final out and LSE, each block's P and Delta are the full softmax's.
             g_q, g_k, g_v = attention_backward(
-                dout[:, rows], q[:, rows], k_cur[:, cols], v_cur[:, cols], out[:, rows],
-                lse[:, :, rows], softmax_scale=scale, window_left=left, window_right=right,
-                diag_offset=0, softcap=softcap, deterministic=True)
-            dq[:, rows] += g_q.float()
-            dk_cur[:, cols] += g_k.float()
-            dv_cur[:, cols] += g_v.float()
+                geo.take(dout, q_part), geo.take(q, q_part), geo.take(k_cur, kv_part),
+                geo.take(v_cur, kv_part), geo.take(out, q_part), geo.take(lse, q_part, lse=True),
+                softmax_scale=scale, window_left=left, window_right=right, diag_offset=0,
+                softcap=softcap, deterministic=True, **geo.kernel_args(q_part, kv_part))
+            geo.add(dq, q_part, g_q)
+            geo.add(dk_cur, kv_part, g_k)
+            geo.add(dv_cur, kv_part, g_v)
         ring.wait()
         # The gradient buffers follow the shard they belong to; after the last step one more move
         # brings each back to its owner.
@@ -179,10 +230,10 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, softcap, layou
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, softcap, layout):
-        out, lse = _ring_forward(q, k, v, group, causal, scale, softcap, layout)
+    def forward(ctx, q, k, v, group, causal, scale, softcap, layout, geo):
+        out, lse = _ring_forward(q, k, v, group, causal, scale, softcap, layout, geo)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, softcap, layout)
+        ctx.args = (group, causal, scale, softcap, layout, geo)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -190,7 +241,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
@@ -224,5 +275,69 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0, got {softcap}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap), layout)
+    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap), layout,
+                                    _Geometry(local_len=q.shape[1]))
+    return (out, lse) if return_lse else out
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world_size: int,
+                 layout: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s shard of every sequence of a packed batch x (total, ...) with offsets
+    ``cu_seqlens``: (the shards packed, their offsets), the offsets being the same on every rank.
+    Each sequence's length must be a multiple of W ("contiguous") or 2W ("zigzag")."""
+    _check_layout(layout)
+    bounds = cu_seqlens.tolist()
+    pieces = [shard(x[a:b], rank, world_size, layout, dim=0) for a, b in zip(bounds[:-1], bounds[1:])]
+    local = (cu_seqlens // world_size).to(torch.int32)
+    return torch.cat(pieces, dim=0), local
+
+
+def unshard_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, layout: str = "zigzag",
+                   dim: int = 0) -> torch.Tensor:
+    """The packed batch from every rank's ``shard_varlen`` output (the inverse of it); ``cu_seqlens``
+    are the global offsets, ``dim`` the token dimension (1 for an LSE of shape (H, total))."""
+    world = len(shards)
+    local = (cu_seqlens // world).tolist()
+    seqs = []
+    for a, b in zip(local[:-1], local[1:]):
+        seqs.append(unshard([s.narrow(dim, a, b - a) for s in shards], layout, dim=dim))
+    return torch.cat(seqs, dim=dim)
+
+
+def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                cu_seqlens: torch.Tensor, max_seqlen: int, group=None,
+                                softmax_scale: float | None = None, causal: bool = False,
+                                softcap: float = 0.0, layout: str = "zigzag", return_lse: bool = False):
+    """``ring_flash_attn_func`` for packed sequences: q (T_local, H, D), k and v (T_local, Hk, D) hold
+    this rank's shard of every sequence (``shard_varlen``), ``cu_seqlens`` (int32, B + 1) the local
+    offsets and ``max_seqlen`` the longest local shard, identical on every rank. Returns the output
+    (T_local, H, D), and with ``return_lse`` the LSE (H, T_local)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_flash_attn_varlen_func needs torch.distributed initialized "
+                           "(dist.init_process_group)")
+    _check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (total_local, heads, head_dim)")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
+                         "the token count and head dim (k and v identical)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError("cu_seqlens must be a 1-D int32 tensor of local offsets")
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or min(lengths, default=0) < 0:
+        raise ValueError(f"cu_seqlens must rise from 0 to the local token count {q.shape[0]}, got {bounds}")
+    if max(lengths, default=0) > max_seqlen:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is below the longest local shard ({max(lengths)})")
+    if layout == "zigzag" and any(n % 2 for n in lengths):
+        raise ValueError("the zigzag layout holds two equal chunks of each sequence per rank: every "
+                         "local length must be even")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    geo = _Geometry(cu=cu_seqlens.to(q.device), max_len=int(max_seqlen))
+    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap), layout, geo)
     return (out, lse) if return_lse else out
