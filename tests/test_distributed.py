@@ -99,7 +99,7 @@ CASES = [("zigzag", True, 4, 2, torch.float16), ("zigzag", False, 4, 4, torch.bf
          ("contiguous", True, 4, 1, torch.bfloat16), ("contiguous", False, 2, 2, torch.float16)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}/{c[3]}")
 def test_ring_matches_whole_sequence(world, case):
     from helpers import assert_grads_match_reference, assert_matches_reference
@@ -146,3 +146,10 @@ def test_needs_an_initialized_process_group():
     q = torch.randn(1, 8, 2, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ring_flash_attn_func(q, q, q)
+
+
+def test_bench_ring_cpu_check():
+    """`flashtile bench ring` without a GPU: two gloo processes, ring against one process."""
+    from flashtile.bench import ring
+    check = ring._run_world(2, (), on_gpu=False)["check"]
+    assert check["passed"], check

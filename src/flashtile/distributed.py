@@ -154,6 +154,8 @@ class _Ring:
         self.pending = []
 
     def exchange(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.world == 1:  # a ring of one: the shard stays (NCCL would not send to itself)
+            return list(tensors)
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]

@@ -17,6 +17,8 @@ COMMANDS = {
               "graph-replay checks first",
     "paged": "decode through a block table (page size 16, and 1 and 256 at one context) against the "
              "contiguous cache in the same run; decode and graph-replay checks first",
+    "ring": "context-parallel (ring) attention over the host's GPUs (1, 2, 4, 8) against flashtile on one "
+            "GPU over the whole sequence, as scaling efficiency; ring check first",
     "e2e": "a whole decoder model in Hugging Face transformers (random weights): time to first token "
            "and decode tokens/s against transformers' sdpa and eager attention; agreement check first",
 }

@@ -1,0 +1,182 @@
+"""``flashtile bench ring``: context-parallel (ring) attention across the GPUs of one host, against
+flashtile on one GPU over the whole sequence.
+
+One process per GPU (NCCL); for each world size W in 1, 2, 4, 8 that the host has, the sequence is
+sharded in the zigzag layout and ``ring_flash_attn_func`` runs forward and forward + backward. Times
+are medians over repetitions (CUDA events, ranks synchronized by a barrier before each), taken on
+rank 0; scaling efficiency = single-GPU time / (W x ring time). A correctness check first compares
+the ring's output, LSE and gradients, unsharded, with single-GPU flashtile. Without a GPU two gloo
+processes run the check on a small problem through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from .common import add_common_arguments, choose_device, environment, result_path, write_json
+
+SEQLENS = (16384, 65536, 131072)
+QUICK_SEQLENS = (16384,)
+HEADS, HEADS_K, HEAD_DIM = 32, 8, 128
+REPS = 5
+
+
+def _time(fn, reps: int = REPS) -> float:
+    import torch.distributed as dist
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _inputs(seqlen: int, device, dtype, heads=HEADS, heads_k=HEADS_K, head_dim=HEAD_DIM, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = [(1, seqlen, heads, head_dim), (1, seqlen, heads_k, head_dim), (1, seqlen, heads_k, head_dim),
+              (1, seqlen, heads, head_dim)]
+    return [torch.randn(*s, generator=gen).to(device, dtype) for s in shapes]
+
+
+def _check(rank, world, device, seqlen, dtype, causal=True) -> dict:
+    """Ring vs one process over the whole sequence: max |difference| of out, LSE and gradients,
+    against a tolerance of a few bf16 ulps of each tensor's scale."""
+    import torch.distributed as dist
+
+    import flashtile
+    from ..distributed import ring_flash_attn_func, shard, unshard
+    q, k, v, dout = _inputs(seqlen, device, dtype, heads=8, heads_k=2, head_dim=64, seed=1)
+    local = [shard(t, rank, world).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+    out, lse = ring_flash_attn_func(*local[:3], causal=causal, return_lse=True)
+    out.backward(local[3])
+    mine = {"out": out.detach(), "lse": lse, "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}
+    gathered = {}
+    for name, t in mine.items():
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        gathered[name] = unshard(parts, dim=2 if name == "lse" else 1)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    full_out, full_lse, _ = flashtile.flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
+    full_out.backward(dout)
+    full = {"out": full_out.detach(), "lse": full_lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
+            "dv": leaves[2].grad}
+    eps = torch.finfo(dtype).eps
+    errors, ok = {}, True
+    for name in full:
+        diff = (gathered[name].float() - full[name].float()).abs().max().item()
+        tol = (1e-4 if name == "lse" else 4 * eps) * max(full[name].float().abs().max().item(), 1.0)
+        errors[name] = {"max_diff": diff, "tolerance": tol}
+        ok &= diff <= tol
+    return {"world": world, "seqlen": seqlen, "causal": causal, "errors": errors, "passed": bool(ok)}
+
+
+def _worker(rank, world, init_file, seqlens, out_file, on_gpu):
+    import torch.distributed as dist
+    if not on_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+        if on_gpu:
+            torch.cuda.set_device(device)
+        dtype = torch.bfloat16
+        result = {"check": _check(rank, world, device, 4096 if on_gpu else 16 * world, dtype)}
+        if on_gpu:
+            import flashtile
+            from ..distributed import ring_flash_attn_func, shard
+            points = []
+            for n in seqlens:
+                q, k, v, dout = _inputs(n, device, dtype)
+                local = [shard(t, rank, world) for t in (q, k, v, dout)]
+                leaves = [t.requires_grad_(True) for t in local[:3]]
+
+                def fwd():
+                    with torch.no_grad():
+                        return ring_flash_attn_func(*local[:3], causal=True)
+
+                def fwd_bwd():
+                    out = ring_flash_attn_func(*leaves, causal=True)
+                    return torch.autograd.grad(out, leaves, local[3])
+                point = {"seqlen": n, "ring_fwd_ms": _time(fwd), "ring_fwd_bwd_ms": _time(fwd_bwd)}
+                if world == 1:  # the single-GPU baseline on the whole sequence
+                    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                    point["single_fwd_ms"] = _time(lambda: flashtile.flash_attn_func(
+                        *[t.detach() for t in full], causal=True))
+                    point["single_fwd_bwd_ms"] = _time(lambda: torch.autograd.grad(
+                        flashtile.flash_attn_func(*full, causal=True), full, dout))
+                points.append(point)
+                del q, k, v, dout, local, leaves
+                torch.cuda.empty_cache()
+            result["points"] = points
+        if rank == 0:
+            torch.save(result, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_world(world: int, seqlens, on_gpu: bool) -> dict:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "result.pt")
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), seqlens, out_file, on_gpu),
+                 nprocs=world, join=True)
+        return torch.load(out_file)
+
+
+def add_arguments(parser) -> None:
+    add_common_arguments(parser, "16k tokens only", "(the ring check always runs)", with_dtype=False)
+
+
+def run(args) -> int:
+    device = choose_device()
+    if device.type != "cuda":
+        print("flashtile bench ring: no CUDA GPU, so two gloo processes run the ring check through "
+              "Triton's interpreter.")
+        check = _run_world(2, (), on_gpu=False)["check"]
+        print(f"{'PASS' if check['passed'] else 'FAIL'}  ring of 2 vs one process: "
+              + ", ".join(f"{n} {e['max_diff']:.2e}<={e['tolerance']:.2e}" for n, e in check["errors"].items()))
+        print("Timings need a GPU: skipped the ring benchmark (nothing was written).")
+        return 0 if check["passed"] else 1
+    env = environment(device)
+    gpus = torch.cuda.device_count()
+    worlds = [w for w in (1, 2, 4, 8) if w <= gpus]
+    seqlens = QUICK_SEQLENS if args.quick else SEQLENS
+    print(f"flashtile bench ring: {gpus} x {env['gpu']}, worlds {worlds}, causal, {HEADS}/{HEADS_K} "
+          f"heads, d{HEAD_DIM}, bf16, zigzag layout")
+    runs = {}
+    for w in worlds:
+        runs[w] = _run_world(w, seqlens, on_gpu=True)
+        c = runs[w]["check"]
+        print(f"{'PASS' if c['passed'] else 'FAIL'}  world {w}: ring vs one GPU, "
+              + ", ".join(f"{n} {e['max_diff']:.2e}" for n, e in c["errors"].items()), flush=True)
+    base = {p["seqlen"]: p for p in runs[1]["points"]}
+    rows = []
+    for w in worlds:
+        for p in runs[w]["points"]:
+            b = base[p["seqlen"]]
+            rows.append({"world": w, **p,
+                         "fwd_scaling": b["single_fwd_ms"] / (w * p["ring_fwd_ms"]),
+                         "fwd_bwd_scaling": b["single_fwd_bwd_ms"] / (w * p["ring_fwd_bwd_ms"])})
+    payload = {"benchmark": "ring", **env, "gpus": gpus, "heads": HEADS, "heads_k": HEADS_K,
+               "head_dim": HEAD_DIM, "causal": True, "layout": "zigzag", "command": " ".join(sys.argv),
+               "checks": {w: r["check"] for w, r in runs.items()}, "points": rows}
+    path = result_path(args.out, "ring", env["gpu"], "json")
+    write_json(path, payload)
+    print(f"Wrote {path}\n")
+    print(f"{'W':>2s} {'seqlen':>8s} {'fwd ms':>9s} {'scaling':>8s} {'fwd+bwd ms':>11s} {'scaling':>8s}")
+    for r in rows:
+        print(f"{r['world']:>2d} {r['seqlen']:>8d} {r['ring_fwd_ms']:>9.2f} {100 * r['fwd_scaling']:>7.0f}% "
+              f"{r['ring_fwd_bwd_ms']:>11.2f} {100 * r['fwd_bwd_scaling']:>7.0f}%")
+    return 0 if all(r["check"]["passed"] for r in runs.values()) else 1
