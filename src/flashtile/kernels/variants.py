@@ -261,8 +261,24 @@ def compile_rotary(variant: Variant, arch: int) -> list:
     return [_compile(_rotate_and_append, values, variant, arch, 4, 1, enable_fp_fusion=False)]
 
 
+def fp8_variants() -> list[Variant]:
+    """The rotate-and-quantize kernel of flashtile.fp8 at the head dims the rotation takes."""
+    return [Variant(d, dtype, kind="fp8") for d in (64, 128, 256) for dtype in ("bf16", "fp16")]
+
+
+def compile_fp8(variant: Variant, arch: int) -> list:
+    from ..fp8 import _rotate_quantize
+
+    d = variant.head_dim
+    values = {"BLOCK": 128, "HEAD_DIM": d, "LOG2_DIM": d.bit_length() - 1, "ROTATE": True,
+              "QUANTIZE": True}
+    return [_compile(_rotate_quantize, values, variant, arch, 4, 1,
+                     pointer_types={"Signs": "*fp32", "Out": "*fp8e4nv", "Scale": "*fp32"})]
+
+
 def all_variants() -> list[Variant]:
-    return forward_variants() + backward_variants() + decode_variants() + rotary_variants()
+    return (forward_variants() + backward_variants() + decode_variants() + rotary_variants()
+            + fp8_variants())
 
 
 def main(argv=None) -> int:
@@ -274,6 +290,8 @@ def main(argv=None) -> int:
     failed = 0
     for arch in args.arch or [90, 80]:
         for variant in all_variants()[shard::shards]:
+            if variant.kind == "fp8" and arch < 89:  # e4m3 (fp8e4nv) needs sm_89 or newer
+                continue
             try:
                 if variant.kind == "fwd":
                     kernels = [compile_forward(variant, arch)]
@@ -281,6 +299,8 @@ def main(argv=None) -> int:
                     kernels = compile_backward(variant, arch)
                 elif variant.kind == "rotary":
                     kernels = compile_rotary(variant, arch)
+                elif variant.kind == "fp8":
+                    kernels = compile_fp8(variant, arch)
                 else:
                     kernels = compile_decode(variant, arch)
                 shared = ", ".join(str(k.metadata.shared) for k in kernels)

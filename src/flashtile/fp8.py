@@ -1,0 +1,158 @@
+"""FP8 (e4m3) quantization of Q, K, V with per-block scales and FlashAttention-3's incoherent
+processing: a random orthogonal rotation of Q and K (a Hadamard matrix times a random +-1 diagonal),
+which leaves every score q.k unchanged and spreads an outlier coordinate over all of them, so one
+large entry no longer inflates its block's scale.
+
+``quantize_qkv`` does the rotation (a fast Walsh-Hadamard transform, O(d log d) per row, in a Triton
+kernel) and the quantization in one pass per tensor. Scales are per block of ``block`` consecutive
+tokens of one (batch, head): the tile an attention kernel loads, so an outlier only costs precision
+in its own block. ``dequantize`` inverts the quantization (not the rotation: attention on rotated Q
+and K gives the same scores).
+
+The FP8 attention kernels that consume these tensors are not written yet (issue 6); this module is
+the quantization side, tested on CPU (rotation and block scales; fp8 rounding itself is checked on a
+GPU because Triton's interpreter rounds fp32 -> fp8 wrongly).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels.forward import interpreting
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def random_signs(head_dim: int, seed: int, device) -> torch.Tensor:
+    """The random +-1 diagonal of the rotation, float32 (head_dim,), reproducible from ``seed``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randint(0, 2, (head_dim,), generator=gen) * 2 - 1).to(device=device, dtype=torch.float32)
+
+
+def hadamard_matrix(head_dim: int, device=None) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix H / sqrt(d), float32 (d, d); d a power of two."""
+    _check_power_of_two(head_dim)
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(head_dim)).to(device=device)
+
+
+def _check_power_of_two(d: int) -> None:
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head dim, got {d}")
+
+
+@triton.jit
+def _walsh_hadamard(x, HEAD_DIM: tl.constexpr, LOG2_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """x (ROWS, HEAD_DIM) times the unnormalized Sylvester-Hadamard matrix, by log2(d) butterflies:
+    the stage of width h pairs columns j and j + h inside blocks of 2h."""
+    for stage in tl.static_range(LOG2_DIM):
+        y = tl.reshape(x, (ROWS, HEAD_DIM >> (stage + 1), 2, 1 << stage))
+        y = tl.permute(y, (0, 1, 3, 2))
+        a, b = tl.split(y)
+        y = tl.join(a + b, a - b)
+        y = tl.permute(y, (0, 1, 3, 2))
+        x = tl.reshape(y, (ROWS, HEAD_DIM))
+    return x
+
+
+@triton.jit
+def _rotate_quantize(X, Signs, Out, Scale, seqlen, stride_xb, stride_xs, stride_xh,
+                     stride_ob, stride_os, stride_oh, stride_sb, stride_sh,
+                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LOG2_DIM: tl.constexpr,
+                     ROTATE: tl.constexpr, QUANTIZE: tl.constexpr):
+    """One block of BLOCK tokens of one (batch, head): rotate (optional), then scale so the block's
+    largest magnitude maps to E4M3_MAX; stores the scaled values and the block's descale."""
+    blk = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < seqlen
+    x = tl.load(X + batch.to(tl.int64) * stride_xb + head.to(tl.int64) * stride_xh
+                + rows[:, None].to(tl.int64) * stride_xs + cols[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    if ROTATE:
+        x = x * tl.load(Signs + cols)[None, :]
+        x = _walsh_hadamard(x, HEAD_DIM, LOG2_DIM, BLOCK) * (1.0 / tl.sqrt(HEAD_DIM * 1.0))
+    descale = 1.0
+    if QUANTIZE:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        descale = tl.where(amax > 0, amax / 448.0, 1.0)
+        x = x * (1.0 / descale)
+        tl.store(Scale + batch.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + blk, descale)
+    tl.store(Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+             + rows[:, None].to(tl.int64) * stride_os + cols[None, :], x.to(Out.dtype.element_ty), mask=ok)
+
+
+def _launch(x: torch.Tensor, signs, block: int, rotate: bool, quantize: bool, out_dtype):
+    batch, seqlen, heads, head_dim = x.shape
+    _check_power_of_two(head_dim)
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    blocks = -(-seqlen // block)
+    # The interpreter rounds fp32 -> fp8 wrongly: store fp32 there and let torch round.
+    store_dtype = torch.float32 if interpreting() and out_dtype == torch.float8_e4m3fn else out_dtype
+    out = torch.empty(x.shape, dtype=store_dtype, device=x.device)
+    scale = torch.ones(batch, heads, max(blocks, 1), dtype=torch.float32, device=x.device)
+    if x.numel():
+        _rotate_quantize[(blocks, heads, batch)](
+            x, signs, out, scale, seqlen, *x.stride()[:3], *out.stride()[:3], *scale.stride()[:2],
+            BLOCK=block, HEAD_DIM=head_dim, LOG2_DIM=head_dim.bit_length() - 1, ROTATE=rotate,
+            QUANTIZE=quantize)
+    return out.to(out_dtype), scale
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """x (B, S, H, D) times diag(signs) @ H / sqrt(D), in x's dtype: orthogonal, so rotating both Q
+    and K leaves every score unchanged."""
+    return _launch(x, signs, block, rotate=True, quantize=False, out_dtype=x.dtype)[0]
+
+
+@dataclass
+class FP8QKV:
+    """FP8 tensors in flash_attn's layout and their per-block descales (multiply to dequantize):
+    q_descale (B, H, ceil(Sq / block_q)), k_descale and v_descale (B, Hk, ceil(Sk / block_k))."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+    block_q: int
+    block_k: int
+    signs: torch.Tensor | None  # the rotation's diagonal, None without rotation
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: tuple[int, int] = (128, 128),
+                 hadamard: bool = True, seed: int = 0) -> FP8QKV:
+    """Quantize q (B, Sq, H, D), k and v (B, Sk, Hk, D) to float8_e4m3fn with one scale per block of
+    ``block[0]`` queries / ``block[1]`` keys of each (batch, head); with ``hadamard`` rotate Q and K
+    first (V is not rotated: it would rotate the output)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim)")
+        if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    block_q, block_k = block
+    signs = random_signs(q.shape[-1], seed, q.device) if hadamard else torch.ones(q.shape[-1], device=q.device)
+    fp8 = torch.float8_e4m3fn
+    q8, q_descale = _launch(q, signs, block_q, hadamard, True, fp8)
+    k8, k_descale = _launch(k, signs, block_k, hadamard, True, fp8)
+    v8, v_descale = _launch(v, signs, block_k, False, True, fp8)
+    return FP8QKV(q8, k8, v8, q_descale, k_descale, v_descale, block_q, block_k,
+                  signs if hadamard else None)
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 values of an FP8 tensor (B, S, H, D) with per-block descales (B, H, blocks)."""
+    per_row = descale.repeat_interleave(block, dim=2)[:, :, :x8.shape[1]]  # (B, H, S)
+    return x8.float() * per_row.transpose(1, 2).unsqueeze(-1)
