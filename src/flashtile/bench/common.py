@@ -227,3 +227,22 @@ def save_figure(fig, path: Path) -> str:
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return f"Wrote {path}"
+
+
+def cuda_event_median(fn, reps: int, before=None) -> float:
+    """Median milliseconds of ``fn`` between CUDA events, after one warm-up call; ``before`` (e.g. a
+    barrier) runs ahead of each timed call, outside the timing."""
+    import statistics
+    fn()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from .common import add_common_arguments, choose_device, environment, result_path, save_figure, write_json
+from .common import (add_common_arguments, choose_device, cuda_event_median, environment, result_path,
+                     save_figure, write_json)
 
 IMPLEMENTATIONS = ("flashtile", "sdpa", "eager")
 PROMPTS = (2048, 8192, 32768)
@@ -71,20 +72,14 @@ def use(model, implementation: str) -> None:
 
 def timed(fn, device: torch.device, reps: int = REPS) -> float:
     """Median milliseconds of ``fn`` (after one warm-up call)."""
+    if device.type == "cuda":
+        return cuda_event_median(fn, reps)
     fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 

@@ -12,13 +12,12 @@ processes run the check on a small problem through Triton's interpreter.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 
 import torch
 
-from .common import add_common_arguments, choose_device, environment, result_path, write_json
+from .common import add_common_arguments, choose_device, cuda_event_median, environment, result_path, write_json
 
 SEQLENS = (16384, 65536, 131072)
 QUICK_SEQLENS = (16384,)
@@ -27,19 +26,9 @@ REPS = 5
 
 
 def _time(fn, reps: int = REPS) -> float:
+    """Median ms on this rank; every rank starts each repetition together."""
     import torch.distributed as dist
-    fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_event_median(fn, reps, before=dist.barrier)
 
 
 def _inputs(seqlen: int, device, dtype, heads=HEADS, heads_k=HEADS_K, head_dim=HEAD_DIM, seed=0):

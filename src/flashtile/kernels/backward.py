@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import (dropout_keep, dropout_seed, key_blocks, load_tile, query_blocks,
-                     sequence_span, tanh, visible)
+                     sequence_descriptor, sequence_span, tanh, visible)
 from .forward import (LOG2E, _arch, _descriptor_scratch, _tma_eligible, _triton_allocator,
                       head_dim_padded, interpreting)
 
@@ -214,13 +214,10 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuS
         delta_base = Delta + batch.to(tl.int64) * stride_lb + head * stride_lh + q_start
         dq_base = (dQ + batch.to(tl.int64) * stride_dqb + q_start.to(tl.int64) * stride_dqs
                    + head.to(tl.int64) * stride_dqh)
-        if USE_TMA:  # an empty sequence gets a one-row box inside the tensor, never loaded from
-            q_base = tl.make_tensor_descriptor(tl.where(seqlen_q > 0, q_base, Q),
-                                               [tl.maximum(seqlen_q, 1), HEAD_DIM], [stride_qs, 1],
-                                               [BLOCK_M, HEAD_DIM_PAD])
-            do_base = tl.make_tensor_descriptor(tl.where(seqlen_q > 0, do_base, dOut),
-                                                [tl.maximum(seqlen_q, 1), HEAD_DIM], [stride_ds, 1],
-                                                [BLOCK_M, HEAD_DIM_PAD])
+        if USE_TMA:
+            q_base = sequence_descriptor(q_base, Q, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+            do_base = sequence_descriptor(do_base, dOut, seqlen_q, stride_ds, HEAD_DIM, BLOCK_M,
+                                          HEAD_DIM_PAD)
         alibi_slope = 0.0
         if ALIBI:
             alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
@@ -347,13 +344,9 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK, D
               + kv_head.to(tl.int64) * stride_kh)
     v_base = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
               + kv_head.to(tl.int64) * stride_vh)
-    if USE_TMA:  # an empty sequence gets a one-row box inside the tensor, never loaded from
-        k_ptrs = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, k_base, K),
-                                           [tl.maximum(seqlen_k, 1), HEAD_DIM], [stride_ks, 1],
-                                           [BLOCK_N, HEAD_DIM_PAD])
-        v_ptrs = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, v_base, V),
-                                           [tl.maximum(seqlen_k, 1), HEAD_DIM], [stride_vs, 1],
-                                           [BLOCK_N, HEAD_DIM_PAD])
+    if USE_TMA:
+        k_ptrs = sequence_descriptor(k_base, K, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_ptrs = sequence_descriptor(v_base, V, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
     else:
         k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
         v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]

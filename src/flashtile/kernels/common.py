@@ -127,3 +127,13 @@ def dropout_keep(seed, row_offsets, cols, dropout_p):
 def dropout_seed(Seed, batch, head, num_heads):
     """One Philox key per (batch, head), from the seed drawn with torch's generator for this call."""
     return tl.load(Seed) + (batch * num_heads + head)
+
+
+@triton.jit
+def sequence_descriptor(base, tensor, seqlen, stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                        HEAD_DIM_PAD: tl.constexpr):
+    """A tensor descriptor over one (sequence, head): ``seqlen`` rows of HEAD_DIM from ``base``, tiles
+    of (BLOCK, HEAD_DIM_PAD) zero-filled past both. A TMA box needs every global dim >= 1: an empty
+    sequence gets a one-row view of ``tensor``'s first row (inside the allocation), never used."""
+    return tl.make_tensor_descriptor(tl.where(seqlen > 0, base, tensor), [tl.maximum(seqlen, 1), HEAD_DIM],
+                                     [stride, 1], [BLOCK, HEAD_DIM_PAD])

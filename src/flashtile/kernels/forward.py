@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
-from .common import dropout_keep, dropout_seed, key_blocks, load_tile, sequence_span, tanh, visible
+from .common import (dropout_keep, dropout_seed, key_blocks, load_tile, sequence_descriptor,
+                     sequence_span, tanh, visible)
 
 LOG2E = 1.4426950408889634
 
@@ -218,17 +219,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
                   + kv_head.to(tl.int64) * stride_vh)
     q_ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     if USE_TMA and not PAGED:
-        # A TMA box needs every global dim >= 1: an empty sequence gets a one-row view of the
-        # tensor's first row (inside the allocation), loaded at most once and never used.
-        q_desc = tl.make_tensor_descriptor(tl.where(seqlen_q > 0, q_base, Q),
-                                           [tl.maximum(seqlen_q, 1), HEAD_DIM],
-                                           [stride_qs, 1], [BLOCK_M, HEAD_DIM_PAD])
-        k_src = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, k_base, K),
-                                          [tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                          [stride_ks, 1], [BLOCK_N, HEAD_DIM_PAD])
-        v_src = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, v_base, V),
-                                          [tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                          [stride_vs, 1], [BLOCK_N, HEAD_DIM_PAD])
+        q_desc = sequence_descriptor(q_base, Q, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+        k_src = sequence_descriptor(k_base, K, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_src = sequence_descriptor(v_base, V, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         q = q_desc.load([m0, 0])
     else:
         if PAGED:  # rows are gathered per tile
