@@ -152,7 +152,7 @@ def test_timing_plumbing_with_a_stand_in_timer(monkeypatch, tmp_path):
     assert train.skip_reason("textbook", point) is None
 
 
-def test_cli_without_gpu_runs_the_backward_check_and_skips_timings(tmp_path):
+def test_cli_without_gpu_runs_the_checks_and_skips_timings(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     out_dir = tmp_path / "out"
@@ -162,8 +162,10 @@ def test_cli_without_gpu_runs_the_backward_check_and_skips_timings(tmp_path):
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     verdicts = [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(verdicts) == len(check.backward_cases(on_gpu=False)), log
+    extras = 4  # determinism, dropout kept fraction, torch.compile, opcheck
+    assert len(verdicts) == len(check.backward_cases(on_gpu=False)) + extras, log
     assert set(verdicts) == {"PASS"}, log
+    assert "Training extras: 4/4 passed" in done.stdout, log
     assert "timings need a gpu" in done.stdout.lower(), log
     assert not out_dir.exists()  # nothing written without timings
 
