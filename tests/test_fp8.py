@@ -101,3 +101,32 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="block must be a power of two"):
         fp8.quantize_qkv(torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64),
                          block=(48, 64))
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("causal,heads,heads_k,seqlen_q,seqlen_k",
+                         [(True, 4, 2, 70, 90), (False, 4, 4, 64, 64), (True, 2, 1, 33, 33)])
+def test_fp8_kernel_matches_attention_on_the_dequantized_inputs(hadamard, causal, heads, heads_k,
+                                                               seqlen_q, seqlen_k):
+    """Through the interpreter P stays fp32 (its fp32 -> fp8 cast is wrong), so this checks the
+    scale bookkeeping: per-query-block descale folded into the score scale, K's and V's per tile."""
+    from flashtile.reference import attention as textbook
+    q = torch.randn(2, seqlen_q, heads, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, seqlen_k, heads_k, 64, dtype=torch.bfloat16)
+    v = torch.randn(2, seqlen_k, heads_k, 64, dtype=torch.bfloat16)
+    k[:, 5:9] *= 20  # one key block far larger than the others: per-block scales must be honoured
+    z = fp8.quantize_qkv(q, k, v, block=(32, 64), hadamard=hadamard, seed=5)
+    out, lse = fp8.attention(z, causal=causal, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    dq, dk, dv = (fp8.dequantize(t, d, b).double() for t, d, b in
+                  ((z.q, z.q_descale, 32), (z.k, z.k_descale, 64), (z.v, z.v_descale, 64)))
+    ref, ref_lse = textbook(dq, dk, dv, causal=causal)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_scale_blocks_must_be_whole_tiles():
+    q = torch.randn(1, 64, 2, 64)
+    z = fp8.quantize_qkv(q, q, q, block=(16, 16))
+    with pytest.raises(ValueError, match="multiples of the kernel's tiles"):
+        fp8.attention(z)

@@ -156,3 +156,36 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Ten
     """float32 values of an FP8 tensor (B, S, H, D) with per-block descales (B, H, blocks)."""
     per_row = descale.repeat_interleave(block, dim=2)[:, :, :x8.shape[1]]  # (B, H, S)
     return x8.float() * per_row.transpose(1, 2).unsqueeze(-1)
+
+
+def kernel_blocks(head_dim: int, device) -> tuple[int, int]:
+    """The forward kernel's (query, key) tile for this head dim on ``device``: the finest scale
+    blocks ``attention`` accepts (any multiple of them works too)."""
+    from .kernels.forward import pick_config
+    cfg = pick_config(head_dim, torch.device(device))
+    return cfg.block_m, cfg.block_n
+
+
+def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = None,
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False):
+    """Attention on quantized tensors (``quantize_qkv``): scores from e4m3 Q and K, each tile's
+    descales applied in fp32, P and V in e4m3 for the second product; bfloat16 output (B, Sq, H, D)
+    and, with ``return_lse``, the LSE (B, H, Sq). Causal and windows align bottom-right as in
+    flash_attn_func; GQA/MQA as there. The rotation needs no undoing: it leaves the scores as they were."""
+    from .kernels.forward import attention_forward
+    q, k, v = x.q, x.k, x.v
+    if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    if x.k_descale.stride() != x.v_descale.stride():
+        raise ValueError("k_descale and v_descale must share a layout")
+    left, right = window_size
+    if causal:
+        right = 0
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = attention_forward(q, k, v, softmax_scale=scale, window_left=left, window_right=right,
+                                 diag_offset=k.shape[1] - q.shape[1], softcap=softcap,
+                                 descales=(x.q_descale, x.k_descale, x.v_descale),
+                                 scale_blocks=(x.block_q, x.block_k))
+    return (out, lse) if return_lse else out

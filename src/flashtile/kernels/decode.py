@@ -101,20 +101,20 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
         full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, BLOCK_N,
-        HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, None, None,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
         PAGED)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
         full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, BLOCK_N,
-        HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, None, None,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
         PAGED)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
         s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, BLOCK_N,
-        HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, None, None,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
         PAGED)
 
     seen = l_i > 0.0

@@ -87,18 +87,20 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
                     rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-                    stride_kpage, stride_vpage,
+                    stride_kpage, stride_vpage, k_descale, v_descale,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
-                    USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, PAGED: tl.constexpr):
+                    USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, PAGED: tl.constexpr,
+                    FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1):
     """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
 
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
     (batch, head), whose loads zero-fill past the keys and the head dim. PAGED: they point at one
     head of the page pool, and each tile gathers its keys through the sequence's block table row
     (any page size: every key looks up its own page). PAGED == 2 loads the next tile's page numbers
-    one iteration ahead, so the K/V loads never wait on the block table.
+    one iteration ahead, so the K/V loads never wait on the block table. FP8: K and V are e4m3 with
+    one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``/``v_descale``.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
@@ -128,6 +130,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         else:
             k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
+        if FP8:
+            qk = qk * tl.load(k_descale + (blk * BLOCK_N) // SCALE_BLOCK_K)
         # s * s_scale is the score in log2 units; the plain path leaves the scale to one FMA
         # inside the exponential below.
         if SOFTCAP:  # softcap * tanh(scale * qk / softcap), qk_scale = softcap * log2(e)
@@ -156,7 +160,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         if DROPOUT:  # the normalizer keeps every probability; only the product with V drops some
             keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        if FP8:  # P in e4m3 too (it is in [0, 1]); V's descale applies to the tile's product
+            acc += tl.dot(p.to(v.dtype), v) * tl.load(v_descale + (blk * BLOCK_N) // SCALE_BLOCK_K)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if not USE_TMA and not PAGED:
             k_ptrs += BLOCK_N * stride_kn
@@ -166,6 +173,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
 
 @triton.jit
 def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, BlockTable,
+              QDescale, KDescale, VDescale, stride_sqb, stride_sqh, stride_skb, stride_skh,
               stride_qb, stride_qs, stride_qh,
               stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh,
@@ -178,7 +186,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
               USE_TMA: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-              PAGED: tl.constexpr):
+              PAGED: tl.constexpr, FP8: tl.constexpr = False, SCALE_BLOCK_Q: tl.constexpr = 1,
+              SCALE_BLOCK_K: tl.constexpr = 1):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -242,6 +251,17 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
     if DROPOUT:
         rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1))
     rng_rows = offs_m * seqlen_k
+    k_descale = KDescale
+    v_descale = VDescale
+    if FP8:  # the query block's descale folds into the score scale; K's and V's come per tile
+        q_descale = tl.load(QDescale + batch.to(tl.int64) * stride_sqb + head * stride_sqh
+                            + m0 // SCALE_BLOCK_Q)
+        if SOFTCAP:
+            softcap_in = softcap_in * q_descale
+        else:
+            qk_scale = qk_scale * q_descale
+        k_descale = KDescale + batch.to(tl.int64) * stride_skb + kv_head * stride_skh
+        v_descale = VDescale + batch.to(tl.int64) * stride_skb + kv_head * stride_skh
 
     # Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1
     # and p = exp2(-inf - floor) = 0 instead of NaN from (-inf) - (-inf).
@@ -254,21 +274,21 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
             acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-            stride_kb, stride_vb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED)
+            stride_kb, stride_vb, k_descale, v_descale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-        stride_kb, stride_vb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED)
+        stride_kb, stride_vb, k_descale, v_descale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT,
+        HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-        stride_kb, stride_vb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-        ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED)
+        stride_kb, stride_vb, k_descale, v_descale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
+        HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
@@ -331,7 +351,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       cu_seqlens_q: torch.Tensor | None = None,
                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
                       dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
-                      block_table: torch.Tensor | None = None):
+                      block_table: torch.Tensor | None = None, descales=None,
+                      scale_blocks: tuple[int, int] = (0, 0)):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -347,6 +368,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 
     Paged KV (with packed queries): k/v are page pools (num_pages, page_size, Hk, D), sequence b's
     keys are its cu_seqlens_k length, found through ``block_table`` (B, max_pages) int32 rows.
+
+    FP8: q, k, v float8_e4m3fn (padded batches only) with ``descales`` = (q (B, H, Sq blocks),
+    k and v (B, Hk, Sk blocks)) float32, one per ``scale_blocks`` = (queries, keys) tokens, each a
+    multiple of the kernel's tile; out is bfloat16.
     """
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
@@ -362,8 +387,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     if paged:  # lengths come from cu_seqlens_k; this only bounds their clamp
         seqlen_k = block_table.shape[0] * block_table.shape[1] * k.shape[1]
+    fp8 = q.dtype == torch.float8_e4m3fn
     if out is None:
-        out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=torch.bfloat16 if fp8 else q.dtype,
+                          device=q.device)
     if lse is None:
         lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     if varlen:
@@ -374,6 +401,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     if grid_rows == 0 or batch == 0 or heads == 0:
         return result
     cfg = config or pick_config(head_dim, q.device)
+    if fp8:
+        if varlen or paged or dropout_seed is not None:
+            raise NotImplementedError("flashtile: FP8 attention takes padded batches without dropout")
+        if scale_blocks[0] % cfg.block_m or scale_blocks[1] % cfg.block_n:
+            raise ValueError(f"FP8 scale blocks {scale_blocks} must be multiples of the kernel's tiles "
+                             f"({cfg.block_m}, {cfg.block_n}); see flashtile.fp8.kernel_blocks")
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -383,7 +416,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     else:
         alibi_stride_b = 0
     # The interpreter truncates fp32 -> bf16 stores; store fp32 there and let torch round.
-    upcast = interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and (q.dtype == torch.bfloat16 or fp8)
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
     strides = (q.stride(), k.stride(), v.stride(), out_buf.stride(), lse.stride())
     use_tma = cfg.use_tma and not paged and _tma_eligible((q, k, v), strides[:3])
@@ -401,7 +434,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                             window_left, window_right, qk_scale, softcap_in, head_dim, softcap > 0,
                             upcast, use_tma, cu_seqlens_q, cu_seqlens_k,
                             dropout_p if dropout_seed is not None else 0.0, dropout_seed,
-                            block_table, k.shape[0] if paged else 1, k.shape[1] if paged else 1)
+                            block_table, k.shape[0] if paged else 1, k.shape[1] if paged else 1,
+                            descales if fp8 else None, scale_blocks)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -413,11 +447,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,
                     seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
                     qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
-                    cu_seqlens_k, dropout_p, dropout_seed, block_table, num_pages, page_size):
+                    cu_seqlens_k, dropout_p, dropout_seed, block_table, num_pages, page_size,
+                    descales=None, scale_blocks=(0, 0)):
     ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _),
      (slb, slh, _)) = strides
+    q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
+    fp8 = {} if descales is None else {"FP8": True, "SCALE_BLOCK_Q": scale_blocks[0],
+                                       "SCALE_BLOCK_K": scale_blocks[1]}
     _attn_fwd[grid](
         q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed, block_table,
+        q_descale, k_descale, v_descale,
+        q_descale.stride(0) if descales is not None else 0,
+        q_descale.stride(1) if descales is not None else 0,
+        k_descale.stride(0) if descales is not None else 0,
+        k_descale.stride(1) if descales is not None else 0,
         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, alibi_stride_b,
         seqlen_q, seqlen_k, group_size, diag_offset,
         max(window_left, 0), max(window_right, 0), qk_scale, softcap_in, dropout_p,
@@ -428,5 +471,5 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
         HAS_RIGHT=window_right >= 0, SOFTCAP=has_softcap, ALIBI=alibi_slopes is not None,
         LONGEST_FIRST=window_right >= 0, UPCAST=upcast, USE_TMA=use_tma,
         VARLEN=cu_seqlens_q is not None, DROPOUT=dropout_p > 0, PAGED=block_table is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
     )

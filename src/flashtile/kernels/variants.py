@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .forward import config_for_arch, head_dim_padded
 
-_DTYPE_NAMES = {"fp16": "*fp16", "bf16": "*bf16"}
+_DTYPE_NAMES = {"fp16": "*fp16", "bf16": "*bf16", "fp8": "*fp8e4nv"}
 _FP32_POINTERS = ("Lse", "Alibi", "Delta", "dLse")
 _FLOATS = ("qk_scale", "softcap_in", "softmax_scale", "dropout_p")
 
@@ -113,6 +113,12 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
         elif name == "Alibi" and not variant.alibi:
             signature[name] = "constexpr"
             constexprs[name] = None
+        elif name in ("QDescale", "KDescale", "VDescale"):
+            if values.get("FP8"):
+                signature[name] = "*fp32"
+            else:
+                signature[name] = "constexpr"
+                constexprs[name] = None
         elif name.startswith("CuSeqlens"):
             if variant.varlen:
                 signature[name] = "*i32"
@@ -178,7 +184,8 @@ def compile_forward(variant: Variant, arch: int):
 
     cfg = config_for_arch(variant.head_dim, arch)
     values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-              "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90}
+              "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90,
+              "FP8": False, "SCALE_BLOCK_Q": 1, "SCALE_BLOCK_K": 1}
     return _compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages)
 
 
@@ -262,14 +269,26 @@ def compile_rotary(variant: Variant, arch: int) -> list:
 
 
 def fp8_variants() -> list[Variant]:
-    """The rotate-and-quantize kernel of flashtile.fp8 at the head dims the rotation takes."""
-    return [Variant(d, dtype, kind="fp8") for d in (64, 128, 256) for dtype in ("bf16", "fp16")]
+    """The rotate-and-quantize kernel of flashtile.fp8 at the head dims the rotation takes, and the
+    forward on e4m3 inputs (kind "fp8" with dtype "fp8")."""
+    quantize = [Variant(d, dtype, kind="fp8") for d in (64, 128, 256) for dtype in ("bf16", "fp16")]
+    forward = [Variant(d, "fp8", has_right=causal, tma=True, kind="fp8")
+               for d in (64, 128, 256) for causal in (False, True)]
+    return quantize + forward + [Variant(128, "fp8", has_left=True, has_right=True, softcap=True, kind="fp8")]
 
 
 def compile_fp8(variant: Variant, arch: int) -> list:
     from ..fp8 import _rotate_quantize
 
     d = variant.head_dim
+    if variant.dtype == "fp8":  # the forward kernel on e4m3 Q, K, V with per-tile descales
+        from .forward import _attn_fwd
+        cfg = config_for_arch(d, arch)
+        values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90,
+                  "FP8": True, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
+        return [_compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages,
+                         pointer_types={"Out": "*bf16"})]
     values = {"BLOCK": 128, "HEAD_DIM": d, "LOG2_DIM": d.bit_length() - 1, "ROTATE": True,
               "QUANTIZE": True}
     return [_compile(_rotate_quantize, values, variant, arch, 4, 1,
