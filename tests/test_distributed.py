@@ -74,7 +74,8 @@ def _varlen_worker(rank, world, init_file, case, result_dir):
                 *leaves, cu, cu, max(lengths), max(lengths), causal=causal, return_attn_probs=True)
             full_out.backward(dout)
             torch.save({"out": full_out.detach(), "lse": full_lse, "dq": leaves[0].grad,
-                        "dk": leaves[1].grad, "dv": leaves[2].grad, "cu": cu},
+                        "dk": leaves[1].grad, "dv": leaves[2].grad, "cu": cu,
+                        "inputs": (q, k, v, dout)},
                        os.path.join(result_dir, "full.pt"))
     finally:
         dist.destroy_process_group()
@@ -91,8 +92,16 @@ def test_varlen_ring_matches_whole_batch(world, layout, causal):
     ring = {name: unshard_varlen([p[name] for p in parts], full["cu"], layout, dim=1 if name == "lse" else 0)
             for name in ("out", "lse", "dq", "dk", "dv")}
     torch.testing.assert_close(ring["lse"], full["lse"], atol=1e-4, rtol=1e-5)
-    for name in ("out", "dq", "dk", "dv"):
-        torch.testing.assert_close(ring[name].float(), full[name].float(), atol=3e-2, rtol=3e-2)
+    # Each sequence against float64 with the project's rule (2x / 3x the textbook bf16 error).
+    from helpers import assert_grads_match_reference, assert_matches_reference
+    q, k, v, dout = full["inputs"]
+    bounds = full["cu"].tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        one = [t[a:b].unsqueeze(0) for t in (q, k, v, dout)]
+        assert_matches_reference(ring["out"][a:b].unsqueeze(0), ring["lse"][:, a:b].unsqueeze(0),
+                                 *one[:3], causal=causal)
+        assert_grads_match_reference(tuple(ring[n][a:b].unsqueeze(0) for n in ("dq", "dk", "dv")),
+                                     *one, causal=causal)
 
 
 CASES = [("zigzag", True, 4, 2, torch.float16), ("zigzag", False, 4, 4, torch.bfloat16),

@@ -121,7 +121,11 @@ def test_fp8_kernel_matches_attention_on_the_dequantized_inputs(hadamard, causal
     dq, dk, dv = (fp8.dequantize(t, d, b).double() for t, d, b in
                   ((z.q, z.q_descale, 32), (z.k, z.k_descale, 64), (z.v, z.v_descale, 64)))
     ref, ref_lse = textbook(dq, dk, dv, causal=causal)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=1e-2)
+    # The project's rule, with bf16 (the output dtype) as the input dtype of the textbook attention.
+    low, _ = textbook(dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16), causal=causal)
+    err = (out.double() - ref).abs().max().item()
+    budget = 2 * (low.double() - ref).abs().max().item()
+    assert err <= budget, f"max error {err:.3g} > 2x textbook bf16 error ({budget:.3g})"
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
