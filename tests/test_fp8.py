@@ -134,3 +134,44 @@ def test_fp8_scale_blocks_must_be_whole_tiles():
     z = fp8.quantize_qkv(q, q, q, block=(16, 16))
     with pytest.raises(ValueError, match="multiples of the kernel's tiles"):
         fp8.attention(z)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_takes_fp8_with_per_head_descales(causal):
+    """FlashAttention-3's calling convention: e4m3 q, k, v and float32 descales (B, Hk)."""
+    import flashtile
+    from flashtile.reference import attention as textbook
+    q = torch.randn(2, 40, 4, 32) * 3
+    k, v = torch.randn(2, 50, 2, 32), torch.randn(2, 50, 2, 32) * 0.5
+    descales = []
+    tensors = []
+    for x in (q, k, v):  # one scale per (batch, KV head); query heads share their KV head's scale
+        grouped = x.unflatten(2, (2, -1))
+        d = grouped.abs().amax(dim=(1, 3, 4)) / fp8.E4M3_MAX
+        tensors.append((grouped / d[:, None, :, None, None]).flatten(2, 3).to(torch.float8_e4m3fn))
+        descales.append(d.float())
+    out, lse, _ = flashtile.flash_attn_func(*tensors, causal=causal, q_descale=descales[0],
+                                            k_descale=descales[1], v_descale=descales[2],
+                                            return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    deq = [(t.float().unflatten(2, (2, -1)) * d[:, None, :, None, None]).flatten(2, 3).double()
+           for t, d in zip(tensors, descales)]
+    ref, ref_lse = textbook(*deq, causal=causal)
+    low, _ = textbook(*(t.to(torch.bfloat16) for t in deq), causal=causal)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 * (low.double() - ref).abs().max().item()
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_arguments_are_checked():
+    import flashtile
+    x = torch.randn(1, 8, 2, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        flashtile.flash_attn_func(x, x, x, k_descale=torch.ones(3, 2))
+    with pytest.raises(TypeError, match="k must be float8_e4m3fn"):
+        flashtile.flash_attn_func(x, torch.randn(1, 8, 2, 32, dtype=torch.bfloat16), x)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flashtile.flash_attn_func(x, x, x, dropout_p=0.1)
+    y = torch.randn(1, 8, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float8_e4m3fn inputs only"):
+        flashtile.flash_attn_func(y, y, y, q_descale=torch.ones(1, 2))

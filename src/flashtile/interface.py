@@ -20,11 +20,12 @@ MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_tensor(t, name: str, ndim: int) -> None:
+def _check_tensor(t, name: str, ndim: int, dtypes=_DTYPES) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {allowed}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if interpreting():
@@ -38,11 +39,11 @@ def _check_tensor(t, name: str, ndim: int) -> None:
                          f"got strides {tuple(t.stride())}")
 
 
-def _check_attention_inputs(q, k, v, names=("q", "k", "v")) -> None:
+def _check_attention_inputs(q, k, v, names=("q", "k", "v"), dtypes=_DTYPES) -> None:
     """q (B, Sq, H, D), k and v (B, Sk, Hk, D)."""
     qn, kn, vn = names
     for t, n in zip((q, k, v), names):
-        _check_tensor(t, n, 4)
+        _check_tensor(t, n, 4, dtypes)
     for t, n in ((k, kn), (v, vn)):
         if t.dtype != q.dtype:
             raise TypeError(f"{n} has dtype {t.dtype} but {qn} has {q.dtype}: they must match")
@@ -129,7 +130,12 @@ def _check_deterministic(deterministic) -> bool:
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, deterministic=False, names=("q", "k", "v")):
+               return_attn_probs, deterministic=False, names=("q", "k", "v"), descales=(None, None, None)):
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+        return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, descales, names)
+    if any(d is not None for d in descales):
+        raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_attention_inputs(q, k, v, names)
     dropout_p = _check_dropout(dropout_p)
     scale = _check_scale(softmax_scale, q.shape[-1])
@@ -147,6 +153,46 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     return out, lse, s_dmask
 
 
+def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, descales, names):
+    """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
+    For per-block scales (and the Hadamard rotation) use flashtile.fp8.quantize_qkv and
+    flashtile.fp8.attention."""
+    from .kernels.forward import attention_forward, pick_config
+    _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
+    if _check_dropout(dropout_p) > 0:
+        raise NotImplementedError("flashtile: no dropout with FP8 inputs")
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        raise NotImplementedError("flashtile: FP8 attention is forward-only (no backward)")
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    per_head = []
+    for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
+        if d is None:
+            d = torch.ones(batch, heads_k, dtype=torch.float32, device=q.device)
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
+            raise TypeError(f"{n} must be a float32 tensor of shape (batch, heads_k)")
+        if tuple(d.shape) != (batch, heads_k) or d.device != q.device:
+            raise ValueError(f"{n} must have shape ({batch}, {heads_k}) on {q.device}, got "
+                             f"{tuple(d.shape)} on {d.device}")
+        per_head.append(d)
+    group = heads // heads_k
+    # One scale block spanning the whole sequence: a power of two, so a multiple of every tile.
+    cfg = pick_config(head_dim, q.device)
+    block_q = 1 << max(seqlen_q, cfg.block_m, 1).bit_length()
+    block_k = 1 << max(seqlen_k, cfg.block_n, 1).bit_length()
+    q_d = per_head[0].repeat_interleave(group, dim=1).unsqueeze(-1).contiguous()
+    k_d, v_d = (d.unsqueeze(-1).contiguous() for d in per_head[1:])
+    scale = _check_scale(softmax_scale, head_dim)
+    left, right = _check_window(window_size, causal)
+    alibi = _check_alibi(alibi_slopes, batch, heads, q.device)
+    out, lse = attention_forward(q, k, v, softmax_scale=scale, window_left=left, window_right=right,
+                                 diag_offset=seqlen_k - seqlen_q, softcap=_check_softcap(softcap),
+                                 alibi_slopes=alibi, descales=(q_d, k_d, v_d),
+                                 scale_blocks=(block_q, block_k))
+    return (out, lse, None) if return_attn_probs else out
+
+
 def _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, alibi):
     """flash_attn's S_dmask: the probabilities (B, H, Sq, Sk), negated where dropout dropped them.
     Materialized for testing and inspection; it costs the full score matrix."""
@@ -160,7 +206,8 @@ def _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, a
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    q_descale=None, k_descale=None, v_descale=None):
     """Attention over q (B, Sq, H, D), k and v (B, Sk, Hk, D) with H a multiple of Hk (GQA/MQA).
 
     ``causal`` is aligned to the bottom right when Sq != Sk: query i sees keys j <= i + Sk - Sq.
@@ -168,9 +215,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (-1 = unbounded). ``softcap`` > 0 applies softcap * tanh(scores / softcap); ``alibi_slopes``
     (float32, (H,) or (B, H)) adds -slope * |i + Sk - Sq - j|. Returns out (B, Sq, H, D), or with
     ``return_attn_probs`` the tuple (out, softmax_lse (B, H, Sq) float32, None).
+
+    FP8 (FlashAttention-3's convention, forward only): q, k, v in float8_e4m3fn with
+    ``q_descale``/``k_descale``/``v_descale`` float32 (B, Hk) (None: 1.0), the factors that turn the
+    stored values back into the real ones; the output is bfloat16.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, deterministic)
+                      return_attn_probs, deterministic, descales=(q_descale, k_descale, v_descale))
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
