@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in COMMANDS.items():
         sub = benches.add_parser(name, help=help_text, description=help_text)
         # Only the options are needed here; the module itself is imported again when it runs.
-        importlib.import_module(f"flashtile.bench.{name}").add_arguments(sub)
+        importlib.import_module(f"flashtile.bench.{name.replace('-', '_')}").add_arguments(sub)
     return parser
 
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     # Line buffering keeps stdout (results) and stderr (progress bar) in order in a captured log.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
-    module = importlib.import_module(f"flashtile.bench.{args.benchmark}")
+    module = importlib.import_module(f"flashtile.bench.{args.benchmark.replace('-', '_')}")
     return module.run(args)
 
 
