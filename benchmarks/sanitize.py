@@ -156,6 +156,35 @@ def decode_cases(dev) -> int:
     return failures
 
 
+def fp8_cases(dev) -> int:
+    """The FP8 forward (block scales with rotation, and flash_attn_func's per-head descales) on ragged
+    shapes, against attention on the dequantized inputs (loose: P is e4m3 on the GPU)."""
+    import flashtile
+    from flashtile import fp8
+
+    failures = 0
+    for causal, (sq, sk) in ((True, (77, 200)), (False, (130, 33))):
+        q = torch.randn(2, sq, 4, 128, device=dev, dtype=BF16)
+        k = torch.randn(2, sk, 2, 128, device=dev, dtype=BF16)
+        v = torch.randn(2, sk, 2, 128, device=dev, dtype=BF16)
+        blocks = fp8.kernel_blocks(128, dev)
+        z = fp8.quantize_qkv(q, k, v, block=blocks, hadamard=True)
+        out = fp8.attention(z, causal=causal)
+        deq = [fp8.dequantize(t, d, b).double() for t, d, b in
+               ((z.q, z.q_descale, blocks[0]), (z.k, z.k_descale, blocks[1]),
+                (z.v, z.v_descale, blocks[1]))]
+        ref, _ = attention(*deq, causal=causal)
+        ones = torch.ones(2, 2, device=dev)
+        plain = flashtile.flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)),
+                                          causal=causal, q_descale=ones, k_descale=ones, v_descale=ones)
+        ref_plain, _ = attention(*(t.to(torch.float8_e4m3fn).double() for t in (q, k, v)), causal=causal)
+        for got, expected in ((out, ref), (plain, ref_plain)):
+            if not torch.isfinite(got).all() or (got.double() - expected).abs().max() > 0.1:
+                failures += 1
+                print(f"FAIL fp8 causal={causal} {(sq, sk)}")
+    return failures
+
+
 def main() -> int:
     # CPU (with TRITON_INTERPRET=1) only to try the script itself; the sanitizer needs the GPU.
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,7 +192,8 @@ def main() -> int:
         failures = decode_cases(dev)
         print(f"sanitize: decode cases; {failures} wrong results")
         return 1 if failures else 0
-    failures = training_and_packed_cases(dev) + decode_cases(dev)
+    fp8_ok = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
+    failures = training_and_packed_cases(dev) + decode_cases(dev) + (fp8_cases(dev) if fp8_ok else 0)
     cases = 0
     for head_dim, dtype, feat, (batch, sq, sk), tma in (QUICK if "--quick" in sys.argv else all_cases()):
         cfg = pick_config(head_dim, dev)
@@ -195,7 +225,7 @@ def main() -> int:
             print(f"FAIL d{head_dim} {dtype} {feat} {(batch, sq, sk)} tma={cfg.use_tma}: {err:.3g} > {budget:.3g}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    print(f"sanitize: {cases} forward launches plus backward, varlen, dropout, paged and decode cases; "
+    print(f"sanitize: {cases} forward launches plus backward, varlen, dropout, paged, decode and FP8 cases; "
           f"{failures} wrong results")
     return 1 if failures else 0
 
