@@ -94,3 +94,29 @@ def test_plots_render(tmp_path):
     assert prefill.write_plot(records, tmp_path / "prefill.png", "t").startswith("Wrote")
     assert train.write_plot(records, None, tmp_path / "train.png", "t").startswith("Wrote")
     assert (tmp_path / "prefill.png").stat().st_size > 1000 and (tmp_path / "train.png").stat().st_size > 1000
+
+
+def test_prefill_fp8_mode_times_the_fp8_kernel_next_to_bf16(tmp_path):
+    """`bench prefill --dtype fp8`: the e4m3 forward runs as its own provider on the point's inputs
+    quantized once; the table adds its speed relative to bf16 flashtile and cuDNN."""
+    from flashtile.bench import prefill
+
+    point = prefill.Point("fa2", 1, 2, 2, 96, 64, True)
+    timings = {"flashtile": 2.0, "flashtile-fp8": 1.0}
+    calls = []
+
+    def timer(fn):  # a stand-in: which provider runs is told by the order of calls
+        calls.append(fn)
+        fn()
+        return [2.0, 1.0, 3.0, 3.0][len(calls) - 1]
+
+    records = prefill.run_sweep([point], torch.bfloat16, torch.device("cpu"), timer=timer,
+                                providers=prefill.FP8_PROVIDERS)
+    results = records[0]["providers"]
+    assert results["flashtile"]["available"] and results["flashtile-fp8"]["available"]
+    assert results["flashtile-fp8"]["ms"] == timings["flashtile-fp8"]
+    assert records[0]["ratios_fp8"]["flashtile"] == 2.0
+    table = prefill.format_table(records, "t", prefill.FP8_PROVIDERS)
+    assert "fp8/bf16" in table and "2.00x" in table.splitlines()[-1]
+    pytest.importorskip("matplotlib")
+    assert prefill.write_plot(records, tmp_path / "p.png", "t", prefill.FP8_PROVIDERS).startswith("Wrote")

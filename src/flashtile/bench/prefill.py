@@ -37,9 +37,11 @@ TEXTBOOK_MAX_BYTES = 24e9
 WARMUP_MS, REP_MS = 25, 100
 
 PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "textbook")
+# --dtype fp8: flashtile's e4m3 forward next to flashtile and the SDPA anchors in bf16
+FP8_PROVIDERS = ("flashtile", "flashtile-fp8", "sdpa-flash", "sdpa-cudnn")
 ANCHORS = ("sdpa-flash", "sdpa-cudnn", "textbook")
 COLORS = {"flashtile": "tab:red", "sdpa-flash": "tab:blue", "sdpa-cudnn": "tab:green",
-          "textbook": "tab:gray"}
+          "textbook": "tab:gray", "flashtile-fp8": "tab:purple"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,15 @@ def _sdpa_fn(point: Point, x: Inputs) -> Callable:
                                                   enable_gqa=gqa)
 
 
+def _fp8_fn(point: Point, x: Inputs) -> Callable:
+    """flashtile's FP8 forward on the point's inputs quantized once, outside the timed call (block
+    scales of the kernel's tiles, Hadamard rotation of Q and K)."""
+    from .. import fp8
+    z = fp8.quantize_qkv(x.q, x.k, x.v, block=fp8.kernel_blocks(point.head_dim, x.q.device),
+                         hadamard=True)
+    return lambda: fp8.attention(z, causal=point.causal)
+
+
 def _textbook_fn(point: Point, x: Inputs) -> Callable:
     return lambda: reference.attention(x.q, x.k, x.v, causal=point.causal, chunk_rows=point.seqlen)
 
@@ -120,6 +131,7 @@ _PROVIDER_SPECS = {
     "sdpa-flash": (_sdpa_fn, "FLASH_ATTENTION"),
     "sdpa-cudnn": (_sdpa_fn, "CUDNN_ATTENTION"),
     "textbook": (_textbook_fn, None),
+    "flashtile-fp8": (_fp8_fn, None),
 }
 
 
@@ -224,29 +236,33 @@ def tile_config(head_dim: int, device: torch.device) -> dict:
     return asdict(cfg) if is_dataclass(cfg) else {"repr": repr(cfg)}
 
 
-def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar) -> dict:
+def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar,
+              providers=PROVIDERS) -> dict:
     inputs = make_inputs(point, dtype, device)
     with_memory = measures_memory(point, device)
     results = {}
-    for name in PROVIDERS:
+    for name in providers:
         bar.set_postfix_str(f"{point.label()} {name}", refresh=False)
         results[name] = measure(name, point, inputs, timer, with_memory)
         bar.update(1)
-    return {**asdict(point), "flops": point.flops,
-            "tile_config": tile_config(point.head_dim, device),
-            "providers": results, "ratios": ratios(results),
-            "out_lse_mb": output_mb(point, dtype) if with_memory else None}
+    record = {**asdict(point), "flops": point.flops,
+              "tile_config": tile_config(point.head_dim, device),
+              "providers": results, "ratios": ratios(results),
+              "out_lse_mb": output_mb(point, dtype) if with_memory else None}
+    if "flashtile-fp8" in results:  # FP8 against bf16 flashtile and cuDNN
+        record["ratios_fp8"] = speed_ratios(results, "flashtile-fp8", ("flashtile", "sdpa-cudnn"))
+    return record
 
 
 def run_sweep(points: list[Point], dtype: torch.dtype, device: torch.device,
-              timer: Callable | None = None) -> list[dict]:
+              timer: Callable | None = None, providers=PROVIDERS) -> list[dict]:
     timer = timer or gpu_timer
-    bar = progress(len(points) * len(PROVIDERS), "prefill")
+    bar = progress(len(points) * len(providers), "prefill")
     records = []
     try:
         with torch.no_grad():
             for point in points:
-                record = run_point(point, dtype, device, timer, bar)
+                record = run_point(point, dtype, device, timer, bar, providers)
                 bar.write(_point_summary(record))
                 records.append(record)
     finally:
@@ -267,22 +283,26 @@ def _point_of(record: dict) -> Point:
 
 def _point_summary(record: dict) -> str:
     point = _point_of(record)
-    parts = [f"{name} {format_number(_tflops_of(record, name))}" for name in PROVIDERS]
+    names = list(record["providers"])
+    parts = [f"{name} {format_number(_tflops_of(record, name))}" for name in names]
     line = f"{point.label():<32} TFLOP/s: " + ", ".join(parts)
     if record["out_lse_mb"] is not None:
         mems = [f"{name} {format_number(record['providers'][name].get('peak_extra_mb'), '{:.1f}')}"
-                for name in PROVIDERS]
+                for name in names]
         line += f"; peak extra MB: {', '.join(mems)} (out+lse {record['out_lse_mb']:.1f})"
     return line
 
 
 def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
     """The short table printed last: TFLOP/s per provider and flashtile's ratio to the SDPA anchors."""
-    short = {"flashtile": "flashtile", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "textbook": "textbook"}
-    widths = {"flashtile": 9, "sdpa-flash": 7, "sdpa-cudnn": 7, "textbook": 8}
+    short = {"flashtile": "flashtile", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn", "textbook": "textbook",
+             "flashtile-fp8": "fp8"}
+    widths = {"flashtile": 9, "sdpa-flash": 7, "sdpa-cudnn": 7, "textbook": 8, "flashtile-fp8": 7}
+    fp8 = "flashtile-fp8" in providers
     columns = (f"{'d':>4} {'causal':>6} {'B':>3} {'H/Hk':>6} {'S':>5} | "
                + " ".join(f"{short[n]:>{widths[n]}}" for n in providers)
-               + f" | {'vs flash':>8} {'vs cudnn':>8}")
+               + f" | {'vs flash':>8} {'vs cudnn':>8}"
+               + (f" | {'fp8/bf16':>8} {'fp8/cudnn':>9}" if fp8 else ""))
     lines = [title, columns, "-" * len(columns)]
     for r in records:
         ratio = r["ratios"]
@@ -291,7 +311,9 @@ def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
             f"{str(r['heads']) + '/' + str(r['heads_k']):>6} {format_seqlen(r['seqlen']):>5} | "
             + " ".join(f"{format_number(_tflops_of(r, n)):>{widths[n]}}" for n in providers)
             + f" | {format_number(ratio['sdpa-flash'], '{:.2f}x'):>8} "
-            f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}")
+            f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}"
+            + (f" | {format_number(r['ratios_fp8']['flashtile'], '{:.2f}x'):>8} "
+               f"{format_number(r['ratios_fp8']['sdpa-cudnn'], '{:.2f}x'):>9}" if fp8 else ""))
     return "\n".join(lines)
 
 
@@ -340,7 +362,7 @@ def draw_tflops_panels(axes, records: list[dict], providers, ylabel: str) -> int
     return len(panels)
 
 
-def write_plot(records: list[dict], path: Path, title: str) -> str:
+def write_plot(records: list[dict], path: Path, title: str, providers=PROVIDERS) -> str:
     """TFLOP/s against seqlen, one panel per head dim plus the seed shape; returns what happened."""
     try:
         import matplotlib
@@ -352,7 +374,7 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
     if not count:
         return "no points to plot"
     fig, axes = plt.subplots(1, count, figsize=(4.6 * count, 4.2), squeeze=False)
-    draw_tflops_panels(list(axes[0]), records, PROVIDERS, "TFLOP/s")
+    draw_tflops_panels(list(axes[0]), records, providers, "TFLOP/s")
     fig.suptitle(title)
     return save_figure(fig, path)
 
@@ -361,7 +383,10 @@ def write_plot(records: list[dict], path: Path, title: str) -> str:
 
 def add_arguments(parser) -> None:
     add_common_arguments(parser, "short sweep (d128 at 2k and 8k, causal and not, seed shape at 8k)",
-                         "skip the correctness check")
+                         "skip the correctness check", with_dtype=False)
+    parser.add_argument("--dtype", choices=sorted(DTYPES) + ["fp8"], default="bf16",
+                        help="input dtype (the check covers bf16 and fp16); fp8: flashtile's e4m3 "
+                             "forward (block scales, Hadamard) next to flashtile and SDPA in bf16")
 
 
 def run(args) -> int:
@@ -376,12 +401,14 @@ def _run_without_gpu(args, device: torch.device) -> int:
 
 
 def _run_on_gpu(args, device: torch.device) -> int:
-    dtype = DTYPES[args.dtype]
+    fp8 = args.dtype == "fp8"
+    dtype = torch.bfloat16 if fp8 else DTYPES[args.dtype]
+    providers = FP8_PROVIDERS if fp8 else PROVIDERS
     env = environment(device)
     print(f"flashtile bench prefill: {env['gpu']} ({env['sm_count']} SMs), {args.dtype}, "
           f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}")
     checks = None if args.no_check else check.run_check(device)
-    records = run_sweep(sweep_points(args.quick), dtype, device)
+    records = run_sweep(sweep_points(args.quick), dtype, device, providers=providers)
 
     payload = {"benchmark": "prefill", **env, "dtype": args.dtype, "quick": args.quick,
                "command": " ".join(sys.argv),
@@ -391,19 +418,20 @@ def _run_on_gpu(args, device: torch.device) -> int:
                "memory": "peak_extra_mb: max_memory_allocated after one call minus memory_allocated "
                          "before it (output included), MB = 1e6 bytes; out_lse_mb: size of out + LSE",
                "check": checks, "points": records}
-    json_path = result_path(args.out, "prefill", env["gpu"], "json")
+    name = "prefill-fp8" if fp8 else "prefill"  # an FP8 run never overwrites the bf16 results
+    json_path = result_path(args.out, name, env["gpu"], "json")
     write_json(json_path, payload)
     print(f"Wrote {json_path}")
     title = f"flashtile prefill forward, {args.dtype}, {env['gpu']}, {env['date'][:10]}"
     try:
-        print(write_plot(records, result_path(args.out, "prefill", env["gpu"], "png"), title))
+        print(write_plot(records, result_path(args.out, name, env["gpu"], "png"), title, providers))
     except Exception as exc:  # the JSON is written; a plotting problem must not hide the table
         print(f"Plot failed: {type(exc).__name__}: {exc}")
     return _finish(records, checks, f"Prefill forward TFLOP/s, {args.dtype}, {env['gpu']} "
-                                    f"(vs = flashtile / anchor)")
+                                    f"(vs = flashtile / anchor)", providers)
 
 
-def _finish(records: list[dict], checks: list[dict] | None, title: str) -> int:
+def _finish(records: list[dict], checks: list[dict] | None, title: str, providers=PROVIDERS) -> int:
     """Warnings first, then the table as the last output; non-zero exit if anything was wrong."""
     failed_checks = [] if checks is None else [c for c in checks if not c["passed"]]
     broken = [r for r in records if not r["providers"]["flashtile"].get("available")]
@@ -414,5 +442,5 @@ def _finish(records: list[dict], checks: list[dict] | None, title: str) -> int:
         error = r["providers"]["flashtile"]["error"]
         print(f"WARNING: flashtile failed at {_point_of(r).label()}: {error}")
     print()
-    print(format_table(records, title))
+    print(format_table(records, title, providers))
     return 1 if failed_checks or broken else 0
