@@ -246,6 +246,25 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+def _check_ring_inputs(caller: str, q, k, v, layout: str, shape: str) -> None:
+    """The checks both ring functions share; ``shape`` names the dims, the last two (heads,
+    head_dim) and all before them (tokens) must agree between q and k/v except the head count."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{caller} needs torch.distributed initialized (dist.init_process_group)")
+    _check_layout(layout)
+    ndim = shape.count(",") + 1
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+            raise ValueError(f"{name} must be a {ndim}-D tensor {shape}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+    if k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
+                         "all dims but the head count (k and v identical)")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of KV heads ({k.shape[-2]})")
+
+
 def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                          softmax_scale: float | None = None, causal: bool = False, softcap: float = 0.0,
                          layout: str = "zigzag", return_lse: bool = False):
@@ -257,20 +276,7 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     (B, H, S_local) float32; differentiable in q, k and v. Every rank must call it with the same
     arguments (it is a collective).
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_flash_attn_func needs torch.distributed initialized "
-                           "(dist.init_process_group)")
-    _check_layout(layout)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen_local, heads, head_dim)")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
-                         "batch, local length and head dim (k and v identical)")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    _check_ring_inputs("ring_flash_attn_func", q, k, v, layout, "(batch, seqlen_local, heads, head_dim)")
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per rank: local length "
                          f"{q.shape[1]} must be even")
@@ -314,20 +320,7 @@ def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     this rank's shard of every sequence (``shard_varlen``), ``cu_seqlens`` (int32, B + 1) the local
     offsets and ``max_seqlen`` the longest local shard, identical on every rank. Returns the output
     (T_local, H, D), and with ``return_lse`` the LSE (H, T_local)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_flash_attn_varlen_func needs torch.distributed initialized "
-                           "(dist.init_process_group)")
-    _check_layout(layout)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor (total_local, heads, head_dim)")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must share "
-                         "the token count and head dim (k and v identical)")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    _check_ring_inputs("ring_flash_attn_varlen_func", q, k, v, layout, "(total_local, heads, head_dim)")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise TypeError("cu_seqlens must be a 1-D int32 tensor of local offsets")
     bounds = cu_seqlens.tolist()

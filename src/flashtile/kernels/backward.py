@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (dropout_keep, dropout_seed, key_blocks, load_tile, query_blocks,
+from .common import (dropout_keep, head_terms, key_blocks, load_tile, query_blocks,
                      sequence_descriptor, sequence_span, tanh, visible)
 from .forward import (LOG2E, _arch, _descriptor_scratch, _tma_eligible, _triton_allocator,
                       head_dim_padded, interpreting)
@@ -218,12 +218,8 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuS
             q_base = sequence_descriptor(q_base, Q, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
             do_base = sequence_descriptor(do_base, dOut, seqlen_q, stride_ds, HEAD_DIM, BLOCK_M,
                                           HEAD_DIM_PAD)
-        alibi_slope = 0.0
-        if ALIBI:
-            alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
-        rng_seed = 0
-        if DROPOUT:
-            rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1) * group_size)
+        alibi_slope, rng_seed = head_terms(Alibi, stride_ab, DropoutSeed, batch, head,
+                                           tl.num_programs(1) * group_size, ALIBI, DROPOUT)
         if HAS_RIGHT:  # rows at the causal diagonal / right window edge
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_ds,
@@ -332,12 +328,8 @@ def _attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Alibi, CuSeqlensQ, CuSeqlensK, D
     row = batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + offs_m
     lse = tl.load(Lse + row, mask=rows_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row, mask=rows_ok, other=0.0)
-    alibi_slope = 0.0
-    if ALIBI:
-        alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
-    rng_seed = 0
-    if DROPOUT:
-        rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1))
+    alibi_slope, rng_seed = head_terms(Alibi, stride_ab, DropoutSeed, batch, head,
+                                       tl.num_programs(1), ALIBI, DROPOUT)
     rng_rows = offs_m * seqlen_k
 
     k_base = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks

@@ -137,3 +137,17 @@ def sequence_descriptor(base, tensor, seqlen, stride, HEAD_DIM: tl.constexpr, BL
     sequence gets a one-row view of ``tensor``'s first row (inside the allocation), never used."""
     return tl.make_tensor_descriptor(tl.where(seqlen > 0, base, tensor), [tl.maximum(seqlen, 1), HEAD_DIM],
                                      [stride, 1], [BLOCK, HEAD_DIM_PAD])
+
+
+@triton.jit
+def head_terms(Alibi, stride_ab, DropoutSeed, batch, head, heads, ALIBI: tl.constexpr,
+               DROPOUT: tl.constexpr):
+    """What one (batch, query head) adds to its scores: the ALiBi slope in log2 units (0 without),
+    and the Philox seed of its dropout stream (0 without); ``heads`` query heads in all."""
+    alibi_slope = 0.0
+    if ALIBI:
+        alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
+    rng_seed = 0
+    if DROPOUT:
+        rng_seed = dropout_seed(DropoutSeed, batch, head, heads)
+    return alibi_slope, rng_seed

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
-from .common import (dropout_keep, dropout_seed, key_blocks, load_tile, sequence_descriptor,
+from .common import (dropout_keep, head_terms, key_blocks, load_tile, sequence_descriptor,
                      sequence_span, tanh, visible)
 
 LOG2E = 1.4426950408889634
@@ -244,12 +244,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
     if UPCAST:
         q = q.to(tl.float32)
 
-    alibi_slope = 0.0
-    if ALIBI:
-        alibi_slope = tl.load(Alibi + batch * stride_ab + head) * 1.4426950408889634
-    rng_seed = 0
-    if DROPOUT:
-        rng_seed = dropout_seed(DropoutSeed, batch, head, tl.num_programs(1))
+    alibi_slope, rng_seed = head_terms(Alibi, stride_ab, DropoutSeed, batch, head,
+                                       tl.num_programs(1), ALIBI, DROPOUT)
     rng_rows = offs_m * seqlen_k
     k_descale = KDescale
     v_descale = VDescale
