@@ -62,13 +62,12 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def _check_contiguous_runs(mask: torch.Tensor) -> None:
-    """Each row's real tokens must be one run (left or right padding): varlen cannot skip holes."""
+def _rows_with_holes(mask: torch.Tensor) -> torch.Tensor:
+    """Rows whose real tokens are not one run (left or right padding): varlen cannot skip holes.
+    Returned on the device, read together with the lengths (one host sync per call)."""
     m = mask.to(torch.int8)
     starts = (m[:, 1:] > m[:, :-1]).sum(1) + m[:, 0]  # 0 -> 1 transitions, a leading 1 included
-    if bool((starts > 1).any()):
-        raise ValueError("flashtile attention: the attention mask has padding between real tokens in a "
-                         "row; only left or right padding (one run of real tokens per row) is supported")
+    return (starts > 1).sum(dtype=torch.int32)
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
@@ -131,7 +130,6 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 
     # Padding: keep the real tokens. Query i sits at key position k_len - q_len + i.
     mask = attention_mask[:, -k_len:].to(torch.bool)
-    _check_contiguous_runs(mask)
     q_mask = mask[:, k_len - q_len:] if k_len >= q_len else None
     if q_mask is None:
         raise ValueError(f"flashtile attention: {q_len} queries against {k_len} keys with a padding mask")
@@ -140,7 +138,11 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     q_packed = q.reshape(batch * q_len, heads, head_dim).index_select(0, idx_q)
     k_packed = k.reshape(batch * k_len, k.shape[2], head_dim).index_select(0, idx_k)
     v_packed = v.reshape(batch * k_len, v.shape[2], head_dim).index_select(0, idx_k)
-    max_q, max_k = (int(x) for x in torch.stack([len_q.max(), len_k.max()]).tolist())
+    max_q, max_k, holes = (int(x) for x in
+                           torch.stack([len_q.max(), len_k.max(), _rows_with_holes(mask)]).tolist())
+    if holes:
+        raise ValueError("flashtile attention: the attention mask has padding between real tokens in a "
+                         "row; only left or right padding (one run of real tokens per row) is supported")
     out_packed = _varlen(q_packed, k_packed, v_packed, _offsets(len_q), _offsets(len_k), max(max_q, 1),
                          max(max_k, 1), dropout_p=dropout_p, **kw)
     out = out_packed.new_zeros(batch * q_len, heads, head_dim).index_copy(0, idx_q, out_packed)
