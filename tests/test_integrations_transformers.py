@@ -135,3 +135,19 @@ def test_what_it_cannot_honour_is_an_error():
     holes[0, 4] = 0
     with pytest.raises(ValueError, match="padding between real tokens"):
         ft(ids, attention_mask=holes)
+
+
+def test_mask_is_read_once_per_forward(monkeypatch):
+    """The host reads of a padding mask (a device sync each) happen once per forward, not per layer."""
+    import flashtile.integrations.transformers as integration
+
+    calls = []
+    real = integration._padding_layout
+    monkeypatch.setattr(integration, "_padding_layout", lambda *a: calls.append(a) or real(*a))
+    ft, _, _ = models("llama")
+    assert ft.config.num_hidden_layers == 2
+    ids = torch.randint(0, 128, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0
+    logits(ft, ids, attention_mask=mask)
+    assert len(calls) == 1

@@ -62,12 +62,50 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def _rows_with_holes(mask: torch.Tensor) -> torch.Tensor:
-    """Rows whose real tokens are not one run (left or right padding): varlen cannot skip holes.
-    Returned on the device, read together with the lengths (one host sync per call)."""
+# Every layer of one forward gets the same mask / position_ids tensor; what is read from it on the host
+# (lengths, whether it is packed) costs a device sync, so it is read once and reused by the other layers.
+_LAYOUT_CACHE: list = [None, None, None, None]  # tensor, its _version, extra key, layout
+
+
+def _cached_layout(tensor: torch.Tensor, extra, compute):
+    if torch.compiler.is_compiling():
+        return compute()
+    held, version, key, layout = _LAYOUT_CACHE
+    if held is tensor and version == tensor._version and key == extra:
+        return layout
+    layout = compute()
+    _LAYOUT_CACHE[:] = [tensor, tensor._version, extra, layout]
+    return layout
+
+
+def _packed_offsets(position_ids: torch.Tensor, length: int):
+    """(cu_seqlens int32, max length) when position_ids (1, length) restart at 0 inside the row
+    (packed sequences), else None."""
+    starts = (position_ids.reshape(-1) == 0).nonzero().reshape(-1).tolist()
+    if starts in ([], [0]):
+        return None
+    bounds = ([] if starts[0] == 0 else [0]) + starts + [length]
+    cu = torch.tensor(bounds, dtype=torch.int32).to(position_ids.device)
+    return cu, max(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _padding_layout(attention_mask: torch.Tensor, q_len: int, k_len: int) -> dict:
+    """Where the real tokens of a 2-D padding mask are, for the packed (varlen) call and for the
+    decode kernel's left padding."""
+    mask = attention_mask[:, -k_len:].to(torch.bool)
+    q_mask = mask[:, k_len - q_len:]
+    len_k, len_q = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)
     m = mask.to(torch.int8)
-    starts = (m[:, 1:] > m[:, :-1]).sum(1) + m[:, 0]  # 0 -> 1 transitions, a leading 1 included
-    return (starts > 1).sum(dtype=torch.int32)
+    runs = (m[:, 1:] > m[:, :-1]).sum(1) + m[:, 0]  # 0 -> 1 transitions, a leading 1 included
+    holes = (runs > 1).sum(dtype=torch.int32)
+    # Left padding only: every row's real tokens (if any) end at the last position.
+    right_padded = ((len_k > 0) & ~mask[:, -1]).sum(dtype=torch.int32)
+    max_q, max_k, holes, right_padded = (int(x) for x in torch.stack(
+        [len_q.max(), len_k.max(), holes, right_padded]).tolist())
+    return dict(len_q=len_q, len_k=len_k, max_q=max(max_q, 1), max_k=max(max_k, 1), holes=holes,
+                left_padded=right_padded == 0, leftpad=(k_len - len_k).to(torch.int32),
+                idx_q=q_mask.reshape(-1).nonzero().reshape(-1),
+                idx_k=mask.reshape(-1).nonzero().reshape(-1))
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
@@ -100,28 +138,27 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     kw = dict(softmax_scale=scaling, causal=bool(is_causal), window_size=_window(sliding_window),
               softcap=float(softcap or 0.0))
     dropout_p = float(dropout) if module.training else 0.0
+    decode_step = (q_len <= DECODE_MAX_QUERY and dropout_p == 0.0 and not torch.is_grad_enabled()
+                   and k_len >= q_len)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     position_ids = kwargs.get("position_ids")
     if attention_mask is None and cu_q is None and position_ids is not None and batch == 1 \
             and q_len == k_len and q_len > 1:
-        starts = (position_ids.reshape(-1) == 0).nonzero().reshape(-1)
-        if starts.numel() > 1 or (starts.numel() == 1 and int(starts[0]) != 0):
-            # Packed sequences: each restart of position_ids at 0 opens a sequence.
-            bounds = torch.cat([starts, starts.new_tensor([q_len])])
-            if int(bounds[0]) != 0:
-                bounds = torch.cat([bounds.new_zeros(1), bounds])
-            cu_q = cu_k = bounds.to(torch.int32)
+        packed = _cached_layout(position_ids, q_len, lambda: _packed_offsets(position_ids, q_len))
+        if packed is not None:
+            cu_q = cu_k = packed[0]
+            max_q = max_k = packed[1]
     if cu_q is not None:  # packed batch: (1, total, H, D) with offsets
         cu_q, cu_k = cu_q.to(torch.int32), (cu_q if cu_k is None else cu_k).to(torch.int32)
-        max_q = int(kwargs.get("max_length_q") or (cu_q[1:] - cu_q[:-1]).max())
-        max_k = int(kwargs.get("max_length_k") or (cu_k[1:] - cu_k[:-1]).max())
+        max_q = int(max_q or (cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_k or (cu_k[1:] - cu_k[:-1]).max())
         out = _varlen(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, **kw)
         return out.unsqueeze(0), None
 
     if attention_mask is None:
-        if (q_len <= DECODE_MAX_QUERY and dropout_p == 0.0 and not torch.is_grad_enabled()
-                and k_len >= q_len):
+        if decode_step:
             # A decode step: split-KV over the cache (any strides of the last dim 1 are fine).
             out = interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=k_len, **kw)
         else:
@@ -129,24 +166,50 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         return out, None
 
     # Padding: keep the real tokens. Query i sits at key position k_len - q_len + i.
-    mask = attention_mask[:, -k_len:].to(torch.bool)
-    q_mask = mask[:, k_len - q_len:] if k_len >= q_len else None
-    if q_mask is None:
+    if k_len < q_len:
         raise ValueError(f"flashtile attention: {q_len} queries against {k_len} keys with a padding mask")
-    len_k, len_q = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)
-    idx_k, idx_q = mask.reshape(-1).nonzero().reshape(-1), q_mask.reshape(-1).nonzero().reshape(-1)
-    q_packed = q.reshape(batch * q_len, heads, head_dim).index_select(0, idx_q)
-    k_packed = k.reshape(batch * k_len, k.shape[2], head_dim).index_select(0, idx_k)
-    v_packed = v.reshape(batch * k_len, v.shape[2], head_dim).index_select(0, idx_k)
-    max_q, max_k, holes = (int(x) for x in
-                           torch.stack([len_q.max(), len_k.max(), _rows_with_holes(mask)]).tolist())
-    if holes:
+    layout = _cached_layout(attention_mask, (q_len, k_len),
+                            lambda: _padding_layout(attention_mask, q_len, k_len))
+    if layout["holes"]:
         raise ValueError("flashtile attention: the attention mask has padding between real tokens in a "
                          "row; only left or right padding (one run of real tokens per row) is supported")
-    out_packed = _varlen(q_packed, k_packed, v_packed, _offsets(len_q), _offsets(len_k), max(max_q, 1),
-                         max(max_k, 1), dropout_p=dropout_p, **kw)
-    out = out_packed.new_zeros(batch * q_len, heads, head_dim).index_copy(0, idx_q, out_packed)
+    if decode_step and layout["left_padded"]:
+        # Generation pads on the left: the decode kernel skips each row's first leftpad keys in
+        # place, without gathering the cache.
+        out = interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=k_len,
+                                                cache_leftpad=layout["leftpad"], **kw)
+        return out, None
+    q_packed = q.reshape(batch * q_len, heads, head_dim).index_select(0, layout["idx_q"])
+    k_packed = k.reshape(batch * k_len, k.shape[2], head_dim).index_select(0, layout["idx_k"])
+    v_packed = v.reshape(batch * k_len, v.shape[2], head_dim).index_select(0, layout["idx_k"])
+    out_packed = _varlen(q_packed, k_packed, v_packed, _offsets(layout["len_q"]),
+                         _offsets(layout["len_k"]), layout["max_q"], layout["max_k"],
+                         dropout_p=dropout_p, **kw)
+    out = out_packed.new_zeros(batch * q_len, heads, head_dim).index_copy(0, layout["idx_q"], out_packed)
     return out.view(batch, q_len, heads, head_dim), None
+
+
+def _serve_flash_imports() -> None:
+    """transformers 5 takes every implementation whose name contains "flash" for a FlashAttention
+    build and, when a model is created, imports that build's functions by name (flash_attn, or a hub
+    kernel), which fails for "flashtile". Answer that import with flashtile's own functions; every
+    other name still goes to transformers. transformers 4 has no such import."""
+    try:
+        from transformers import modeling_flash_attention_utils as fa_utils
+    except ImportError:
+        return
+    load_by_name = getattr(fa_utils, "_lazy_imports", None)
+    if load_by_name is None or getattr(load_by_name, "serves_flashtile", False):
+        return
+
+    def lazy_imports(implementation, *args, **kwargs):
+        if implementation in (NAME, f"paged|{NAME}"):
+            return (interface.flash_attn_func, interface.flash_attn_varlen_func,
+                    interface.flash_attn_with_kvcache, fa_utils._pad_input, fa_utils._unpad_input)
+        return load_by_name(implementation, *args, **kwargs)
+
+    lazy_imports.serves_flashtile = True
+    fa_utils._lazy_imports = lazy_imports
 
 
 def register() -> None:
@@ -154,6 +217,7 @@ def register() -> None:
     AttentionInterface.register(NAME, flashtile_attention_forward)
     # The mask transformers builds for FlashAttention: None, or the 2-D padding mask.
     AttentionMaskInterface.register(NAME, flash_attention_mask)
+    _serve_flash_imports()
 
 
 register()

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Run named benchmark/check steps on the GPU machine in one call, each with its own time limit,
+# its full log under $OUT/<step>.log and its JSON/plots under $OUT; prints a short summary per step.
+#
+#     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
+#
+# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode, paged, ring-quick, fp8-accuracy, prefill-fp8-quick,
+# prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode. Set STEP_LIMIT (seconds) to change
+# the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
+# only a few files per call).
+set -u
+FINAL=${OUT:-/tmp/flashtile-out}
+OUT=$(mktemp -d)
+mkdir -p "$FINAL"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src}
+LIMIT=${STEP_LIMIT:-240}
+SANITIZER=(compute-sanitizer --tool memcheck --target-processes application-only --print-limit 20)
+
+command_for() {
+    case $1 in
+        warm-train) echo "python benchmarks/warm_cache.py train --workers 15" ;;
+        warm-train-quick) echo "python benchmarks/warm_cache.py train --quick --workers 15" ;;
+        train) echo "python -m flashtile bench train --out $OUT" ;;
+        train-quick) echo "python -m flashtile bench train --quick --out $OUT" ;;
+        train-extras) echo "python -c \"import torch, flashtile.bench.check as c; c.run_training_extras(torch.device('cuda'))\"" ;;
+        decode) echo "python -m flashtile bench decode --out $OUT" ;;
+        paged) echo "python -m flashtile bench paged --out $OUT" ;;
+        ring-quick) echo "python -m flashtile bench ring --quick --out $OUT" ;;
+        fp8-accuracy) echo "python -m flashtile bench fp8-accuracy --out $OUT" ;;
+        prefill-fp8-quick) echo "python -m flashtile bench prefill --dtype fp8 --quick --out $OUT" ;;
+        prefill-quick) echo "python -m flashtile bench prefill --quick --out $OUT" ;;
+        e2e-quick) echo "python -m flashtile bench e2e --quick --out $OUT" ;;
+        e2e) echo "python -m flashtile bench e2e --out $OUT" ;;
+        sanitize-quick) echo "${SANITIZER[*]} python benchmarks/sanitize.py --quick" ;;
+        sanitize-decode) echo "${SANITIZER[*]} python benchmarks/sanitize.py --decode-only" ;;
+        *) return 1 ;;
+    esac
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
+status=0
+for step in "$@"; do
+    cmd=$(command_for "$step") || { echo "unknown step $step"; status=1; continue; }
+    start=$(date +%s)
+    eval "timeout $LIMIT $cmd" > "$OUT/$step.log" 2>&1
+    rc=$?
+    echo "=== $step rc=$rc $(( $(date +%s) - start ))s: $cmd"
+    tail -n "${TAIL_LINES:-12}" "$OUT/$step.log"
+    [ $rc -eq 0 ] || status=1
+done
+tar czf "$FINAL/results.tgz" -C "$OUT" .
+exit $status
