@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode, paged, ring-quick, fp8-accuracy, prefill-fp8-quick,
-# prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode. Set STEP_LIMIT (seconds) to change
+# tune-fp8, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -28,6 +28,8 @@ command_for() {
         ring-quick) echo "python -m flashtile bench ring --quick --out $OUT" ;;
         fp8-accuracy) echo "python -m flashtile bench fp8-accuracy --out $OUT" ;;
         prefill-fp8-quick) echo "python -m flashtile bench prefill --dtype fp8 --quick --out $OUT" ;;
+        tune-fp8) echo "python benchmarks/tune_fp8.py --out $OUT --dims 64,128,256" ;;
+        tune-fp8-128) echo "python benchmarks/tune_fp8.py --out $OUT --dims 128 --seqlens 4096,16384" ;;
         prefill-quick) echo "python -m flashtile bench prefill --quick --out $OUT" ;;
         e2e-quick) echo "python -m flashtile bench e2e --quick --out $OUT" ;;
         e2e) echo "python -m flashtile bench e2e --out $OUT" ;;

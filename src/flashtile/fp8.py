@@ -64,7 +64,7 @@ def _walsh_hadamard(x, HEAD_DIM: tl.constexpr, LOG2_DIM: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _rotate_quantize(X, Signs, Out, Scale, seqlen, stride_xb, stride_xs, stride_xh,
-                     stride_ob, stride_os, stride_oh, stride_sb, stride_sh,
+                     stride_ob, stride_os, stride_oh, stride_od, stride_sb, stride_sh,
                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LOG2_DIM: tl.constexpr,
                      ROTATE: tl.constexpr, QUANTIZE: tl.constexpr):
     """One block of BLOCK tokens of one (batch, head): rotate (optional), then scale so the block's
@@ -88,10 +88,15 @@ def _rotate_quantize(X, Signs, Out, Scale, seqlen, stride_xb, stride_xs, stride_
         x = x * (1.0 / descale)
         tl.store(Scale + batch.to(tl.int64) * stride_sb + head.to(tl.int64) * stride_sh + blk, descale)
     tl.store(Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-             + rows[:, None].to(tl.int64) * stride_os + cols[None, :], x.to(Out.dtype.element_ty), mask=ok)
+             + rows[:, None].to(tl.int64) * stride_os + cols[None, :] * stride_od, x.to(Out.dtype.element_ty),
+             mask=ok)
 
 
-def _launch(x: torch.Tensor, signs, block: int, rotate: bool, quantize: bool, out_dtype):
+def _launch(x: torch.Tensor, signs, block: int, rotate: bool, quantize: bool, out_dtype,
+            keys_contiguous: bool = False):
+    """(out, descales); with ``keys_contiguous`` out is written transposed (see
+    kernels.forward.keys_contiguous), the layout the FP8 forward reads V in."""
+    from .kernels.forward import empty_keys_contiguous
     batch, seqlen, heads, head_dim = x.shape
     _check_power_of_two(head_dim)
     if block < 1 or block & (block - 1):
@@ -99,14 +104,20 @@ def _launch(x: torch.Tensor, signs, block: int, rotate: bool, quantize: bool, ou
     blocks = -(-seqlen // block)
     # The interpreter rounds fp32 -> fp8 wrongly: store fp32 there and let torch round.
     store_dtype = torch.float32 if interpreting() and out_dtype == torch.float8_e4m3fn else out_dtype
-    out = torch.empty(x.shape, dtype=store_dtype, device=x.device)
+    def empty(dtype):
+        if keys_contiguous:
+            return empty_keys_contiguous(x.shape, dtype, x.device)
+        return torch.empty(x.shape, dtype=dtype, device=x.device)
+    out = empty(store_dtype)
     scale = torch.ones(batch, heads, max(blocks, 1), dtype=torch.float32, device=x.device)
     if x.numel():
         _rotate_quantize[(blocks, heads, batch)](
-            x, signs, out, scale, seqlen, *x.stride()[:3], *out.stride()[:3], *scale.stride()[:2],
+            x, signs, out, scale, seqlen, *x.stride()[:3], *out.stride(), *scale.stride()[:2],
             BLOCK=block, HEAD_DIM=head_dim, LOG2_DIM=head_dim.bit_length() - 1, ROTATE=rotate,
             QUANTIZE=quantize)
-    return out.to(out_dtype), scale
+    if store_dtype != out_dtype:
+        out = empty(out_dtype).copy_(out)
+    return out, scale
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, block: int = 64) -> torch.Tensor:
@@ -147,7 +158,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: tuple
     fp8 = torch.float8_e4m3fn
     q8, q_descale = _launch(q, signs, block_q, hadamard, True, fp8)
     k8, k_descale = _launch(k, signs, block_k, hadamard, True, fp8)
-    v8, v_descale = _launch(v, signs, block_k, False, True, fp8)
+    # V keys-contiguous: the layout the forward's second product reads (its shape stays (B, Sk, Hk, D)).
+    v8, v_descale = _launch(v, signs, block_k, False, True, fp8, keys_contiguous=True)
     return FP8QKV(q8, k8, v8, q_descale, k_descale, v_descale, block_q, block_k,
                   signs if hadamard else None)
 
@@ -162,7 +174,7 @@ def kernel_blocks(head_dim: int, device) -> tuple[int, int]:
     """The forward kernel's (query, key) tile for this head dim on ``device``: the finest scale
     blocks ``attention`` accepts (any multiple of them works too)."""
     from .kernels.forward import pick_config
-    cfg = pick_config(head_dim, torch.device(device))
+    cfg = pick_config(head_dim, torch.device(device), fp8=True)
     return cfg.block_m, cfg.block_n
 
 

@@ -49,9 +49,12 @@ def head_dim_padded(head_dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def config_for_arch(head_dim: int, arch: int) -> TileConfig:
-    """Tile shape for a head dim on sm_<arch> (e.g. 90 for H100/H200, 80 for A100)."""
+def config_for_arch(head_dim: int, arch: int, fp8: bool = False) -> TileConfig:
+    """Tile shape for a head dim on sm_<arch> (e.g. 90 for H100/H200, 80 for A100); ``fp8`` for
+    e4m3 inputs."""
     d = head_dim_padded(head_dim)
+    if fp8 and 90 <= arch < 120:
+        return FP8_CONFIGS.get(d, TileConfig(128, 64, 4, 2, use_tma=True))
     if 90 <= arch < 120:
         # Hopper (and data-center Blackwell, same shared memory, unmeasured), from the sweeps in benchmarks/results/tune-*.json: tiles that leave room for two
         # CTAs per SM (one CTA's softmax runs while the other's MMAs do), K/V through TMA.
@@ -74,12 +77,33 @@ def _arch(device_index: int) -> int:
     return 10 * major + minor
 
 
-def pick_config(head_dim: int, device: torch.device) -> TileConfig:
+# e4m3 tiles on Hopper by padded head dim (FP8 takes power-of-two head dims), from the H200 sweep
+# benchmarks/results/tune-fp8-h200-20261129-a.json (8k tokens): at d128, 64x128 tiles with 4 warps
+# and 3 stages gave 1.32x / 1.42x bf16 (full / causal) where bf16's 128x64 tiles gave 1.19x / 1.23x.
+FP8_CONFIGS = {64: TileConfig(128, 128, 4, 3, use_tma=True), 128: TileConfig(64, 128, 4, 3, use_tma=True),
+               256: TileConfig(128, 128, 8, 2, use_tma=True)}
+
+
+def pick_config(head_dim: int, device: torch.device, fp8: bool = False) -> TileConfig:
     """Tile shape for a head dim on a device; one fixed config under the interpreter."""
     if device.type != "cuda":
         return TileConfig(32, 32, 4, 1)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return config_for_arch(head_dim, _arch(index))
+    return config_for_arch(head_dim, _arch(index), fp8)
+
+
+def empty_keys_contiguous(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An empty (B, S, H, D) tensor viewing (B, H, D, S16) storage, S16 = S rounded up to 16: each
+    (batch, head) is stored transposed, keys contiguous, rows 16-byte aligned (e4m3 V's layout)."""
+    batch, seqlen, heads, head_dim = shape
+    padded = max(16, -(-seqlen // 16) * 16)
+    out = torch.empty(batch, heads, head_dim, padded, dtype=dtype, device=device)
+    return out[..., :seqlen].permute(0, 3, 1, 2)
+
+
+def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x (B, S, H, D) in ``empty_keys_contiguous``'s layout."""
+    return empty_keys_contiguous(x.shape, x.dtype, x.device).copy_(x)
 
 
 @triton.jit
@@ -100,7 +124,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     head of the page pool, and each tile gathers its keys through the sequence's block table row
     (any page size: every key looks up its own page). PAGED == 2 loads the next tile's page numbers
     one iteration ahead, so the K/V loads never wait on the block table. FP8: K and V are e4m3 with
-    one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``/``v_descale``.
+    one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``, and V's relative to
+    its largest at ``v_descale`` (the largest multiplies the output at the end); both are read one
+    tile ahead. K's joins the score scale and V's scales P before its cast to e4m3, so no tile is
+    multiplied by a descale and P @ V accumulates in place. V is stored transposed (keys contiguous:
+    e4m3 wgmma reads its B operand K-major only); with USE_TMA ``v_ptrs`` is a descriptor over V^T.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
@@ -110,6 +138,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     if PAGED == 2:
         ahead = blk_lo * BLOCK_N + offs_n
         page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k, other=0)
+    if FP8:
+        k_scale_ahead = tl.load(k_descale + (blk_lo * BLOCK_N) // SCALE_BLOCK_K, mask=blk_lo < blk_hi,
+                                other=1.0)
+        v_scale_ahead = tl.load(v_descale + (blk_lo * BLOCK_N) // SCALE_BLOCK_K, mask=blk_lo < blk_hi,
+                                other=1.0)
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
@@ -130,16 +163,21 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         else:
             k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
+        tile_scale = 1.0
         if FP8:
-            qk = qk * tl.load(k_descale + (blk * BLOCK_N) // SCALE_BLOCK_K)
+            tile_scale = k_scale_ahead
+            v_scale = v_scale_ahead
+            nxt = (blk + 1) * BLOCK_N // SCALE_BLOCK_K
+            k_scale_ahead = tl.load(k_descale + nxt, mask=blk + 1 < blk_hi, other=1.0)
+            v_scale_ahead = tl.load(v_descale + nxt, mask=blk + 1 < blk_hi, other=1.0)
         # s * s_scale is the score in log2 units; the plain path leaves the scale to one FMA
         # inside the exponential below.
         if SOFTCAP:  # softcap * tanh(scale * qk / softcap), qk_scale = softcap * log2(e)
-            s = tanh(qk * softcap_in) * qk_scale
+            s = tanh(qk * (softcap_in * tile_scale)) * qk_scale
             s_scale = 1.0
         else:
             s = qk
-            s_scale = qk_scale
+            s_scale = qk_scale * tile_scale
         if ALIBI:
             s = s * s_scale - alibi_slope * tl.abs(rows_pos[:, None] - cols[None, :]).to(tl.float32)
             s_scale = 1.0
@@ -155,15 +193,16 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         if PAGED:
             v = load_tile(v_ptrs + (page * stride_vpage + slot * stride_vn)[:, None], blk, kv_ok,
                           MASKED, BLOCK_N, D_MASK, UPCAST, False)
+        elif FP8 and USE_TMA:  # a (head dim, keys) tile of V^T, read as its (keys, head dim) view
+            v = tl.trans(v_ptrs.load([0, blk * BLOCK_N]))
         else:
             v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         if DROPOUT:  # the normalizer keeps every probability; only the product with V drops some
             keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
-        if FP8:  # P in e4m3 too (it is in [0, 1]); V's descale applies to the tile's product
-            acc += tl.dot(p.to(v.dtype), v) * tl.load(v_descale + (blk * BLOCK_N) // SCALE_BLOCK_K)
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+        if FP8:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
+            p = p * v_scale
+        acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if not USE_TMA and not PAGED:
             k_ptrs += BLOCK_N * stride_kn
@@ -176,7 +215,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
               QDescale, KDescale, VDescale, stride_sqb, stride_sqh, stride_skb, stride_skh,
               stride_qb, stride_qs, stride_qh,
               stride_kb, stride_ks, stride_kh,
-              stride_vb, stride_vs, stride_vh,
+              stride_vb, stride_vs, stride_vh, stride_vd,
               stride_ob, stride_os, stride_oh,
               stride_lb, stride_lh, stride_ab,
               seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
@@ -230,15 +269,20 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
     if USE_TMA and not PAGED:
         q_desc = sequence_descriptor(q_base, Q, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
         k_src = sequence_descriptor(k_base, K, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_src = sequence_descriptor(v_base, V, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        if FP8:  # V^T: HEAD_DIM rows of seqlen_k keys (stride_vs is 1)
+            v_src = tl.make_tensor_descriptor(tl.where(seqlen_k > 0, v_base, V),
+                                              [HEAD_DIM, tl.maximum(seqlen_k, 1)], [stride_vd, 1],
+                                              [HEAD_DIM_PAD, BLOCK_N])
+        else:
+            v_src = sequence_descriptor(v_base, V, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         q = q_desc.load([m0, 0])
     else:
         if PAGED:  # rows are gathered per tile
             k_src = k_base + offs_d[None, :]
-            v_src = v_base + offs_d[None, :]
+            v_src = v_base + offs_d[None, :] * stride_vd
         else:
             k_src = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
-            v_src = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+            v_src = v_base + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
         q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qs + offs_d[None, :]
         q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if UPCAST:
@@ -258,6 +302,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
             qk_scale = qk_scale * q_descale
         k_descale = KDescale + batch.to(tl.int64) * stride_skb + kv_head * stride_skh
         v_descale = VDescale + batch.to(tl.int64) * stride_skb + kv_head * stride_skh
+        # After the relative descales of the key blocks: the largest, applied to the output.
+        v_descale_max = tl.load(v_descale + (seqlen_k + SCALE_BLOCK_K - 1) // SCALE_BLOCK_K)
 
     # Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1
     # and p = exp2(-inf - floor) = 0 instead of NaN from (-inf) - (-inf).
@@ -292,6 +338,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
     inv_l = 1.0 / l_safe
     if DROPOUT:  # kept probabilities are scaled by 1 / (1 - p)
         inv_l = inv_l / (1.0 - dropout_p)
+    if FP8:
+        inv_l = inv_l * v_descale_max
     out = acc * inv_l[:, None]  # acc is 0 on unseen rows
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
 
@@ -330,12 +378,14 @@ _descriptor_scratch = _DescriptorScratch()
 
 
 def _tma_eligible(tensors, strides) -> bool:
-    """TMA needs 16-byte aligned bases and 16-byte multiples for every stride but the last."""
-    for t, (sb, ss, sh, _) in zip(tensors, strides):
+    """TMA needs 16-byte aligned bases, 16-byte multiples for every stride but the contiguous
+    one (the head dim's, or the keys' for a transposed e4m3 V) and 16-byte rows."""
+    for t, st in zip(tensors, strides):
         size = t.element_size()
-        if t.data_ptr() % 16 or (sb * size) % 16 or (ss * size) % 16 or (sh * size) % 16:
+        inner = 1 if st[3] != 1 and st[1] == 1 else 3
+        if t.data_ptr() % 16 or any((x * size) % 16 for i, x in enumerate(st) if i != inner):
             return False
-        if t.shape[-1] * size < 16:
+        if t.shape[inner] * size < 16 and inner == 3:
             return False
     return True
 
@@ -396,13 +446,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         result, grid_rows = (out, lse), seqlen_q
     if grid_rows == 0 or batch == 0 or heads == 0:
         return result
-    cfg = config or pick_config(head_dim, q.device)
+    cfg = config or pick_config(head_dim, q.device, fp8)
     if fp8:
         if varlen or paged or dropout_seed is not None:
             raise NotImplementedError("flashtile: FP8 attention takes padded batches without dropout")
         if scale_blocks[0] % cfg.block_m or scale_blocks[1] % cfg.block_n:
             raise ValueError(f"FP8 scale blocks {scale_blocks} must be multiples of the kernel's tiles "
                              f"({cfg.block_m}, {cfg.block_n}); see flashtile.fp8.kernel_blocks")
+        if v.stride(1) != 1 or v.stride(3) % 16:  # the kernel reads V^T (see _attn_fwd_inner)
+            v = keys_contiguous(v)
+        q_d, k_d, v_d = descales
+        # K's descales and V's relative to V's largest, each row followed by that largest (the
+        # kernel multiplies the output by it); both (B, Hk, blocks + 1), one layout.
+        v_max = v_d.amax(-1, keepdim=True)
+        descales = (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0),
+                    torch.cat([v_d / v_max, v_max], -1))
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -445,7 +503,7 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
                     qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
                     cu_seqlens_k, dropout_p, dropout_seed, block_table, num_pages, page_size,
                     descales=None, scale_blocks=(0, 0)):
-    ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _), (sob, sos, soh, _),
+    ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, svd), (sob, sos, soh, _),
      (slb, slh, _)) = strides
     q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
     fp8 = {} if descales is None else {"FP8": True, "SCALE_BLOCK_Q": scale_blocks[0],
@@ -457,7 +515,7 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
         q_descale.stride(1) if descales is not None else 0,
         k_descale.stride(0) if descales is not None else 0,
         k_descale.stride(1) if descales is not None else 0,
-        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, alibi_stride_b,
+        sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, svd, sob, sos, soh, slb, slh, alibi_stride_b,
         seqlen_q, seqlen_k, group_size, diag_offset,
         max(window_left, 0), max(window_right, 0), qk_scale, softcap_in, dropout_p,
         block_table.stride(0) if block_table is not None else 0,

@@ -113,6 +113,12 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
         elif name == "Alibi" and not variant.alibi:
             signature[name] = "constexpr"
             constexprs[name] = None
+        elif name == "stride_vd" and not values.get("FP8"):
+            signature[name] = "constexpr"  # 1: the JIT specializes it (V's head dim is contiguous)
+            constexprs[name] = 1
+        elif name == "stride_vs" and values.get("FP8"):
+            signature[name] = "constexpr"  # 1: e4m3 V is stored with the keys contiguous
+            constexprs[name] = 1
         elif name in ("QDescale", "KDescale", "VDescale"):
             if values.get("FP8"):
                 signature[name] = "*fp32"
@@ -283,7 +289,7 @@ def compile_fp8(variant: Variant, arch: int) -> list:
     d = variant.head_dim
     if variant.dtype == "fp8":  # the forward kernel on e4m3 Q, K, V with per-tile descales
         from .forward import _attn_fwd
-        cfg = config_for_arch(d, arch)
+        cfg = config_for_arch(d, arch, fp8=True)
         values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90,
                   "FP8": True, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
