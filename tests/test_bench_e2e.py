@@ -1,5 +1,5 @@
-"""``flashtile bench e2e``: its CPU path (tiny model, agreement check through the interpreter) and its
-table from a stand-in payload."""
+"""``flashtile bench e2e``: its CPU path (tiny model, teacher-forced check against fp32 through the
+interpreter) and its table from a stand-in payload."""
 
 from __future__ import annotations
 
@@ -10,11 +10,33 @@ pytest.importorskip("transformers")  # an optional extra; `make test` installs i
 from flashtile.bench import e2e  # noqa: E402
 
 
-def test_cpu_path_runs_the_agreement_check():
+def test_cpu_path_runs_the_teacher_forced_check():
+    model = e2e.build_model(e2e.tiny_config(), torch.device("cpu"))
+    lines = []
+    result = e2e.check(model, torch.device("cpu"), prompt=20, steps=6, log=lines.append)
+    assert result["passed"], result
+    assert result["prompt"] == 20 and result["steps"] == 6
+    assert 0 < result["sdpa_max_error"] and result["error_budget"] >= 2 * result["sdpa_max_error"]
+    assert result["flashtile_max_error"] <= result["error_budget"]
+    assert result["flashtile_max_error"] == max(result["flashtile_max_error_prefill"],
+                                                result["flashtile_max_error_decode"])
+    assert 0 <= result["greedy_steps_agreeing"] <= 6  # informational only
+    assert lines and lines[0].startswith("PASS") and "teacher-forced" in lines[0]
+    assert model.dtype == torch.bfloat16  # the fp32 reference was a copy
+
+
+@pytest.mark.parametrize("function", ["flash_attn_func", "flash_attn_with_kvcache"],
+                         ids=["prefill", "decode"])
+def test_check_fails_when_one_path_is_off(monkeypatch, function):
+    """Attention output 10% off on the prefill path alone, or on the decode path alone, fails the check."""
+    from flashtile import interface
+    exact = getattr(interface, function)
+    monkeypatch.setattr(interface, function, lambda *args, **kwargs: 1.1 * exact(*args, **kwargs))
     model = e2e.build_model(e2e.tiny_config(), torch.device("cpu"))
     result = e2e.check(model, torch.device("cpu"), prompt=20, steps=6, log=lambda line: None)
-    assert result["passed"], result
-    assert result["greedy_steps_agreeing"] == 6 and result["logits_max_diff"] <= result["logits_tolerance"]
+    assert not result["passed"], result
+    part = "prefill" if function == "flash_attn_func" else "decode"
+    assert result[f"flashtile_max_error_{part}"] > result["error_budget"]
 
 
 def test_table_reports_ratios_against_sdpa():

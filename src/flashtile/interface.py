@@ -41,24 +41,30 @@ def _check_tensor(t, name: str, ndim: int, dtypes=_DTYPES) -> None:
 
 def _check_attention_inputs(q, k, v, names=("q", "k", "v"), dtypes=_DTYPES) -> None:
     """q (B, Sq, H, D), k and v (B, Sk, Hk, D)."""
-    qn, kn, vn = names
     for t, n in zip((q, k, v), names):
         _check_tensor(t, n, 4, dtypes)
+    _check_attention_match(q, k, v, k.shape, v.shape, names)
+
+
+def _check_attention_match(q, k, v, k_shape, v_shape, names) -> None:
+    """k and v against q, all three through ``_check_tensor`` already; ``k_shape``/``v_shape`` are
+    the shapes k and v stand for (a KV cache: q's batch, then the cache's other dimensions)."""
+    qn, kn, vn = names
     for t, n in ((k, kn), (v, vn)):
         if t.dtype != q.dtype:
             raise TypeError(f"{n} has dtype {t.dtype} but {qn} has {q.dtype}: they must match")
         if t.device != q.device:
             raise ValueError(f"{n} is on {t.device} but {qn} is on {q.device}")
     batch, _, heads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"{kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != batch:
-        raise ValueError(f"{kn} has batch size {k.shape[0]} but {qn} has {batch}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"{kn} has head dim {k.shape[3]} but {qn} has {head_dim}")
+    if k_shape != v_shape:
+        raise ValueError(f"{kn} and {vn} must have the same shape, got {tuple(k_shape)} and {tuple(v_shape)}")
+    if k_shape[0] != batch:
+        raise ValueError(f"{kn} has batch size {k_shape[0]} but {qn} has {batch}")
+    if k_shape[3] != head_dim:
+        raise ValueError(f"{kn} has head dim {k_shape[3]} but {qn} has {head_dim}")
     if head_dim < 1 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head dim of {qn} must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    heads_k = k.shape[2]
+    heads_k = k_shape[2]
     if heads_k == 0 or heads % heads_k != 0:
         raise ValueError(f"number of query heads ({heads}, from {qn}) must be a multiple of the "
                          f"number of key/value heads ({heads_k}, from {kn})")
@@ -178,7 +184,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         per_head.append(d)
     group = heads // heads_k
     # One scale block spanning the whole sequence: a power of two, so a multiple of every tile.
-    cfg = pick_config(head_dim, q.device)
+    cfg = pick_config(head_dim, q.device, fp8=True)
     block_q = 1 << max(seqlen_q, cfg.block_m, 1).bit_length()
     block_k = 1 << max(seqlen_k, cfg.block_n, 1).bit_length()
     q_d = per_head[0].repeat_interleave(group, dim=1).unsqueeze(-1).contiguous()
@@ -474,6 +480,32 @@ def _check_rotary(rotary_cos, rotary_sin, head_dim: int, device: torch.device) -
         raise ValueError(f"rotary dim {2 * rotary_cos.shape[1]} exceeds the head dim {head_dim}")
 
 
+# The last (batch,) lengths tensor made from an int cache_seqlens, with its key: every layer of a
+# decode step passes the same length, which would otherwise cost an allocation and a fill kernel per
+# layer. One tuple, swapped whole, so a reader never pairs a key with another key's tensor.
+_FULL_LENGTHS: tuple = (None, None)
+
+
+def _full_lengths(batch: int, value: int, device: torch.device) -> torch.Tensor:
+    """torch.full((batch,), value, int32) on ``device``; the kernels only read it. Reused per
+    (batch, value, device and, on CUDA, current stream); made fresh under torch.compile and CUDA
+    graph capture."""
+    if torch.compiler.is_compiling():
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    stream = None
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((batch,), value, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream(device)
+    global _FULL_LENGTHS
+    key = (batch, value, device, stream)
+    held_key, held = _FULL_LENGTHS
+    if held_key != key:
+        held = torch.full((batch,), value, dtype=torch.int32, device=device)
+        _FULL_LENGTHS = (key, held)
+    return held
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -503,8 +535,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError("cache_batch_idx cannot be combined with block_table")
     else:
         capacity = k_cache.shape[1]
-    _check_attention_inputs(q, k_cache[:1].expand(batch, *k_cache.shape[1:]),
-                            v_cache[:1].expand(batch, *v_cache.shape[1:]), ("q", "k_cache", "v_cache"))
+    if batch and not (k_cache.shape[0] and v_cache.shape[0]):
+        raise ValueError(f"k_cache and v_cache must hold at least one row (or page), got shapes "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    # The cache stands for a (batch, ...) tensor (its rows may differ from q's: a page pool, or
+    # cache_batch_idx); all three tensors passed _check_tensor above.
+    _check_attention_match(q, k_cache, v_cache, (batch, *k_cache.shape[1:]), (batch, *v_cache.shape[1:]),
+                           ("q", "k_cache", "v_cache"))
     if cache_batch_idx is not None:
         if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
             raise TypeError("cache_batch_idx must be an int32 tensor")
@@ -517,7 +554,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise ValueError(f"cache_seqlens must be in [0, {capacity}], got {cache_seqlens}")
-        lengths = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        lengths = _full_lengths(batch, cache_seqlens, q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
@@ -570,8 +607,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               q_consecutive=causal or left >= 0 or right >= 0)
         if new_tokens:
             lengths = lengths + new_tokens
-    out, lse = ops.attn_kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
-                                scale, left, right, softcap, num_splits, cache_leftpad)
+    out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
+                           scale, left, right, softcap, num_splits, cache_leftpad)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -135,6 +135,37 @@ def _attn_fwd_backward(ctx, grad_out, grad_lse):
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)
 
 
+def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
+            softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
+            cache_leftpad=None):
+    """The decode as ``flash_attn_with_kvcache`` calls it.
+
+    As ``forward``: eager calls go straight to the launcher, since the custom-op dispatcher costs
+    tens of microseconds on the host, paid by every layer at every decode step. Under torch.compile,
+    or with inputs that require grad (the op then raises on backward, having no autograd formula),
+    the registered op runs instead.
+    """
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
+            softmax_scale, window_left, window_right, softcap, num_splits, cache_leftpad)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+            or (alibi_slopes is not None and alibi_slopes.requires_grad))):
+        return attn_kvcache(*args)
+    return _attn_kvcache_impl(*args)
+
+
+def _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
+                       alibi_slopes, softmax_scale, window_left, window_right, softcap, num_splits,
+                       cache_leftpad):
+    from .kernels.decode import decode_attention
+
+    return decode_attention(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
+                            window_left=window_left, window_right=window_right, softcap=softcap,
+                            alibi_slopes=alibi_slopes, block_table=block_table,
+                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                            num_splits=num_splits)
+
+
 @torch.library.custom_op("flashtile::attn_kvcache", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
@@ -143,13 +174,9 @@ def attn_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_splits: int,
                  cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row."""
-    from .kernels.decode import decode_attention
-
-    return decode_attention(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
-                            window_left=window_left, window_right=window_right, softcap=softcap,
-                            alibi_slopes=alibi_slopes, block_table=block_table,
-                            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                            num_splits=num_splits)
+    return _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
+                              alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                              num_splits, cache_leftpad)
 
 
 @attn_kvcache.register_fake

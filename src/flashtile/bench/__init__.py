@@ -22,5 +22,6 @@ COMMANDS = {
     "fp8-accuracy": "FlashAttention-3's FP8 accuracy study (outliers; per-tensor, block scales, "
                     "Hadamard, both; bf16 for scale): output RMSE against float64",
     "e2e": "a whole decoder model in Hugging Face transformers (random weights): time to first token "
-           "and decode tokens/s against transformers' sdpa and eager attention; agreement check first",
+           "and decode tokens/s against transformers' sdpa and eager attention; teacher-forced accuracy "
+           "check against fp32 first",
 }

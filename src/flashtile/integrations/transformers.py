@@ -133,8 +133,9 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
     dtype = _target_dtype(module, query.dtype)
-    # flash_attn's layout (B, S, H, D): transposed views, no copies.
-    q, k, v = (t.to(dtype).transpose(1, 2) for t in (query, key, value))
+    # flash_attn's layout (B, S, H, D): transposed views, no copies. (.to only when the dtype
+    # differs: even a no-op .to costs microseconds, per layer and decode step.)
+    q, k, v = ((t if t.dtype == dtype else t.to(dtype)).transpose(1, 2) for t in (query, key, value))
     kw = dict(softmax_scale=scaling, causal=bool(is_causal), window_size=_window(sliding_window),
               softcap=float(softcap or 0.0))
     dropout_p = float(dropout) if module.training else 0.0

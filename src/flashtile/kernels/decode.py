@@ -176,11 +176,27 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Ten
     splits, batch, seqlen_q, heads, head_dim = out_partial.shape
     if out.numel() == 0:
         return
+    _launch_combine(out_partial, lse_partial, out, lse, _combine_options(splits, head_dim, empty_lse, pdl))
+
+
+def _next_power_of_2(n: int) -> int:
+    # Plain int math: triton.next_power_of_2 is a constexpr function that costs microseconds per
+    # host call.
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) -> dict:
+    """The combine kernel's constexprs and launch options."""
+    return dict(SPLITS_PAD=max(2, _next_power_of_2(splits)), HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse, PDL=pdl,
+                **({"launch_pdl": True} if pdl else {}))
+
+
+def _launch_combine(out_partial, lse_partial, out, lse, options: dict) -> None:
+    splits, batch, seqlen_q, heads, _ = out_partial.shape
     _combine[(seqlen_q, heads, batch)](
         out_partial, lse_partial, out, lse, splits, *out_partial.stride()[:4], *lse_partial.stride()[:3],
-        *out.stride()[:3], *lse.stride()[:2], SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse, PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}))
+        *out.stride()[:3], *lse.stride()[:2], **options)
 
 
 @dataclass(frozen=True)
@@ -235,6 +251,34 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
+# What decode_attention derives on the host from a call's shapes, dtype, device and options (tile
+# config, split count, constexprs, launch options), by that signature: worked out once, not on every
+# call of every layer. transformers' growing cache changes the capacity at each step, hence the bound.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
+          config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad):
+    """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
+    cfg = config or decode_config(paged, device, batch * heads_k)
+    splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, device, cfg)
+    # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
+    upcast = interpreting() and dtype == torch.bfloat16
+    pdl = cfg.pdl and not interpreting() and device.type == "cuda" and _arch(
+        device.index if device.index is not None else torch.cuda.current_device()) >= 90
+    launch = {"launch_pdl": True} if pdl else {}
+    kernel = dict(
+        ROWS=max(16, _next_power_of_2(heads // heads_k * seqlen_q)), BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
+        HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
+        PAGED=(2 if cfg.page_prefetch else 1) if paged else 0, BATCH_IDX=has_batch_idx,
+        LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
+    return splits, upcast, kernel, merge
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, *, softmax_scale: float, window_left: int,
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
@@ -256,33 +300,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
-    cfg = config or decode_config(paged, q.device, batch * heads_k)
-    splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, q.device, cfg)
-    upcast = interpreting() and q.dtype == torch.bfloat16
-    # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
+    device = q.device
+    key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
+           config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
+           cache_batch_idx is not None, cache_leftpad is not None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(*key)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    splits, upcast, kernel_options, combine_options = plan
     out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=torch.float32 if upcast else q.dtype,
-                      device=q.device)
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+                      device=device)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out.to(q.dtype), lse
     if splits > 1:
         out_partial = torch.empty(splits, batch, seqlen_q, heads, head_dim, dtype=torch.float32,
-                                  device=q.device)
-        lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+                                  device=device)
+        lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=device)
     else:
         out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
         qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
-    rows = max(16, triton.next_power_of_2(group * seqlen_q))
     k_strides = k_cache.stride()
     v_strides = v_cache.stride()
     part_strides = out_partial.stride()[:4] if splits > 1 else (0, 0, 0, 0)
     lse_part_strides = lse_partial.stride()[:3] if splits > 1 else (0, 0, 0)
-    pdl = cfg.pdl and not interpreting() and q.device.type == "cuda" and _arch(
-        q.device.index if q.device.index is not None else torch.cuda.current_device()) >= 90
-    launch = {"launch_pdl": True} if pdl else {}
     _attn_decode[(splits, batch, heads_k)](
         q, k_cache, v_cache, out_partial, lse_partial, out, lse, cache_seqlens,
         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *q.stride()[:3], *k_strides[:3],
@@ -291,13 +338,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         seqlen_q, capacity, group, max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
         k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
-        block_table.shape[1] if paged else 0,
-        ROWS=rows, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0,
-        ALIBI=alibi_slopes is not None, PAGED=(2 if cfg.page_prefetch else 1) if paged else 0,
-        BATCH_IDX=cache_batch_idx is not None,
-        LEFTPAD=cache_leftpad is not None, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        block_table.shape[1] if paged else 0, **kernel_options)
     if splits > 1:
-        combine(out_partial, lse_partial, out, lse, empty_lse=math.inf, pdl=pdl)
+        _launch_combine(out_partial, lse_partial, out, lse, combine_options)
     return (out.to(q.dtype) if upcast else out), lse
