@@ -163,6 +163,42 @@ def test_flash_attn_func_takes_fp8_with_per_head_descales(causal):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_takes_fp8_with_per_sequence_descales(causal):
+    """flash_attn_varlen_func on e4m3 packed sequences: each sequence against the reference on its own
+    dequantized inputs (descales per sequence and KV head)."""
+    import flashtile
+    from flashtile.reference import attention as textbook
+    lens_q, lens_k = [5, 33, 1, 20], [9, 33, 17, 3]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    heads, heads_k, d = 4, 2, 32
+    raw = [torch.randn(sum(lens_q), heads, d) * 2, torch.randn(sum(lens_k), heads_k, d),
+           torch.randn(sum(lens_k), heads_k, d) * 0.5]
+    tensors, descales = [], []
+    for x, cu in zip(raw, (cu_q, cu_k, cu_k)):
+        grouped = x.unflatten(1, (heads_k, -1))  # (total, Hk, group, D)
+        d_seq = torch.stack([grouped[a:b].abs().amax(dim=(0, 2, 3)) for a, b in zip(cu[:-1], cu[1:])])
+        d_seq = d_seq.clamp_min(1e-6) / fp8.E4M3_MAX  # (B, Hk)
+        rows = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+        tensors.append((grouped / d_seq[rows][:, :, None, None]).flatten(1, 2).to(torch.float8_e4m3fn))
+        descales.append(d_seq.float())
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        *tensors, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, q_descale=descales[0],
+        k_descale=descales[1], v_descale=descales[2], return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == raw[0].shape and lse.shape == (heads, sum(lens_q))
+    for b in range(len(lens_q)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        deq = [(t[s].float().unflatten(1, (heads_k, -1)) * dd[b][None, :, None, None]).flatten(1, 2)
+               .unsqueeze(0).double() for t, s, dd in zip(tensors, (sq, sk, sk), descales)]
+        ref, ref_lse = textbook(*deq, causal=causal)
+        low, _ = textbook(*(t.to(torch.bfloat16) for t in deq), causal=causal)
+        err = (out[sq].double() - ref[0]).abs().max().item()
+        assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"sequence {b}: {err}"
+        seen = torch.isfinite(ref_lse[0])
+        torch.testing.assert_close(lse[:, sq].double()[seen], ref_lse[0][seen], atol=1e-4, rtol=1e-4)
+
+
 def test_fp8_arguments_are_checked():
     import flashtile
     x = torch.randn(1, 8, 2, 32).to(torch.float8_e4m3fn)
@@ -175,6 +211,11 @@ def test_fp8_arguments_are_checked():
     y = torch.randn(1, 8, 2, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="float8_e4m3fn inputs only"):
         flashtile.flash_attn_func(y, y, y, q_descale=torch.ones(1, 2))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="float8_e4m3fn inputs only"):
+        flashtile.flash_attn_varlen_func(y[0], y[0], y[0], cu, cu, 8, 8, v_descale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        flashtile.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, k_descale=torch.ones(2, 2))
 
 
 def test_accuracy_study_runs_every_method():
@@ -189,3 +230,170 @@ def test_accuracy_study_runs_every_method():
     assert results["bf16"] < min(r for name, r in results.items() if name != "bf16")
     table = fp8_accuracy.format_table(results, "t")
     assert all(name in table for name in fp8_accuracy.METHODS)
+
+
+# ----------------------------------------------------------------------------- FP8 KV cache (decode)
+
+def _quantize_per_key(x):
+    """(B, S, Hk, D) -> e4m3 tensor and float32 descales (B, S, Hk), one per key and KV head."""
+    amax = x.float().abs().amax(-1)
+    d = torch.where(amax > 0, amax / fp8.E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / d[..., None]).to(torch.float8_e4m3fn), d
+
+
+def _check_decode(out, q, k_deq, v_deq, lengths, causal):
+    """out (B, Sq, H, D) against float64 attention on each row's first lengths[b] dequantized keys,
+    within 2x the error of the same attention in q's dtype."""
+    from flashtile.reference import attention as textbook
+    for b, n in enumerate(lengths):
+        args = (q[b:b + 1].double(), k_deq[b:b + 1, :n].double(), v_deq[b:b + 1, :n].double())
+        ref, _ = textbook(*args, causal=causal)
+        low, _ = textbook(*(t.to(q.dtype) for t in args), causal=causal)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"row {b}: {err}"
+
+
+@pytest.mark.parametrize("paged", [None, 1, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_fp8_cache_with_per_key_descales(paged, splits, seqlen_q):
+    import flashtile
+    from flashtile.bench.decode import paginate
+    batch, cap, heads, heads_k, d = 3, 70, 8, 2, 64
+    lengths = [70, 1, 37]
+    q = torch.randn(batch, seqlen_q, heads, d, dtype=torch.bfloat16)
+    k, v = torch.randn(batch, cap, heads_k, d) * 3, torch.randn(batch, cap, heads_k, d)
+    k[0, 5] *= 40  # an outlier token only moves its own descale
+    (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    kw = dict(cache_seqlens=seqlens, causal=True, num_splits=splits)
+    if paged:
+        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
+        # The descales through the same table; slots past the cache stay NaN (never read).
+        pool_kd = torch.full(pool_k.shape[:3], float("nan"))
+        pool_vd = torch.full(pool_k.shape[:3], float("nan"))
+        per_seq = table.shape[1]
+        for b in range(batch):
+            for j in range(per_seq):
+                rows = slice(j * paged, min((j + 1) * paged, cap))
+                n = rows.stop - rows.start
+                pool_kd[table[b, j], :n] = kd[b, rows]
+                pool_vd[table[b, j], :n] = vd[b, rows]
+        out = flashtile.flash_attn_with_kvcache(q, pool_k.view(torch.float8_e4m3fn),
+                                                pool_v.view(torch.float8_e4m3fn), block_table=table,
+                                                k_descale=pool_kd, v_descale=pool_vd, **kw)
+    else:
+        out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    _check_decode(out, q, k8.float() * kd[..., None], v8.float() * vd[..., None], lengths, True)
+
+
+@pytest.mark.parametrize("paged", [None, 16])
+def test_fp8_cache_append_quantizes_each_new_token(paged):
+    import flashtile
+    from flashtile.bench.decode import paginate
+    batch, cap, heads, heads_k, d = 2, 48, 4, 1, 32
+    lengths = [20, 45]
+    q = torch.randn(batch, 3, heads, d, dtype=torch.bfloat16)
+    k, v = torch.randn(batch, cap, heads_k, d), torch.randn(batch, cap, heads_k, d)
+    (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+    k_new = torch.randn(batch, 3, heads_k, d, dtype=torch.bfloat16) * 5
+    v_new = torch.randn(batch, 3, heads_k, d, dtype=torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    if paged:
+        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
+        pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
+        pool_kd, pool_vd = torch.zeros(pool_k.shape[:3]), torch.zeros(pool_k.shape[:3])
+        for b in range(batch):
+            for j in range(table.shape[1]):
+                pool_kd[table[b, j]] = kd[b, j * paged:(j + 1) * paged]
+                pool_vd[table[b, j]] = vd[b, j * paged:(j + 1) * paged]
+        out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens,
+                                                block_table=table, k_descale=pool_kd, v_descale=pool_vd,
+                                                causal=True)
+        got_k = torch.stack([pool_k[table[b].long()].reshape(-1, heads_k, d)[:cap] for b in range(batch)])
+        got_kd = torch.stack([pool_kd[table[b].long()].reshape(-1, heads_k)[:cap] for b in range(batch)])
+    else:
+        out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=seqlens,
+                                                k_descale=kd, v_descale=vd, causal=True)
+        got_k, got_kd = k8, kd
+    want_k, want_kd = _quantize_per_key(k_new)
+    for b, n in enumerate(lengths):
+        assert torch.equal(got_k[b, n:n + 3].view(torch.uint8), want_k[b].view(torch.uint8))
+        torch.testing.assert_close(got_kd[b, n:n + 3], want_kd[b], rtol=0, atol=0)
+    # The attention saw the new tokens, dequantized: rebuild the expected cache.
+    (vn8, vnd) = _quantize_per_key(v_new)
+    k_deq, v_deq = k8.float() * kd[..., None], v8.float() * vd[..., None]
+    for b, n in enumerate(lengths):
+        k_deq[b, n:n + 3] = want_k[b].float() * want_kd[b][..., None]
+        v_deq[b, n:n + 3] = vn8[b].float() * vnd[b][..., None]
+    _check_decode(out, q, k_deq, v_deq, [n + 3 for n in lengths], True)
+
+
+def test_fp8_cache_with_fixed_per_sequence_descales():
+    """FlashAttention-3's (B, Hk) descales: fixed, new tokens quantized with them (saturating)."""
+    import flashtile
+    batch, cap, heads, heads_k, d = 2, 40, 4, 2, 32
+    k, v = torch.randn(batch, cap, heads_k, d), torch.randn(batch, cap, heads_k, d)
+    kd = k.abs().amax(dim=(1, 3)) / fp8.E4M3_MAX  # (B, Hk)
+    vd = v.abs().amax(dim=(1, 3)) / fp8.E4M3_MAX
+    k8 = (k / kd[:, None, :, None]).to(torch.float8_e4m3fn)
+    v8 = (v / vd[:, None, :, None]).to(torch.float8_e4m3fn)
+    q = torch.randn(batch, 1, heads, d, dtype=torch.bfloat16)
+    k_new = torch.randn(batch, 1, heads_k, d, dtype=torch.bfloat16) * 100  # beyond the scale: saturates
+    v_new = torch.randn(batch, 1, heads_k, d, dtype=torch.bfloat16)
+    seqlens = torch.tensor([10, 39], dtype=torch.int32)
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=seqlens, k_descale=kd,
+                                            v_descale=vd)
+    for b, n in enumerate([10, 39]):
+        expect = (k_new[b, 0].float() / kd[b][:, None]).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX)
+        assert torch.equal(k8[b, n].view(torch.uint8), expect.to(torch.float8_e4m3fn).view(torch.uint8))
+    _check_decode(out, q, k8.float() * kd[:, None, :, None], v8.float() * vd[:, None, :, None], [11, 40],
+                  False)
+
+
+def test_fp8_cache_arguments_are_checked():
+    import flashtile
+    k8 = torch.randn(2, 16, 2, 32).to(torch.float8_e4m3fn)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        flashtile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 16))
+    with pytest.raises(TypeError, match="k_descale must be a float32"):
+        flashtile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 16, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="float8_e4m3fn caches only"):
+        bf = torch.randn(2, 16, 2, 32, dtype=torch.bfloat16)
+        flashtile.flash_attn_with_kvcache(q, bf, bf, k_descale=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="v_cache must be float8_e4m3fn"):
+        flashtile.flash_attn_with_kvcache(q, k8, torch.randn(2, 16, 2, 32).to(torch.float8_e5m2))
+    with pytest.raises(TypeError, match="k must be float16 or bfloat16"):  # new tokens come unquantized
+        flashtile.flash_attn_with_kvcache(q, k8, k8, k8[:, :1], k8[:, :1], cache_seqlens=3)
+    with pytest.raises(ValueError, match="dtype torch.bfloat16"):  # ... in q's dtype
+        half = torch.randn(2, 1, 2, 32, dtype=torch.float16)
+        flashtile.flash_attn_with_kvcache(q, k8, k8, half, half, cache_seqlens=3)
+    cos = torch.ones(32, 16)
+    with pytest.raises(NotImplementedError, match="rotary"):
+        new = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16)
+        flashtile.flash_attn_with_kvcache(q, k8, k8, new, new, rotary_cos=cos, rotary_sin=cos, cache_seqlens=3)
+    pool = torch.randn(4, 16, 2, 32).to(torch.float8_e4m3fn)
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous caches without"):
+        flashtile.flash_attn_with_kvcache(q, pool, pool, block_table=table, cache_seqlens=torch.tensor(
+            [3, 4], dtype=torch.int32), k_descale=torch.ones(2, 2))
+
+
+def test_bench_decode_fp8_cpu_check_and_table():
+    """`flashtile bench decode-fp8` without a GPU: its FP8-cache check passes through the interpreter;
+    the table formats a record with and without timings; fp8 bytes count the descales."""
+    from flashtile.bench import decode_fp8
+    from flashtile.bench.decode import Point
+    results = decode_fp8.run_check(torch.device("cpu"), log=lambda line: None)
+    assert len(results) == len(decode_fp8.check_cases(on_gpu=False))
+    assert all(r["passed"] for r in results), results
+    point = Point("m", 2, 8, 2, 1000)
+    assert decode_fp8.fp8_point_bytes(point) == 2 * 1000 * 2 * (2 * 128 + 8)
+    record = {"batch": 2, "heads": 8, "heads_k": 2, "context": 1000,
+              "providers": {"flashtile": {"available": True, "gbps": 3000.0, "pct_ceiling": 72.0},
+                            "flashtile-fp8": {"available": False, "error": "x"}},
+              "fp8_speedup_per_token": None}
+    table = decode_fp8.format_table([record], "t")
+    assert "3000" in table and "72%" in table

@@ -46,12 +46,16 @@ def _check_attention_inputs(q, k, v, names=("q", "k", "v"), dtypes=_DTYPES) -> N
     _check_attention_match(q, k, v, k.shape, v.shape, names)
 
 
-def _check_attention_match(q, k, v, k_shape, v_shape, names) -> None:
+def _check_attention_match(q, k, v, k_shape, v_shape, names, kv_dtype=None) -> None:
     """k and v against q, all three through ``_check_tensor`` already; ``k_shape``/``v_shape`` are
-    the shapes k and v stand for (a KV cache: q's batch, then the cache's other dimensions)."""
+    the shapes k and v stand for (a KV cache: q's batch, then the cache's other dimensions).
+    ``kv_dtype``: the dtype k and v must have when it is not q's (an e4m3 cache)."""
     qn, kn, vn = names
     for t, n in ((k, kn), (v, vn)):
-        if t.dtype != q.dtype:
+        if kv_dtype is not None:
+            if t.dtype != kv_dtype:
+                raise TypeError(f"{n} has dtype {t.dtype}: {kn} and {vn} must both be {kv_dtype}")
+        elif t.dtype != q.dtype:
             raise TypeError(f"{n} has dtype {t.dtype} but {qn} has {q.dtype}: they must match")
         if t.device != q.device:
             raise ValueError(f"{n} is on {t.device} but {qn} is on {q.device}")
@@ -160,18 +164,36 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, descales, names):
+                   return_attn_probs, descales, names, packed=None):
     """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
-    For per-block scales (and the Hadamard rotation) use flashtile.fp8.quantize_qkv and
-    flashtile.fp8.attention."""
+    ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences, q
+    (total_q, H, D) and k/v (total_k, Hk, D), descales per sequence. For per-block scales (and the
+    Hadamard rotation) use flashtile.fp8.quantize_qkv and flashtile.fp8.attention."""
     from .kernels.forward import attention_forward, pick_config
-    _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
+    if packed is None:
+        _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
+    else:
+        for t, n in zip((q, k, v), names):
+            _check_tensor(t, n, 3, (torch.float8_e4m3fn,))
+        _check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names,
+                                dtypes=(torch.float8_e4m3fn,))
     if _check_dropout(dropout_p) > 0:
         raise NotImplementedError("flashtile: no dropout with FP8 inputs")
     if q.requires_grad or k.requires_grad or v.requires_grad:
         raise NotImplementedError("flashtile: FP8 attention is forward-only (no backward)")
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if packed is None:
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, heads_k = k.shape[1], k.shape[2]
+        varlen = {}
+    else:
+        cu_q, cu_k, max_q, max_k = packed
+        batch = _check_cu_seqlens(cu_q, "cu_seqlens_q", None, q.device)
+        _check_cu_seqlens(cu_k, "cu_seqlens_k", batch, q.device)
+        seqlen_q = _check_max_seqlen(max_q, "max_seqlen_q")
+        seqlen_k = _check_max_seqlen(max_k, "max_seqlen_k")
+        _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], seqlen_q, seqlen_k)
+        heads, head_dim, heads_k = q.shape[1], q.shape[2], k.shape[1]
+        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q)
     per_head = []
     for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
         if d is None:
@@ -183,7 +205,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
                              f"{tuple(d.shape)} on {d.device}")
         per_head.append(d)
     group = heads // heads_k
-    # One scale block spanning the whole sequence: a power of two, so a multiple of every tile.
+    # One scale block spanning the whole (longest) sequence: a power of two, so a multiple of every tile.
     cfg = pick_config(head_dim, q.device, fp8=True)
     block_q = 1 << max(seqlen_q, cfg.block_m, 1).bit_length()
     block_k = 1 << max(seqlen_k, cfg.block_n, 1).bit_length()
@@ -195,7 +217,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     out, lse = attention_forward(q, k, v, softmax_scale=scale, window_left=left, window_right=right,
                                  diag_offset=seqlen_k - seqlen_q, softcap=_check_softcap(softcap),
                                  alibi_slopes=alibi, descales=(q_d, k_d, v_d),
-                                 scale_blocks=(block_q, block_k))
+                                 scale_blocks=(block_q, block_k), **varlen)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -339,7 +361,7 @@ def _check_block_table(block_table, k, v, batch: int, device: torch.device):
     if block_table.stride(-1) != 1:
         raise ValueError("block_table must have a contiguous last dimension")
     for t, n in ((k, "k"), (v, "v")):
-        _check_tensor(t, n, 4)
+        _check_tensor(t, n, 4, _DTYPES + (torch.float8_e4m3fn,))  # dtypes are matched by the caller
     if k.shape != v.shape:
         raise ValueError(f"k and v page pools must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
@@ -360,7 +382,16 @@ def _check_pages(block_table, num_pages: int, capacity: int, max_seqlen_k: int):
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                      block_table, deterministic=False, names=("q", "k", "v")):
+                      block_table, deterministic=False, names=("q", "k", "v"),
+                      descales=(None, None, None)):
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+        if block_table is not None:
+            raise NotImplementedError("flashtile: FP8 inputs with block_table are not supported")
+        return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, descales, names,
+                              packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    if any(d is not None for d in descales):
+        raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
     batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     if block_table is None:
@@ -399,7 +430,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, q_descale=None, k_descale=None,
+                           v_descale=None):
     """Packed sequences without padding: q (total_q, H, D), k/v (total_k, Hk, D).
 
     Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]
@@ -411,10 +443,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     With ``block_table`` (B, max_pages) int32, k and v are page pools (num_pages, page_size, Hk, D)
     with any page size: sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] slots
     of pages block_table[b, 0], block_table[b, 1], ... (forward only).
+
+    FP8 (forward only): float8_e4m3fn q, k, v with float32 ``q_descale``/``k_descale``/``v_descale``
+    (B, Hk), one per sequence and KV head (None: 1.0), as in FlashAttention-3; bfloat16 output.
     """
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             return_attn_probs, block_table, deterministic)
+                             return_attn_probs, block_table, deterministic,
+                             descales=(q_descale, k_descale, v_descale))
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -506,11 +542,72 @@ def _full_lengths(batch: int, value: int, device: torch.device) -> torch.Tensor:
     return held
 
 
+def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batch_idx: bool):
+    """k/v descales of an e4m3 cache as per-key views shaped like the cache without its head dim
+    (B_cache or pages, S_max or page_size, Hk), sharing one layout: (B, Hk) and None become views
+    with a token stride of 0."""
+    rows, slots, heads_k = k_cache.shape[:3]
+    views = []
+    for d, n in ((k_descale, "k_descale"), (v_descale, "v_descale")):
+        if d is None:
+            d = torch.ones(1, 1, heads_k, dtype=torch.float32, device=k_cache.device).expand(
+                rows, slots, heads_k)
+        elif not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
+            raise TypeError(f"{n} must be a float32 tensor")
+        elif d.device != k_cache.device:
+            raise ValueError(f"{n} is on {d.device} but the cache is on {k_cache.device}")
+        elif tuple(d.shape) == (rows, slots, heads_k):
+            pass
+        elif tuple(d.shape) == (batch, heads_k):
+            if paged or batch_idx:
+                raise ValueError(f"{n} of shape (batch, heads_k) is for contiguous caches without "
+                                 f"cache_batch_idx; give one per key: shape {(rows, slots, heads_k)}")
+            d = d[:, None, :].expand(rows, slots, heads_k)
+        else:
+            raise ValueError(f"{n} must have shape {(rows, slots, heads_k)} (one per key and KV head) "
+                             f"or ({batch}, {heads_k}), got {tuple(d.shape)}")
+        views.append(d)
+    if views[0].stride() != views[1].stride():
+        views[1] = views[1].contiguous() if views[0].is_contiguous() else views[1]
+        if views[0].stride() != views[1].stride():
+            raise ValueError("k_descale and v_descale must have the same layout")
+    return views
+
+
+E4M3_MAX = 448.0
+
+
+def _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx, block_table, slots: int):
+    """New keys/values (B, Sn, Hk, D) in e4m3 for an e4m3 cache. Per-key descales (token stride != 0)
+    are computed from each token's largest magnitude per head and written where the tokens go; fixed
+    ones are used as they are. Positions come from ``lengths`` on the device (no host sync)."""
+    batch, new, heads_k, _ = k.shape
+    pos = lengths.long()[:, None] + torch.arange(new, device=k.device)  # (B, Sn)
+    if block_table is not None:
+        rows = block_table.long().gather(1, pos // slots)
+        pos = pos % slots
+    elif cache_batch_idx is not None:
+        rows = cache_batch_idx.long()[:, None].expand(batch, new)
+    else:
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+    out = []
+    for x, d in ((k, k_descale), (v, v_descale)):
+        x = x.float()
+        if d.stride(1) != 0:  # per key: this token's own scale
+            amax = x.abs().amax(-1)
+            scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+            d[rows, pos] = scale
+        else:
+            scale = d[rows, pos]
+        out.append((x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+    return out
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, k_descale=None, v_descale=None):
     """Attention of q (B, Sq, H, D) against a KV cache, with flash_attn 2.8's semantics.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -522,11 +619,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     The KV sequence is split across programs (``num_splits``: 0 = heuristic, 1 = none) and merged by
     log-sum-exp; lengths are read on the device, so the call can be captured in a CUDA graph.
     Returns out, or (out, softmax_lse (B, H, Sq)) with ``return_softmax_lse``.
+
+    FP8 cache: float8_e4m3fn k_cache/v_cache read by an fp16/bf16 q, with float32 ``k_descale``/
+    ``v_descale`` (multiply to dequantize) either shaped like the cache without its head dim, one per
+    key and KV head ((B_cache, S_max, Hk), or (num_pages, page_size, Hk) for pages): new k/v are then
+    quantized per token and head and their descales written alongside; or (B, Hk) (FlashAttention-3's
+    shape; contiguous caches without cache_batch_idx): fixed per sequence and KV head, new tokens
+    quantized with them (saturating at e4m3's largest value). None means 1.0. No rotary with an FP8
+    cache (rotate k before the call).
     """
     _check_tensor(q, "q", 4)
     paged = block_table is not None
+    fp8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn
     for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check_tensor(t, n, 4)
+        _check_tensor(t, n, 4, (torch.float8_e4m3fn,) if fp8_cache else _DTYPES)
+    if not fp8_cache and (k_descale is not None or v_descale is not None):
+        raise ValueError("k_descale and v_descale apply to float8_e4m3fn caches only")
     batch = q.shape[0]
     if paged:
         _check_block_table(block_table, k_cache, v_cache, batch, q.device)
@@ -541,7 +649,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # The cache stands for a (batch, ...) tensor (its rows may differ from q's: a page pool, or
     # cache_batch_idx); all three tensors passed _check_tensor above.
     _check_attention_match(q, k_cache, v_cache, (batch, *k_cache.shape[1:]), (batch, *v_cache.shape[1:]),
-                           ("q", "k_cache", "v_cache"))
+                           ("q", "k_cache", "v_cache"), kv_dtype=k_cache.dtype if fp8_cache else None)
     if cache_batch_idx is not None:
         if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
             raise TypeError("cache_batch_idx must be an int32 tensor")
@@ -568,11 +676,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if k is not None:
+        new_dtype = q.dtype if fp8_cache else k_cache.dtype  # an e4m3 cache quantizes q-dtype tokens
         for t, n in ((k, "k"), (v, "v")):
             _check_tensor(t, n, 4)
-            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.dtype != k_cache.dtype:
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.dtype != new_dtype:
                 raise ValueError(f"{n} must have shape ({batch}, new_tokens, {k_cache.shape[2]}, "
-                                 f"{k_cache.shape[3]}) and dtype {k_cache.dtype}, got "
+                                 f"{k_cache.shape[3]}) and dtype {new_dtype}, got "
                                  f"{tuple(t.shape)} {t.dtype}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -588,6 +697,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device:
             raise ValueError(f"cache_leftpad must have shape ({batch},) on {q.device}")
     rotary = rotary_cos is not None or rotary_sin is not None
+    if fp8_cache:
+        if rotary:
+            raise NotImplementedError("flashtile: no rotary with an FP8 cache; rotate q and k before "
+                                      "the call")
+        k_descale, v_descale = _cache_descales(k_descale, v_descale, k_cache, batch, paged,
+                                               cache_batch_idx is not None)
+        if new_tokens:
+            k, v = _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx,
+                                      block_table, k_cache.shape[1])
     if rotary:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
         _check_cache_append(cache_seqlens, lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
@@ -608,7 +726,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if new_tokens:
             lengths = lengths + new_tokens
     out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
-                           scale, left, right, softcap, num_splits, cache_leftpad)
+                           scale, left, right, softcap, num_splits, cache_leftpad,
+                           k_descale if fp8_cache else None, v_descale if fp8_cache else None)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -137,7 +137,7 @@ attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)
 
 def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
             softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
-            cache_leftpad=None):
+            cache_leftpad=None, k_descale=None, v_descale=None):
     """The decode as ``flash_attn_with_kvcache`` calls it.
 
     As ``forward``: eager calls go straight to the launcher, since the custom-op dispatcher costs
@@ -146,7 +146,8 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, al
     the registered op runs instead.
     """
     args = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
-            softmax_scale, window_left, window_right, softcap, num_splits, cache_leftpad)
+            softmax_scale, window_left, window_right, softcap, num_splits, cache_leftpad, k_descale,
+            v_descale)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
             or (alibi_slopes is not None and alibi_slopes.requires_grad))):
@@ -156,14 +157,14 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, al
 
 def _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
                        alibi_slopes, softmax_scale, window_left, window_right, softcap, num_splits,
-                       cache_leftpad):
+                       cache_leftpad, k_descale=None, v_descale=None):
     from .kernels.decode import decode_attention
 
     return decode_attention(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                             window_left=window_left, window_right=window_right, softcap=softcap,
                             alibi_slopes=alibi_slopes, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                            num_splits=num_splits)
+                            num_splits=num_splits, k_descale=k_descale, v_descale=v_descale)
 
 
 @torch.library.custom_op("flashtile::attn_kvcache", mutates_args=(), device_types=("cuda", "cpu"))
@@ -172,15 +173,18 @@ def attn_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_batch_idx: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                  softmax_scale: float, window_left: int, window_right: int, softcap: float,
                  num_splits: int,
-                 cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV decode of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row."""
+                 cache_leftpad: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+                 v_descale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row;
+    an e4m3 cache with per-key descales (k_descale/v_descale)."""
     return _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
                               alibi_slopes, softmax_scale, window_left, window_right, softcap,
-                              num_splits, cache_leftpad)
+                              num_splits, cache_leftpad, k_descale, v_descale)
 
 
 @attn_kvcache.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes, softmax_scale,
-      window_left, window_right, softcap, num_splits, cache_leftpad=None):
+      window_left, window_right, softcap, num_splits, cache_leftpad=None, k_descale=None,
+      v_descale=None):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, heads, seqlen_q, dtype=torch.float32)

@@ -27,7 +27,7 @@ from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpretin
 
 @triton.jit
 def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
-                 CacheLeftpad, BlockTable, Alibi,
+                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, stride_dsb, stride_dss, stride_dsh,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
                  stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
@@ -39,7 +39,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
-                 EMPTY_LSE: tl.constexpr, PDL: tl.constexpr):
+                 EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -82,6 +82,19 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         v_src = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
                  + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
 
+    # An e4m3 cache (FP8 == 2): descales (B_cache or pages, S_max or page_size, Hk), one per key and
+    # KV head, walked like the cache itself.
+    k_descale = KDescale
+    v_descale = VDescale
+    if FP8 == 2:
+        if PAGED:
+            at = kv_head.to(tl.int64) * stride_dsh
+        else:
+            at = (cache_row.to(tl.int64) * stride_dsb + key_start.to(tl.int64) * stride_dss
+                  + kv_head.to(tl.int64) * stride_dsh)
+        k_descale = KDescale + at
+        v_descale = VDescale + at
+
     alibi_slope = tl.zeros([ROWS], dtype=tl.float32)
     if ALIBI:
         alibi_slope = tl.load(Alibi + batch * stride_ab + head, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -101,21 +114,21 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
         full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, None, None,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
-        PAGED)
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
         full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, None, None,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
-        PAGED)
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
         s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, None, None,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, False, False,
-        PAGED)
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -259,7 +272,7 @@ _MAX_PLANS = 1024
 
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
-          config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad):
+          config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
     cfg = config or decode_config(paged, device, batch * heads_k)
     splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, device, cfg)
@@ -274,6 +287,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=(2 if cfg.page_prefetch else 1) if paged else 0, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
+        FP8=2 if fp8_cache else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
     return splits, upcast, kernel, merge
@@ -283,7 +297,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cache_seqlens: torch.Tensor, *, softmax_scale: float, window_left: int,
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
-                     config: DecodeConfig | None = None):
+                     config: DecodeConfig | None = None, k_descale=None, v_descale=None):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -291,6 +305,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     i + cache_seqlens[b] - Sq (bottom-right); with ``cache_leftpad`` sequence b's keys are slots
     [cache_leftpad[b], cache_seqlens[b]) of a contiguous cache. Returns out (B, Sq, H, D) and lse (B, H, Sq) (+inf for
     rows that see no key, as the forward).
+
+    An e4m3 cache takes ``k_descale``/``v_descale`` float32, shaped like the cache without its head
+    dim (one per key and KV head, any strides, one layout for both).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
@@ -303,7 +320,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     device = q.device
     key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
-           cache_batch_idx is not None, cache_leftpad is not None)
+           cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
@@ -332,7 +349,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse_part_strides = lse_partial.stride()[:3] if splits > 1 else (0, 0, 0)
     _attn_decode[(splits, batch, heads_k)](
         q, k_cache, v_cache, out_partial, lse_partial, out, lse, cache_seqlens,
-        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, *q.stride()[:3], *k_strides[:3],
+        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale, v_descale,
+        *(k_descale.stride() if k_descale is not None else (0, 0, 0)), *q.stride()[:3], *k_strides[:3],
         *v_strides[:3], *part_strides, *lse_part_strides, *out.stride()[:3], *lse.stride()[:2],
         block_table.stride(0) if paged else 0,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,

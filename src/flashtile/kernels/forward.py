@@ -111,24 +111,27 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
                     rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-                    stride_kpage, stride_vpage, k_descale, v_descale,
+                    stride_kpage, stride_vpage, k_descale, v_descale, stride_scale_n, stride_scale_page,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                     USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, PAGED: tl.constexpr,
-                    FP8: tl.constexpr = False, SCALE_BLOCK_K: tl.constexpr = 1):
+                    FP8: tl.constexpr = 0, SCALE_BLOCK_K: tl.constexpr = 1):
     """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
 
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
     (batch, head), whose loads zero-fill past the keys and the head dim. PAGED: they point at one
     head of the page pool, and each tile gathers its keys through the sequence's block table row
     (any page size: every key looks up its own page). PAGED == 2 loads the next tile's page numbers
-    one iteration ahead, so the K/V loads never wait on the block table. FP8: K and V are e4m3 with
+    one iteration ahead, so the K/V loads never wait on the block table. FP8 == 1: K and V are e4m3 with
     one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``, and V's relative to
     its largest at ``v_descale`` (the largest multiplies the output at the end); both are read one
     tile ahead. K's joins the score scale and V's scales P before its cast to e4m3, so no tile is
     multiplied by a descale and P @ V accumulates in place. V is stored transposed (keys contiguous:
     e4m3 wgmma reads its B operand K-major only); with USE_TMA ``v_ptrs`` is a descriptor over V^T.
+    FP8 == 2 (an e4m3 KV cache read by a bf16/fp16 query): one descale per key and KV head, at
+    ``k_descale``/``v_descale`` + key * ``stride_scale_n`` (+ page * ``stride_scale_page`` when PAGED);
+    K and V tiles widen to the query's dtype, K's descales scale the score columns, V's the columns of P.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
@@ -138,7 +141,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     if PAGED == 2:
         ahead = blk_lo * BLOCK_N + offs_n
         page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k, other=0)
-    if FP8:
+    if FP8 == 1:
         k_scale_ahead = tl.load(k_descale + (blk_lo * BLOCK_N) // SCALE_BLOCK_K, mask=blk_lo < blk_hi,
                                 other=1.0)
         v_scale_ahead = tl.load(v_descale + (blk_lo * BLOCK_N) // SCALE_BLOCK_K, mask=blk_lo < blk_hi,
@@ -162,9 +165,18 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                           MASKED, BLOCK_N, D_MASK, UPCAST, False)
         else:
             k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
+        if FP8 == 2:
+            if PAGED:
+                scale_at = page * stride_scale_page + slot * stride_scale_n
+            else:
+                scale_at = cols * stride_scale_n
+            k_scales = tl.load(k_descale + scale_at, mask=cols < seqlen_k, other=0.0)
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k))
+        if FP8 == 2:
+            qk = qk * k_scales[None, :]
         tile_scale = 1.0
-        if FP8:
+        if FP8 == 1:
             tile_scale = k_scale_ahead
             v_scale = v_scale_ahead
             nxt = (blk + 1) * BLOCK_N // SCALE_BLOCK_K
@@ -193,15 +205,18 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         if PAGED:
             v = load_tile(v_ptrs + (page * stride_vpage + slot * stride_vn)[:, None], blk, kv_ok,
                           MASKED, BLOCK_N, D_MASK, UPCAST, False)
-        elif FP8 and USE_TMA:  # a (head dim, keys) tile of V^T, read as its (keys, head dim) view
+        elif FP8 == 1 and USE_TMA:  # a (head dim, keys) tile of V^T, read as its (keys, head dim) view
             v = tl.trans(v_ptrs.load([0, blk * BLOCK_N]))
         else:
             v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         if DROPOUT:  # the normalizer keeps every probability; only the product with V drops some
             keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
-        if FP8:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
+        if FP8 == 1:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
             p = p * v_scale
+        if FP8 == 2:
+            p = p * tl.load(v_descale + scale_at, mask=cols < seqlen_k, other=0.0)[None, :]
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if not USE_TMA and not PAGED:
@@ -316,20 +331,20 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
             acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-            stride_kb, stride_vb, k_descale, v_descale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
+            stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
             HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-        stride_kb, stride_vb, k_descale, v_descale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT,
+        stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
-        stride_kb, stride_vb, k_descale, v_descale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
+        stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
@@ -415,7 +430,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     Paged KV (with packed queries): k/v are page pools (num_pages, page_size, Hk, D), sequence b's
     keys are its cu_seqlens_k length, found through ``block_table`` (B, max_pages) int32 rows.
 
-    FP8: q, k, v float8_e4m3fn (padded batches only) with ``descales`` = (q (B, H, Sq blocks),
+    FP8: q, k, v float8_e4m3fn (no block table, no dropout) with ``descales`` = (q (B, H, Sq blocks),
     k and v (B, Hk, Sk blocks)) float32, one per ``scale_blocks`` = (queries, keys) tokens, each a
     multiple of the kernel's tile; out is bfloat16.
     """
@@ -448,8 +463,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         return result
     cfg = config or pick_config(head_dim, q.device, fp8)
     if fp8:
-        if varlen or paged or dropout_seed is not None:
-            raise NotImplementedError("flashtile: FP8 attention takes padded batches without dropout")
+        if paged or dropout_seed is not None:
+            raise NotImplementedError("flashtile: FP8 attention takes no block table and no dropout")
         if scale_blocks[0] % cfg.block_m or scale_blocks[1] % cfg.block_n:
             raise ValueError(f"FP8 scale blocks {scale_blocks} must be multiples of the kernel's tiles "
                              f"({cfg.block_m}, {cfg.block_n}); see flashtile.fp8.kernel_blocks")
@@ -473,7 +488,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     upcast = interpreting() and (q.dtype == torch.bfloat16 or fp8)
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
     strides = (q.stride(), k.stride(), v.stride(), out_buf.stride(), lse.stride())
-    use_tma = cfg.use_tma and not paged and _tma_eligible((q, k, v), strides[:3])
+    # Packed e4m3 V^T starts each sequence mid-row (a 1-byte column offset), which a descriptor base
+    # cannot: FP8 varlen takes the pointer path.
+    use_tma = (cfg.use_tma and not paged and not (fp8 and varlen)
+               and _tma_eligible((q, k, v), strides[:3]))
     if varlen:  # one packed "batch": sequences are found through cu_seqlens, not a batch stride
         strides = tuple(st if paged and i in (1, 2) else (0, *st[1:]) for i, st in enumerate(strides))
     # Our allocator only for this launch: the caller's own Triton allocator stays as it was.

@@ -36,6 +36,7 @@ class Variant:
     paged: bool = False
     rotary_dim: int = 0
     interleaved: bool = False
+    fp8_cache: bool = False  # decode: e4m3 K/V cache with per-key descales, q in ``dtype``
 
     @property
     def name(self) -> str:
@@ -43,7 +44,7 @@ class Variant:
                                  ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma),
                                  ("varlen", self.varlen), ("dropout", self.dropout),
                                  ("paged", self.paged), (f"rot{self.rotary_dim}", self.rotary_dim),
-                                 ("interleaved", self.interleaved)) if on]
+                                 ("interleaved", self.interleaved), ("fp8cache", self.fp8_cache)) if on]
         return f"{self.kind}-d{self.head_dim}-{self.dtype}" + ("-" + "-".join(flags) if flags else "")
 
 
@@ -225,7 +226,9 @@ def decode_variants() -> list[Variant]:
     out = [Variant(128, "bf16", has_right=True, kind="decode"), Variant(64, "fp16", kind="decode"),
            Variant(128, "bf16", has_right=True, paged=True, kind="decode"),
            Variant(256, "bf16", has_left=True, has_right=True, softcap=True, alibi=True, kind="decode"),
-           Variant(80, "fp16", has_right=True, paged=True, kind="decode")]
+           Variant(80, "fp16", has_right=True, paged=True, kind="decode"),
+           Variant(128, "bf16", has_right=True, kind="decode", fp8_cache=True),
+           Variant(128, "bf16", has_right=True, paged=True, kind="decode", fp8_cache=True)]
     return out
 
 
@@ -238,12 +241,14 @@ def compile_decode(variant: Variant, arch: int) -> list:
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
     decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "BLOCK_N": 64,
               "BATCH_IDX": not variant.paged,
-              "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90}
+              "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
+              "FP8": 2 if variant.fp8_cache else 0}
+    cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     stages = 3 if variant.paged else 2
-    return [_compile(_attn_decode, {**decode, "SPLIT": True}, variant, arch, 4, stages),
-            _compile(_attn_decode, {**decode, "SPLIT": False}, variant, arch, 4, stages),
+    return [_compile(_attn_decode, {**decode, "SPLIT": True}, variant, arch, 4, stages, cache),
+            _compile(_attn_decode, {**decode, "SPLIT": False}, variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90}, variant, arch, 4, 1)]
 
 
@@ -280,7 +285,8 @@ def fp8_variants() -> list[Variant]:
     quantize = [Variant(d, dtype, kind="fp8") for d in (64, 128, 256) for dtype in ("bf16", "fp16")]
     forward = [Variant(d, "fp8", has_right=causal, tma=True, kind="fp8")
                for d in (64, 128, 256) for causal in (False, True)]
-    return quantize + forward + [Variant(128, "fp8", has_left=True, has_right=True, softcap=True, kind="fp8")]
+    return quantize + forward + [Variant(128, "fp8", has_left=True, has_right=True, softcap=True, kind="fp8"),
+                                 Variant(128, "fp8", has_right=True, varlen=True, kind="fp8")]
 
 
 def compile_fp8(variant: Variant, arch: int) -> list:
@@ -315,7 +321,7 @@ def main(argv=None) -> int:
     failed = 0
     for arch in args.arch or [90, 80]:
         for variant in all_variants()[shard::shards]:
-            if variant.kind == "fp8" and arch < 89:  # e4m3 (fp8e4nv) needs sm_89 or newer
+            if (variant.kind == "fp8" or variant.fp8_cache) and arch < 89:  # e4m3 needs sm_89+
                 continue
             try:
                 if variant.kind == "fwd":
