@@ -19,6 +19,8 @@ COMMANDS = {
              "contiguous cache in the same run; decode and graph-replay checks first",
     "ring": "context-parallel (ring) attention over the host's GPUs (1, 2, 4, 8) against flashtile on one "
             "GPU over the whole sequence, as scaling efficiency; ring check first",
+    "decode-fp8": "decode against an e4m3 KV cache (per-key descales) next to the bf16 cache, as GB/s "
+                  "of what each reads against the measured read ceiling; FP8-cache check first",
     "fp8-accuracy": "FlashAttention-3's FP8 accuracy study (outliers; per-tensor, block scales, "
                     "Hadamard, both; bf16 for scale): output RMSE against float64",
     "e2e": "a whole decoder model in Hugging Face transformers (random weights): time to first token "

@@ -316,14 +316,16 @@ def gpu_timer(fn: Callable) -> float:
 
 
 def measure(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
-            block_tables: dict, timer: Callable, nbytes: int, ceiling_gbps: float | None) -> dict:
-    """Time one provider over every layer; any exception makes it unavailable there, never fatal."""
+            block_tables: dict, timer: Callable, nbytes: int, ceiling_gbps: float | None,
+            step: Step | None = None) -> dict:
+    """Time one provider over every layer (``caches.layers``; ``step`` if given, else the named
+    provider's); any exception makes it unavailable there, never fatal."""
     device = q.device
     caught: list = []
     error = None
     replay = None
     try:
-        step = make_step(name, caches, q, lengths, block_tables)
+        step = step or make_step(name, caches, q, lengths, block_tables)
         with backend_context(step.backend):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -1,0 +1,237 @@
+"""``flashtile bench decode-fp8``: one-token decode against an e4m3 KV cache (one float32 descale per
+key and KV head), next to the same decode against the bf16 cache, as GB/s of what each reads.
+
+The bytes counted for the FP8 cache are its e4m3 K and V plus their descales (4 bytes per key and KV
+head, each): sum_b cache_seqlens[b] * Hk * (2 * D + 8). Both caches are timed like ``bench decode``:
+a CUDA graph over L layers, each with its own cache, at least 1 GiB of cache in all, so every read
+comes from DRAM; the read ceiling is torch.sum's, measured in the same run. A correctness check of
+the FP8 cache against float64 attention of the dequantized cache comes first.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .common import (add_common_arguments, check_without_gpu, choose_device, environment, format_number,
+                     format_seqlen, result_path, write_json)
+from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, LayerCaches, Point, Step,
+                     _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for, measure,
+                     measure_ceiling, paginate, point_bytes)
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+FP8_PROVIDER = "flashtile-fp8"
+
+
+def fp8_point_bytes(point: Point) -> int:
+    """e4m3 K+V plus their float32 descales, read by one layer."""
+    return sum(point.lengths()) * point.heads_k * (2 * point.head_dim + 8)
+
+
+@dataclass
+class FP8Caches:
+    """e4m3 K/V (layers, B, S, Hk, D) and descales (layers, B, S, Hk); random, only bytes matter."""
+    layers: int
+    k: torch.Tensor
+    v: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+
+    @classmethod
+    def allocate(cls, point: Point, layers: int, device: torch.device) -> "FP8Caches":
+        shape = (layers, point.batch, point.context, point.heads_k, point.head_dim)
+        k = torch.empty(shape, dtype=FP8, device=device)
+        v = torch.empty(shape, dtype=FP8, device=device)
+        for layer in range(layers):  # one layer at a time: no full-size bf16 temporary
+            k[layer] = torch.randn(shape[1:], device=device, dtype=torch.bfloat16).to(FP8)
+            v[layer] = torch.randn(shape[1:], device=device, dtype=torch.bfloat16).to(FP8)
+        scales = torch.rand(shape[:4], device=device) * 0.01 + 0.005
+        return cls(layers, k, v, scales, scales.clone())
+
+
+def fp8_step(caches: FP8Caches, q: torch.Tensor, lengths: torch.Tensor) -> Step:
+    import flashtile
+
+    def call(layer):
+        return flashtile.flash_attn_with_kvcache(q, caches.k[layer], caches.v[layer], cache_seqlens=lengths,
+                                                 causal=True, k_descale=caches.k_descale[layer],
+                                                 v_descale=caches.v_descale[layer])
+    return Step(call, info={"layout": "(B, S, Hk, D) e4m3 contiguous, descales (B, S, Hk) float32 for "
+                                      "K and for V"})
+
+
+# ----------------------------------------------------------------------------------------- check
+
+def _quantize_per_key(x: torch.Tensor):
+    amax = x.float().abs().amax(-1)
+    d = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / d[..., None]).to(FP8), d
+
+
+def check_cases(on_gpu: bool) -> list[dict]:
+    if on_gpu:
+        return [dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=None, num_splits=0),
+                dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=None, num_splits=1),
+                dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=16, num_splits=0),
+                dict(batch=2, heads=8, heads_k=1, head_dim=64, lengths=(300, 4099), page_size=None,
+                     num_splits=3)]
+    return [dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(1, 70), page_size=None, num_splits=0),
+            dict(batch=2, heads=4, heads_k=1, head_dim=32, lengths=(33, 70), page_size=16, num_splits=2)]
+
+
+def run_check(device: torch.device, log=print) -> list[dict]:
+    """FP8 cache decode against float64 attention of the dequantized cache, per sequence; the budget
+    is 2x the error of the same attention computed in bf16."""
+    import flashtile
+    from ..reference import attention
+
+    results = []
+    gen = torch.Generator().manual_seed(0)
+    for case in check_cases(device.type == "cuda"):
+        b, h, hk, d, lengths = case["batch"], case["heads"], case["heads_k"], case["head_dim"], case["lengths"]
+        cap = max(lengths)
+        if case["page_size"]:
+            cap = -(-cap // case["page_size"]) * case["page_size"]
+        q = torch.randn(b, 1, h, d, generator=gen).to(device, torch.bfloat16)
+        k = (torch.randn(b, cap, hk, d, generator=gen) * 2).to(device)
+        v = torch.randn(b, cap, hk, d, generator=gen).to(device)
+        (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        kw = dict(cache_seqlens=seqlens, causal=True, num_splits=case["num_splits"])
+        if case["page_size"]:
+            ps = case["page_size"]
+            pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), ps, gen)
+            pool_kd = torch.full(pool_k.shape[:3], float("nan"), device=device)
+            pool_vd = torch.full(pool_k.shape[:3], float("nan"), device=device)
+            pages = table.long()
+            pool_kd[pages.reshape(-1)] = kd.reshape(b * (cap // ps), ps, hk)
+            pool_vd[pages.reshape(-1)] = vd.reshape(b * (cap // ps), ps, hk)
+            out = flashtile.flash_attn_with_kvcache(q, pool_k.view(FP8), pool_v.view(FP8), block_table=table,
+                                                    k_descale=pool_kd, v_descale=pool_vd, **kw)
+        else:
+            out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+        k_deq, v_deq = k8.float() * kd[..., None], v8.float() * vd[..., None]
+        err = budget = 0.0
+        for i, n in enumerate(lengths):
+            args = (q[i:i + 1].double(), k_deq[i:i + 1, :n].double(), v_deq[i:i + 1, :n].double())
+            ref, _ = attention(*args, causal=True)
+            low, _ = attention(*(t.to(torch.bfloat16) for t in args), causal=True)
+            err = max(err, (out[i:i + 1].double() - ref).abs().max().item())
+            budget = max(budget, 2 * (low.double() - ref).abs().max().item())
+        cache = "contiguous" if not case["page_size"] else f"paged P{case['page_size']}"
+        label = (f"e4m3 cache B{b} H{h}/{hk} d{d} L({','.join(map(str, lengths))}) {cache} "
+                 f"splits {case['num_splits'] or 'auto'}")
+        passed = bool(torch.isfinite(out).all()) and err <= budget
+        results.append({"label": label, "passed": passed, "out_err": err, "budget": budget,
+                        "case": {**case, "lengths": list(lengths)}})
+        log(f"{'PASS' if passed else 'FAIL'}  {label:<60s} out err {err:.2e} <= {budget:.2e}")
+    return results
+
+
+# ----------------------------------------------------------------------------------------- sweep
+
+def fp8_layers(point: Point, override: int | None) -> int:
+    return override or max(1, math.ceil(MIN_TOTAL_BYTES / fp8_point_bytes(point)))
+
+
+def run_point(point: Point, device: torch.device, ceiling: float | None, layers_override: int | None,
+              seed: int) -> dict:
+    layers_bf16 = layers_for(point, layers_override)
+    layers_fp8 = fp8_layers(point, layers_override)
+    nb16, nb8 = point_bytes(point), fp8_point_bytes(point)
+    record = {"model": point.model, "batch": point.batch, "heads": point.heads, "heads_k": point.heads_k,
+              "context": point.context, "head_dim": point.head_dim, "layers_bf16": layers_bf16,
+              "layers_fp8": layers_fp8, "bytes_per_layer_bf16": nb16, "bytes_per_layer_fp8": nb8,
+              "providers": {}}
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
+    lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
+    for name, layers, nbytes in ((CONTIGUOUS, layers_bf16, nb16), (FP8_PROVIDER, layers_fp8, nb8)):
+        total = layers * nbytes * (2 if name == FP8_PROVIDER else 1)  # ... and the fp8 allocation's
+        reason = ("too large" if layers * nbytes > MAX_TOTAL_BYTES else None) or _memory_skip(total, device)
+        if reason:
+            record["providers"][name] = {"available": False, "error": reason}
+            continue
+        if name == CONTIGUOUS:
+            caches = LayerCaches.allocate(point, layers, device)
+            record["providers"][name] = measure(name, caches, q, lengths, {}, gpu_timer, nbytes, ceiling)
+        else:
+            caches8 = FP8Caches.allocate(point, layers, device)
+            holder = LayerCaches(point, layers, caches8.k, caches8.v)  # measure reads .layers only
+            record["providers"][name] = measure(name, holder, q, lengths, {}, gpu_timer, nbytes, ceiling,
+                                                step=fp8_step(caches8, q, lengths))
+            del caches8, holder
+        caches = None
+        torch.cuda.empty_cache()
+    bf16, fp8 = record["providers"][CONTIGUOUS], record["providers"][FP8_PROVIDER]
+    record["fp8_speedup_per_token"] = (bf16["ms_per_layer"] / fp8["ms_per_layer"]
+                                       if bf16.get("available") and fp8.get("available") else None)
+    return record
+
+
+def format_table(records: list[dict], title: str) -> str:
+    columns = (f"{'B':>3} {'H/Hk':>6} {'ctx':>5} | {'bf16 GB/s':>9} {'%ceil':>6} | {'fp8 GB/s':>9} "
+               f"{'%ceil':>6} | {'fp8 speedup':>11}")
+    lines = [title, columns, "-" * len(columns)]
+    for r in records:
+        p16, p8 = r["providers"][CONTIGUOUS], r["providers"][FP8_PROVIDER]
+        lines.append(f"{r['batch']:>3} {str(r['heads']) + '/' + str(r['heads_k']):>6} "
+                     f"{format_seqlen(r['context']):>5} | {format_number(p16.get('gbps'), '{:.0f}'):>9} "
+                     f"{format_number(p16.get('pct_ceiling'), '{:.0f}%'):>6} | "
+                     f"{format_number(p8.get('gbps'), '{:.0f}'):>9} "
+                     f"{format_number(p8.get('pct_ceiling'), '{:.0f}%'):>6} | "
+                     f"{format_number(r['fp8_speedup_per_token'], '{:.2f}x'):>11}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    add_common_arguments(parser, "a few points only", "skip the FP8 cache correctness check",
+                         with_dtype=False)
+    parser.add_argument("--layers", type=int, default=None, metavar="L",
+                        help="layers per CUDA graph (default: enough for >= 1 GiB of cache)")
+
+
+def run(args) -> int:
+    device = choose_device()
+    if device.type != "cuda":
+        return check_without_gpu("decode-fp8", "FP8-cache decode", [lambda: run_check(device)], args)
+    env = environment(device)
+    print(f"flashtile bench decode-fp8: {env['gpu']}, q bf16, e4m3 K/V cache with per-key descales, "
+          f"torch {env['torch']}, triton {env['triton']}")
+    checks = None if args.no_check else run_check(device)
+    before = measure_ceiling(device)
+    print(f"Read ceiling: {before['sum_gbps']:.0f} GB/s")
+    records = []
+    for i, point in enumerate(decode_points(args.quick)):
+        records.append(run_point(point, device, before["sum_gbps"], args.layers, seed=i))
+        r = records[-1]
+        print(f"{point.model:<13} {point.label():<22} " + ", ".join(
+            f"{n} {p['gbps']:.0f} GB/s ({p['us_per_layer']:.1f} us)" if p.get("available")
+            else f"{n} unavailable ({p['error'][:100]})" for n, p in r["providers"].items()), flush=True)
+    after = measure_ceiling(device)
+    ceiling = ceiling_summary(before, after)
+    for r in records:
+        for p in r["providers"].values():
+            if p.get("available") and ceiling["gbps"]:
+                p["pct_ceiling"] = 100.0 * p["gbps"] / ceiling["gbps"]
+    payload = {"benchmark": "decode-fp8", **env, "quick": args.quick, "command": " ".join(sys.argv),
+               "bytes": "bf16: sum_b L_b * Hk * D * 2 * 2; fp8: sum_b L_b * Hk * (2 * D + 2 * 4) "
+                        "(e4m3 K and V plus a float32 descale per key and KV head for each)",
+               "gbps_unit": "1e9 bytes/s", "ceiling": ceiling, "check": checks, "points": records}
+    path = result_path(args.out, "decode-fp8", env["gpu"], "json")
+    write_json(path, payload)
+    print(f"Wrote {path}")
+    print()
+    print(format_table(records, f"flashtile decode, bf16 vs e4m3 cache, d128, {env['gpu']} "
+                                f"(ceiling {ceiling['gbps']:.0f} GB/s)"))
+    failed = [c for c in checks or [] if not c["passed"]]
+    if failed:
+        print(f"WARNING: {len(failed)} FP8 cache check(s) FAILED")
+    return 1 if failed else 0
