@@ -261,18 +261,6 @@ def run(args) -> int:
     print(f"flashtile bench e2e: {name}, random weights, bf16, {env['gpu']}, torch {env['torch']}, "
           f"transformers {transformers.__version__}")
     model = build_model(config, device)
-    checks = None if args.no_check else check(model, device, prompt=2048, steps=CHECK_STEPS)
-    prompts = QUICK_PROMPTS if args.quick else PROMPTS
-    ttft = {}
-    for p in prompts:
-        ttft[str(p)] = {impl: time_to_first_token(model, device, p, impl) for impl in IMPLEMENTATIONS}
-        print(f"prompt {p}: " + ", ".join(f"{i} {r.get('ms', float('nan')):.1f} ms"
-                                          for i, r in ttft[str(p)].items()), flush=True)
-    decode = {}
-    for b in DECODE_BATCHES:
-        decode[str(b)] = {impl: decode_rate(model, device, b, impl) for impl in IMPLEMENTATIONS}
-        print(f"batch {b}: " + ", ".join(f"{i} {r.get('tokens_per_s', float('nan')):.0f} tok/s"
-                                         for i, r in decode[str(b)].items()), flush=True)
     payload = {"benchmark": "e2e", **env, "model": name, "config": config.to_dict(),
                "transformers": transformers.__version__, "command": " ".join(sys.argv),
                "method": {"ttft": "one forward over the prompt (logits of the last position) + argmax, "
@@ -281,8 +269,24 @@ def run(args) -> int:
                                     f"prompt (median of {DECODE_REPS} runs after a warm-up run), minus "
                                     f"the prompt's forward time (median of {DECODE_REPS} after a "
                                     "warm-up); B x new tokens / s"},
-               "check": checks, "ttft": ttft, "decode": decode}
+               "complete": False, "check": None, "ttft": {}, "decode": {}}
     path = result_path(args.out, "e2e", env["gpu"], "json")
+    # Written after every phase, so a run stopped by a time limit still leaves what it measured.
+    payload["check"] = None if args.no_check else check(model, device, prompt=2048, steps=CHECK_STEPS)
+    write_json(path, payload)
+    for p in QUICK_PROMPTS if args.quick else PROMPTS:
+        r = payload["ttft"][str(p)] = {impl: time_to_first_token(model, device, p, impl)
+                                       for impl in IMPLEMENTATIONS}
+        write_json(path, payload)
+        print(f"prompt {p}: " + ", ".join(f"{i} {x.get('ms', float('nan')):.1f} ms" for i, x in r.items()),
+              flush=True)
+    for b in DECODE_BATCHES:
+        r = payload["decode"][str(b)] = {impl: decode_rate(model, device, b, impl) for impl in IMPLEMENTATIONS}
+        write_json(path, payload)
+        print(f"batch {b}: " + ", ".join(f"{i} {x.get('tokens_per_s', float('nan')):.0f} tok/s"
+                                         for i, x in r.items()), flush=True)
+    payload["complete"] = True
+    checks = payload["check"]
     write_json(path, payload)
     print(f"Wrote {path}")
     try:
