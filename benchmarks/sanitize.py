@@ -182,6 +182,64 @@ def fp8_cases(dev) -> int:
             if not torch.isfinite(got).all() or (got.double() - expected).abs().max() > 0.1:
                 failures += 1
                 print(f"FAIL fp8 causal={causal} {(sq, sk)}")
+    failures += fp8_varlen_and_cache_cases(dev)
+    return failures
+
+
+def fp8_varlen_and_cache_cases(dev) -> int:
+    """FP8 packed sequences (ragged lengths) and the e4m3 KV cache (contiguous and paged P16, with an
+    append of two tokens) against attention on the dequantized tensors."""
+    import flashtile
+    from flashtile.bench.decode import paginate
+
+    failures = 0
+    e4m3 = torch.float8_e4m3fn
+    lens_q, lens_k = [5, 130, 1], [70, 130, 3]
+    cu_q = torch.tensor([0] + lens_q, device=dev).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=dev).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(n), h, 128, device=dev).to(e4m3)
+               for n, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2)))
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+    for b in range(3):
+        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref, _ = attention(q[sq][None].double(), k[sk][None].double(), v[sk][None].double(), causal=True)
+        if not torch.isfinite(out[sq]).all() or (out[sq].double() - ref[0]).abs().max() > 0.1:
+            failures += 1
+            print(f"FAIL fp8 varlen sequence {b}")
+    lengths = [1, 77, 300]
+    qd = torch.randn(3, 1, 8, 128, device=dev, dtype=BF16)
+    k8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
+    v8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
+    kd = torch.rand(3, 304, 2, device=dev) + 0.5
+    vd = torch.rand(3, 304, 2, device=dev) + 0.5
+    new_k = torch.randn(3, 2, 2, 128, device=dev, dtype=BF16)
+    new_v = torch.randn(3, 2, 2, 128, device=dev, dtype=BF16)
+    for page_size in (None, 16):
+        ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        if page_size:
+            pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size)
+            pool_kd = torch.empty(pool_k.shape[:3], device=dev)
+            pool_vd = torch.empty(pool_k.shape[:3], device=dev)
+            pool_kd[table.reshape(-1).long()] = ckd.reshape(-1, page_size, 2)
+            pool_vd[table.reshape(-1).long()] = cvd.reshape(-1, page_size, 2)
+            got = flashtile.flash_attn_with_kvcache(qd, pool_k.view(e4m3), pool_v.view(e4m3), new_k, new_v,
+                                                    cache_seqlens=seqlens, block_table=table, causal=True,
+                                                    k_descale=pool_kd, v_descale=pool_vd)
+            rows = table.long().repeat_interleave(page_size, 1)[:, :304]  # (3, 304) page of each slot
+            slots = torch.arange(304, device=dev) % page_size
+            ck, cv = pool_k.view(e4m3)[rows, slots], pool_v.view(e4m3)[rows, slots]
+            ckd, cvd = pool_kd[rows, slots], pool_vd[rows, slots]
+        else:
+            got = flashtile.flash_attn_with_kvcache(qd, ck, cv, new_k, new_v, cache_seqlens=seqlens,
+                                                    causal=True, k_descale=ckd, v_descale=cvd)
+        for b, n in enumerate(lengths):
+            kk = (ck[b, :n + 2].double() * ckd[b, :n + 2, :, None])[None]
+            vv = (cv[b, :n + 2].double() * cvd[b, :n + 2, :, None])[None]
+            ref, _ = attention(qd[b:b + 1].double(), kk, vv, causal=True)
+            if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
+                failures += 1
+                print(f"FAIL fp8 cache page_size {page_size} row {b}")
     return failures
 
 
