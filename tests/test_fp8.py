@@ -235,10 +235,24 @@ def test_accuracy_study_runs_every_method():
 # ----------------------------------------------------------------------------- FP8 KV cache (decode)
 
 def _quantize_per_key(x):
-    """(B, S, Hk, D) -> e4m3 tensor and float32 descales (B, S, Hk), one per key and KV head."""
+    """(B, S, Hk, D) -> e4m3 tensor and float32 descales (B, S, Hk), one per key and KV head, written
+    out here rather than through fp8.quantize_per_key, which the call under test uses for appends."""
     amax = x.float().abs().amax(-1)
     d = torch.where(amax > 0, amax / fp8.E4M3_MAX, torch.ones_like(amax))
     return (x.float() / d[..., None]).to(torch.float8_e4m3fn), d
+
+
+def test_quantize_per_key_round_trips_and_saturates():
+    x = torch.randn(2, 9, 3, 32) * torch.logspace(-3, 3, 9)[None, :, None, None]
+    x8, d = fp8.quantize_per_key(x)
+    assert x8.dtype == torch.float8_e4m3fn and d.shape == (2, 9, 3)
+    assert torch.equal(x8.float().abs().amax(-1), torch.full_like(d, fp8.E4M3_MAX))  # rows use the range
+    back = x8.float() * d[..., None]
+    # e4m3: 3 mantissa bits (half an ulp is 2^-4 relative); subnormals step by 2^-9 (times the descale)
+    assert ((back - x).abs() <= 2 ** -4 * x.abs() + 2 ** -10 * d[..., None]).all()
+    fixed, same = fp8.quantize_per_key(x, torch.full((2, 9, 3), 1e-3))
+    assert torch.equal(same, torch.full((2, 9, 3), 1e-3))
+    assert fixed.float().abs().max() == fp8.E4M3_MAX  # large rows saturate, never NaN
 
 
 def _check_decode(out, q, k_deq, v_deq, lengths, causal):

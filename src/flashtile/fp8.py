@@ -164,6 +164,19 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: tuple
                   signs if hadamard else None)
 
 
+def quantize_per_key(x: torch.Tensor, descale: torch.Tensor | None = None):
+    """x (..., D) in e4m3 with one float32 descale per row (per key and head of a KV cache): returns
+    (x8, descale (...)), each row's largest magnitude mapped to E4M3_MAX. With ``descale`` given
+    (broadcastable to x's rows), x is quantized with it instead, saturating at E4M3_MAX. The layout
+    ``flash_attn_with_kvcache`` reads an e4m3 cache in."""
+    x = x.float()
+    if descale is None:
+        amax = x.abs().amax(-1)
+        descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    x8 = (x / descale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Tensor:
     """float32 values of an FP8 tensor (B, S, H, D) with per-block descales (B, H, blocks)."""
     per_row = descale.repeat_interleave(block, dim=2)[:, :, :x8.shape[1]]  # (B, H, S)

@@ -574,9 +574,6 @@ def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batc
     return views
 
 
-E4M3_MAX = 448.0
-
-
 def _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx, block_table, slots: int):
     """New keys/values (B, Sn, Hk, D) in e4m3 for an e4m3 cache. Per-key descales (token stride != 0)
     are computed from each token's largest magnitude per head and written where the tokens go; fixed
@@ -590,16 +587,15 @@ def _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx, blo
         rows = cache_batch_idx.long()[:, None].expand(batch, new)
     else:
         rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+    from .fp8 import quantize_per_key
     out = []
     for x, d in ((k, k_descale), (v, v_descale)):
-        x = x.float()
-        if d.stride(1) != 0:  # per key: this token's own scale
-            amax = x.abs().amax(-1)
-            scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        if d.stride(1) != 0:  # per key: this token's own scale, written where the token goes
+            x8, scale = quantize_per_key(x)
             d[rows, pos] = scale
         else:
-            scale = d[rows, pos]
-        out.append((x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+            x8, _ = quantize_per_key(x, d[rows, pos])
+        out.append(x8)
     return out
 
 

@@ -23,7 +23,6 @@ from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, LayerCaches, 
                      measure_ceiling, paginate, point_bytes)
 
 FP8 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
 FP8_PROVIDER = "flashtile-fp8"
 
 
@@ -66,12 +65,6 @@ def fp8_step(caches: FP8Caches, q: torch.Tensor, lengths: torch.Tensor) -> Step:
 
 # ----------------------------------------------------------------------------------------- check
 
-def _quantize_per_key(x: torch.Tensor):
-    amax = x.float().abs().amax(-1)
-    d = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (x.float() / d[..., None]).to(FP8), d
-
-
 def check_cases(on_gpu: bool) -> list[dict]:
     if on_gpu:
         return [dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
@@ -90,6 +83,7 @@ def run_check(device: torch.device, log=print) -> list[dict]:
     """FP8 cache decode against float64 attention of the dequantized cache, per sequence; the budget
     is 2x the error of the same attention computed in bf16."""
     import flashtile
+    from ..fp8 import quantize_per_key
     from ..reference import attention
 
     results = []
@@ -102,7 +96,7 @@ def run_check(device: torch.device, log=print) -> list[dict]:
         q = torch.randn(b, 1, h, d, generator=gen).to(device, torch.bfloat16)
         k = (torch.randn(b, cap, hk, d, generator=gen) * 2).to(device)
         v = torch.randn(b, cap, hk, d, generator=gen).to(device)
-        (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+        (k8, kd), (v8, vd) = quantize_per_key(k), quantize_per_key(v)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
         kw = dict(cache_seqlens=seqlens, causal=True, num_splits=case["num_splits"])
         if case["page_size"]:
