@@ -388,6 +388,11 @@ def test_fp8_cache_arguments_are_checked():
     with pytest.raises(NotImplementedError, match="rotary"):
         new = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16)
         flashtile.flash_attn_with_kvcache(q, k8, k8, new, new, rotary_cos=cos, rotary_sin=cos, cache_seqlens=3)
+    with pytest.raises(ValueError, match="same layout"):  # per key for K, fixed for V
+        flashtile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 16, 2))
+    with pytest.raises(ValueError, match="same layout"):  # a copy would drop the appended descales
+        flashtile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 16, 2),
+                                          v_descale=torch.ones(2, 2, 16).transpose(1, 2))
     pool = torch.randn(4, 16, 2, 32).to(torch.float8_e4m3fn)
     table = torch.tensor([[0], [1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="contiguous caches without"):

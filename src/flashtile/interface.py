@@ -549,8 +549,8 @@ def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batc
     rows, slots, heads_k = k_cache.shape[:3]
     views = []
     for d, n in ((k_descale, "k_descale"), (v_descale, "v_descale")):
-        if d is None:
-            d = torch.ones(1, 1, heads_k, dtype=torch.float32, device=k_cache.device).expand(
+        if d is None:  # the layout of a fixed (B, Hk) descale, so the two can be mixed
+            d = torch.ones(rows, 1, heads_k, dtype=torch.float32, device=k_cache.device).expand(
                 rows, slots, heads_k)
         elif not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
             raise TypeError(f"{n} must be a float32 tensor")
@@ -567,10 +567,12 @@ def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batc
             raise ValueError(f"{n} must have shape {(rows, slots, heads_k)} (one per key and KV head) "
                              f"or ({batch}, {heads_k}), got {tuple(d.shape)}")
         views.append(d)
+    # One set of strides serves both in the kernel; a copy would also lose the descales an append
+    # writes, so differing layouts are an error rather than copied.
     if views[0].stride() != views[1].stride():
-        views[1] = views[1].contiguous() if views[0].is_contiguous() else views[1]
-        if views[0].stride() != views[1].stride():
-            raise ValueError("k_descale and v_descale must have the same layout")
+        raise ValueError("k_descale and v_descale must have the same layout: both one per key "
+                         f"(same strides), or both fixed (batch, heads_k) / None; got strides "
+                         f"{views[0].stride()} and {views[1].stride()}")
     return views
 
 
