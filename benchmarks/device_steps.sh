@@ -4,7 +4,7 @@
 #
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
-# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode, paged, decode-fp8(-quick), ring-quick, fp8-accuracy, prefill-fp8-quick,
+# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode, paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8-quick,
 # tune-fp8, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
@@ -28,6 +28,7 @@ command_for() {
         decode-fp8) echo "python -m flashtile bench decode-fp8 --out $OUT" ;;
         decode-fp8-quick) echo "python -m flashtile bench decode-fp8 --quick --out $OUT" ;;
         ring-quick) echo "python -m flashtile bench ring --quick --out $OUT" ;;
+        ring) echo "python -m flashtile bench ring --out $OUT" ;;
         fp8-accuracy) echo "python -m flashtile bench fp8-accuracy --out $OUT" ;;
         prefill-fp8-quick) echo "python -m flashtile bench prefill --dtype fp8 --quick --out $OUT" ;;
         tune-fp8) echo "python benchmarks/tune_fp8.py --out $OUT --dims 64,128,256" ;;

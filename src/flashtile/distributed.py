@@ -128,15 +128,19 @@ class _Geometry:
             buf.index_add_(0, self.index[part], grad.float())
 
 
+def _no_keys_to_neginf(part_lse: torch.Tensor) -> torch.Tensor:
+    """The kernels give rows without keys LSE +inf; in a merge they carry no mass (-inf)."""
+    return torch.where(torch.isposinf(part_lse), torch.full_like(part_lse, -math.inf), part_lse)
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """out (..., S, H, D) float32 and lse (..., H, S) float32 absorb a partial result in place. The
-    kernels give rows without keys LSE +inf; here they carry no mass (-inf)."""
-    part_lse = torch.where(torch.isposinf(part_lse), torch.full_like(part_lse, -math.inf), part_lse)
+    """out (..., S, H, D) float32 and lse (..., H, S) float32 absorb a partial result in place."""
+    part_lse = _no_keys_to_neginf(part_lse)
     new = torch.logaddexp(lse, part_lse)
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
     w_old = torch.exp(lse - safe).movedim(-2, -1).unsqueeze(-1)
     w_new = torch.exp(part_lse - safe).movedim(-2, -1).unsqueeze(-1)
-    out.mul_(w_old).add_(part.float() * w_new)
+    out.mul_(w_old).addcmul_(part, w_new)
     lse.copy_(new)
 
 
@@ -174,9 +178,10 @@ def _window(causal: bool):
 
 def _ring_forward(q, k, v, group, causal, scale, softcap, layout, geo: _Geometry):
     ring = _Ring(group)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse_shape = (q.shape[1], q.shape[0]) if geo.varlen else (q.shape[0], q.shape[2], q.shape[1])
-    lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    # Step 0 (a rank's own shard, every query row) is kept as the kernel wrote it; the float32
+    # accumulator appears only when a second partial result arrives, so a ring of one costs nothing
+    # over the plain kernel and no step pays for a zero fill.
+    out = lse = None
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
@@ -190,6 +195,12 @@ def _ring_forward(q, k, v, group, causal, scale, softcap, layout, geo: _Geometry
                 geo.take(q, q_part), geo.take(k_cur, kv_part), geo.take(v_cur, kv_part),
                 softmax_scale=scale, window_left=left, window_right=right, diag_offset=0,
                 softcap=softcap, **kw)
+            if out is None:
+                assert step == 0 and q_part == "all"  # every layout's step 0 is the own shard, all rows
+                out, lse = part, _no_keys_to_neginf(part_lse)
+                continue
+            if out.dtype != torch.float32:
+                out = out.float()
             geo.merge(out, lse, q_part, part, part_lse)
         if step + 1 < ring.world:
             ring.wait()

@@ -19,13 +19,22 @@ import torch
 
 from .common import add_common_arguments, choose_device, cuda_event_median, environment, result_path, write_json
 
-SEQLENS = (16384, 65536, 131072)
+SEQLENS = (131072, 262144, 524288)
 QUICK_SEQLENS = (16384,)
-HEADS, HEADS_K, HEAD_DIM = 32, 8, 128
-REPS = 5
+HEADS, HEADS_K, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+CHECK_SEQLEN = 16384
+# A ring of one is timed only up to here: beyond, one GPU's run of the ring costs as long as the
+# single-GPU baseline it adds nothing to.
+WORLD1_RING_MAX = 131072
+# NVLink multicast (NVLS) stays off: on shared hosts it can take the GPUs out of service.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _time(fn, reps: int = REPS) -> float:
+def _reps(seqlen: int) -> int:
+    return 5 if seqlen <= 131072 else 3
+
+
+def _time(fn, reps: int) -> float:
     """Median ms on this rank; every rank starts each repetition together."""
     import torch.distributed as dist
     return cuda_event_median(fn, reps, before=dist.barrier)
@@ -45,7 +54,9 @@ def _check(rank, world, device, seqlen, dtype, causal=True) -> dict:
 
     import flashtile
     from ..distributed import ring_flash_attn_func, shard, unshard
-    q, k, v, dout = _inputs(seqlen, device, dtype, heads=8, heads_k=2, head_dim=64, seed=1)
+    small = device.type == "cpu"
+    q, k, v, dout = _inputs(seqlen, device, dtype, heads=8 if small else HEADS, heads_k=2 if small else HEADS_K,
+                            head_dim=64 if small else HEAD_DIM, seed=1)
     local = [shard(t, rank, world).requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
     out, lse = ring_flash_attn_func(*local[:3], causal=causal, return_lse=True)
     out.backward(local[3])
@@ -74,6 +85,8 @@ def _worker(rank, world, init_file, seqlens, out_file, on_gpu):
     import torch.distributed as dist
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"
+    for name, value in NCCL_ENV.items():
+        os.environ[name] = value
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
@@ -81,7 +94,7 @@ def _worker(rank, world, init_file, seqlens, out_file, on_gpu):
         if on_gpu:
             torch.cuda.set_device(device)
         dtype = torch.bfloat16
-        result = {"check": _check(rank, world, device, 4096 if on_gpu else 16 * world, dtype)}
+        result = {"check": _check(rank, world, device, CHECK_SEQLEN if on_gpu else 16 * world, dtype)}
         if on_gpu:
             import flashtile
             from ..distributed import ring_flash_attn_func, shard
@@ -98,13 +111,16 @@ def _worker(rank, world, init_file, seqlens, out_file, on_gpu):
                 def fwd_bwd():
                     out = ring_flash_attn_func(*leaves, causal=True)
                     return torch.autograd.grad(out, leaves, local[3])
-                point = {"seqlen": n, "ring_fwd_ms": _time(fwd), "ring_fwd_bwd_ms": _time(fwd_bwd)}
+                reps = _reps(n)
+                point = {"seqlen": n, "reps": reps}
+                if world > 1 or n <= WORLD1_RING_MAX:
+                    point.update(ring_fwd_ms=_time(fwd, reps), ring_fwd_bwd_ms=_time(fwd_bwd, reps))
                 if world == 1:  # the single-GPU baseline on the whole sequence
                     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
                     point["single_fwd_ms"] = _time(lambda: flashtile.flash_attn_func(
-                        *[t.detach() for t in full], causal=True))
+                        *[t.detach() for t in full], causal=True), reps)
                     point["single_fwd_bwd_ms"] = _time(lambda: torch.autograd.grad(
-                        flashtile.flash_attn_func(*full, causal=True), full, dout))
+                        flashtile.flash_attn_func(*full, causal=True), full, dout), reps)
                 points.append(point)
                 del q, k, v, dout, local, leaves
                 torch.cuda.empty_cache()
@@ -124,8 +140,18 @@ def _run_world(world: int, seqlens, on_gpu: bool) -> dict:
         return torch.load(out_file)
 
 
+def _seqlens(text: str) -> tuple[int, ...]:
+    values = tuple(int(x) for x in text.split(","))
+    if any(n <= 0 or n % 16 for n in values):
+        raise ValueError(f"--seqlens must be positive multiples of 16 (2 chunks per rank, up to 8 ranks), got {text}")
+    return values
+
+
 def add_arguments(parser) -> None:
     add_common_arguments(parser, "16k tokens only", "(the ring check always runs)", with_dtype=False)
+    parser.add_argument("--seqlens", type=_seqlens, default=None,
+                        help=f"comma-separated total sequence lengths (default {','.join(map(str, SEQLENS))})")
+    parser.add_argument("--max-world", type=int, default=8, help="largest world size to run (default 8)")
 
 
 def run(args) -> int:
@@ -140,8 +166,8 @@ def run(args) -> int:
         return 0 if check["passed"] else 1
     env = environment(device)
     gpus = torch.cuda.device_count()
-    worlds = [w for w in (1, 2, 4, 8) if w <= gpus]
-    seqlens = QUICK_SEQLENS if args.quick else SEQLENS
+    worlds = [w for w in (1, 2, 4, 8) if w <= min(gpus, args.max_world)]
+    seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
     print(f"flashtile bench ring: {gpus} x {env['gpu']}, worlds {worlds}, causal, {HEADS}/{HEADS_K} "
           f"heads, d{HEAD_DIM}, bf16, zigzag layout")
     runs = {}
@@ -154,8 +180,11 @@ def run(args) -> int:
     rows = []
     for w in worlds:
         for p in runs[w]["points"]:
+            if "ring_fwd_ms" not in p:
+                continue
             b = base[p["seqlen"]]
-            rows.append({"world": w, **p,
+            rows.append({"world": w, **p, "single_fwd_ms": b["single_fwd_ms"],
+                         "single_fwd_bwd_ms": b["single_fwd_bwd_ms"],
                          "fwd_scaling": b["single_fwd_ms"] / (w * p["ring_fwd_ms"]),
                          "fwd_bwd_scaling": b["single_fwd_bwd_ms"] / (w * p["ring_fwd_bwd_ms"])})
     payload = {"benchmark": "ring", **env, "gpus": gpus, "heads": HEADS, "heads_k": HEADS_K,
@@ -164,8 +193,11 @@ def run(args) -> int:
     path = result_path(args.out, "ring", env["gpu"], "json")
     write_json(path, payload)
     print(f"Wrote {path}\n")
-    print(f"{'W':>2s} {'seqlen':>8s} {'fwd ms':>9s} {'scaling':>8s} {'fwd+bwd ms':>11s} {'scaling':>8s}")
+    print("scaling = one GPU's time on the whole sequence / (W x the ring's time)")
+    print(f"{'W':>2s} {'seqlen':>8s} {'1-GPU fwd':>10s} {'fwd ms':>9s} {'scaling':>8s} {'1-GPU f+b':>10s} "
+          f"{'fwd+bwd ms':>11s} {'scaling':>8s}")
     for r in rows:
-        print(f"{r['world']:>2d} {r['seqlen']:>8d} {r['ring_fwd_ms']:>9.2f} {100 * r['fwd_scaling']:>7.0f}% "
-              f"{r['ring_fwd_bwd_ms']:>11.2f} {100 * r['fwd_bwd_scaling']:>7.0f}%")
+        print(f"{r['world']:>2d} {r['seqlen']:>8d} {r['single_fwd_ms']:>10.2f} {r['ring_fwd_ms']:>9.2f} "
+              f"{100 * r['fwd_scaling']:>7.1f}% {r['single_fwd_bwd_ms']:>10.2f} {r['ring_fwd_bwd_ms']:>11.2f} "
+              f"{100 * r['fwd_bwd_scaling']:>7.1f}%")
     return 0 if all(r["check"]["passed"] for r in runs.values()) else 1
