@@ -37,10 +37,10 @@ def _cfg(kernel, split=(2, 256)):
     return DecodeConfig(block_n, warps, stages, *split, pdl=pdl, page_prefetch=prefetch)
 
 
-def _call(q, k, v, lengths, table, cfg):
+def _call(q, k, v, lengths, table, cfg, num_splits=0):
     from flashtile.kernels.decode import decode_attention
     return decode_attention(q, k, v, lengths, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
-                            window_right=0, block_table=table, config=cfg)[0]
+                            window_right=0, block_table=table, config=cfg, num_splits=num_splits)[0]
 
 
 def _warm(job):
@@ -92,8 +92,16 @@ def main():
     ap.add_argument("--top", type=int, default=2, help="kernel configs per point in the split sweep")
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--paged-only", action="store_true", help="only the paged points")
+    ap.add_argument("--points", default=None,
+                    help="points as batch,heads,heads_k,context,page_size;... instead of the built-in list")
+    ap.add_argument("--split-counts", default=None,
+                    help="comma-separated split counts: time the default kernel config with each (and the "
+                         "heuristic's, as 0) instead of the config sweep")
     args = ap.parse_args()
     points = [p for p in POINTS if p[4] or not args.paged_only]
+    if args.points:
+        points = [tuple(int(x) for x in item.split(",")) for item in args.points.split(";")]
+    split_counts = [0] + [int(x) for x in args.split_counts.split(",")] if args.split_counts else None
     if args.paged_only:
         points += [(16, 12, 2, 32768, 16), (1, 12, 2, 32768, 16), (16, 32, 8, 32768, 16)]
     kernel_configs = KERNEL_CONFIGS
@@ -104,6 +112,8 @@ def main():
         PAGED_CONFIGS[:] = [(32, 4, 1, False, False), (32, 4, 1, False, True)]
 
     jobs = [(kc, False) for kc in kernel_configs] + [(kc, True) for kc in PAGED_CONFIGS]
+    if split_counts:
+        jobs = [(_default(0)[:5], False), (_default(16)[:5], True)]
     t0 = time.time()
     if args.dry:
         errors = dict(_warm(j) for j in jobs)
@@ -143,20 +153,20 @@ def main():
                "page_size": page_size, "layers": layers, "kv_bytes_per_layer": nbytes,
                "ceiling_gbps": ceiling, "results": []}
 
-        def measure(kernel, split):
+        def measure(kernel, split, num_splits=0):
             cfg = _cfg(kernel, split)
             entry = {"block_n": kernel[0], "warps": kernel[1], "stages": kernel[2],
                      "pdl": kernel[3], "page_prefetch": kernel[4], "waves": split[0],
-                     "min_split_keys": split[1]}
+                     "min_split_keys": split[1], "num_splits": num_splits}
             if errors.get((kernel, bool(page_size))):
                 entry["error"] = errors[(kernel, bool(page_size))]
                 return entry
             try:
                 with torch.no_grad():
-                    out = _call(q, *kv(0), lengths, table, cfg)
+                    out = _call(q, *kv(0), lengths, table, cfg, num_splits)
                     entry["err_over_budget"] = _check(out, q, *kv(0), lengths, table, page_size)
-                    replay = build_replay(lambda layer: _call(q, *kv(layer), lengths, table, cfg),
-                                          layers, dev)
+                    replay = build_replay(
+                        lambda layer: _call(q, *kv(layer), lengths, table, cfg, num_splits), layers, dev)
                     ms = timer(replay) / layers
                 entry["us"] = ms * 1e3
                 entry["gbps"] = nbytes / ms / 1e6
@@ -179,9 +189,15 @@ def main():
                 del replay
             except Exception as exc:
                 rec["sdpa_cudnn_error"] = f"{type(exc).__name__}: {exc}"[:200]
-        for kernel in (PAGED_CONFIGS if page_size else kernel_configs):
+        if split_counts:
+            default = _default(page_size)
+            for count in split_counts:
+                rec["results"].append(measure(default[:5], default[5:], count))
+            ranked = []
+        for kernel in ((PAGED_CONFIGS if page_size else kernel_configs) if not split_counts else ()):
             rec["results"].append(measure(kernel, split_targets[0]))
-        ranked = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])
+        if not split_counts:
+            ranked = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])
         for best in ranked[:args.top]:
             kernel = (best["block_n"], best["warps"], best["stages"], best["pdl"], best["page_prefetch"])
             for split in split_targets:
@@ -192,6 +208,8 @@ def main():
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         top = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])[:3]
+        if split_counts:
+            top = [(r["num_splits"], round(r.get("gbps", 0)), r.get("error")) for r in rec["results"]]
         print(json.dumps({k: v for k, v in rec.items() if k != "results"}), json.dumps(top), flush=True)
 
     import triton
