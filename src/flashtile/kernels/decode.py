@@ -249,7 +249,18 @@ def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.de
     # Once (batch, KV head) pairs alone fill half the SMs, one wave of splits was best on the H200.
     waves = cfg.waves if 2 * programs < sms else 1
     wanted = -(-waves * sms // programs)
-    return max(1, min(wanted, -(-max_context // cfg.min_split_keys), 128))
+    wanted = max(1, min(wanted, -(-max_context // cfg.min_split_keys), 128))
+
+    # Balance: the step lasts as long as the busiest SM. 9 splits x 32 pairs = 288 programs put 3 on
+    # 24 SMs and 2 on the rest; 8 splits (256 programs) ran 11% faster at batch 16, 12/2 heads, 32k
+    # (tune-decode-h200-20261129-e.json). So take the split count at or a little below the target
+    # whose programs fill their last wave best.
+    def balance(splits: int) -> float:
+        per_sm = splits * programs / sms
+        return per_sm / math.ceil(per_sm)
+
+    lowest = max(1, math.ceil(0.7 * wanted))
+    return max(range(lowest, wanted + 1), key=lambda s: (round(balance(s), 3), s))
 
 
 _SM_COUNTS: dict = {}
@@ -281,8 +292,11 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     pdl = cfg.pdl and not interpreting() and device.type == "cuda" and _arch(
         device.index if device.index is not None else torch.cuda.current_device()) >= 90
     launch = {"launch_pdl": True} if pdl else {}
+    block_n = cfg.block_n
+    if fp8_cache and config is None and not interpreting():
+        block_n = min(2 * block_n, 128)  # e4m3 tiles: as many bytes per pipeline stage as bf16's
     kernel = dict(
-        ROWS=max(16, _next_power_of_2(heads // heads_k * seqlen_q)), BLOCK_N=cfg.block_n,
+        ROWS=max(16, _next_power_of_2(heads // heads_k * seqlen_q)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=(2 if cfg.page_prefetch else 1) if paged else 0, BATCH_IDX=has_batch_idx,

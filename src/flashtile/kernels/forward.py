@@ -141,6 +141,19 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     if PAGED == 2:
         ahead = blk_lo * BLOCK_N + offs_n
         page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k, other=0)
+    if FP8 == 2:  # per-key descales, read one tile ahead: a load in the loop would stall every step
+        first = blk_lo * BLOCK_N + offs_n
+        if PAGED:
+            if PAGED == 2:
+                first_page = page_ahead
+            else:
+                first_page = tl.load(block_table_row + first // page_size, mask=first < seqlen_k, other=0)
+            first_page = tl.minimum(tl.maximum(first_page, 0), num_pages - 1).to(tl.int64)
+            first_at = first_page * stride_scale_page + (first % page_size) * stride_scale_n
+        else:
+            first_at = first * stride_scale_n
+        k_scales_ahead = tl.load(k_descale + first_at, mask=first < seqlen_k, other=0.0)
+        v_scales_ahead = tl.load(v_descale + first_at, mask=first < seqlen_k, other=0.0)
     if FP8 == 1:
         k_scale_ahead = tl.load(k_descale + (blk_lo * BLOCK_N) // SCALE_BLOCK_K, mask=blk_lo < blk_hi,
                                 other=1.0)
@@ -166,11 +179,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         else:
             k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
         if FP8 == 2:
-            if PAGED:
-                scale_at = page * stride_scale_page + slot * stride_scale_n
-            else:
-                scale_at = cols * stride_scale_n
-            k_scales = tl.load(k_descale + scale_at, mask=cols < seqlen_k, other=0.0)
+            k_scales = k_scales_ahead
+            v_scales = v_scales_ahead
+            if not PAGED:  # paged caches find the next tile's pages first: at the end of the step
+                nxt = cols + BLOCK_N
+                k_scales_ahead = tl.load(k_descale + nxt * stride_scale_n, mask=nxt < seqlen_k, other=0.0)
+                v_scales_ahead = tl.load(v_descale + nxt * stride_scale_n, mask=nxt < seqlen_k, other=0.0)
             k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k))
         if FP8 == 2:
@@ -215,10 +229,20 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         if FP8 == 1:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
             p = p * v_scale
         if FP8 == 2:
-            p = p * tl.load(v_descale + scale_at, mask=cols < seqlen_k, other=0.0)[None, :]
+            p = p * v_scales[None, :]
             v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
+        if FP8 == 2 and PAGED:
+            nxt = cols + BLOCK_N
+            if PAGED == 2:  # page_ahead, loaded at the top of this step, holds the next tile's pages
+                nxt_page = page_ahead
+            else:
+                nxt_page = tl.load(block_table_row + nxt // page_size, mask=nxt < seqlen_k, other=0)
+            nxt_page = tl.minimum(tl.maximum(nxt_page, 0), num_pages - 1).to(tl.int64)
+            nxt_at = nxt_page * stride_scale_page + (nxt % page_size) * stride_scale_n
+            k_scales_ahead = tl.load(k_descale + nxt_at, mask=nxt < seqlen_k, other=0.0)
+            v_scales_ahead = tl.load(v_descale + nxt_at, mask=nxt < seqlen_k, other=0.0)
         if not USE_TMA and not PAGED:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn

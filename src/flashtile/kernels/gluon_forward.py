@@ -1,0 +1,598 @@
+"""Hopper (sm_90) prefill forward in Gluon: FlashAttention-3's schedule written out by hand.
+
+One CTA owns 128 query rows of one (batch, head) and streams that head's K/V tiles through shared
+memory. What the portable Triton kernel leaves to the compiler is explicit here:
+
+- K and V tiles arrive by TMA in a ring of ``STAGES`` shared-memory slots. Each slot has a "ready"
+  mbarrier (the TMA's transaction count completes it) and an "empty" one (every consumer arrives
+  once it no longer reads the slot). K and V have separate barriers, so Q K^T of a tile can start
+  before its V has landed, and a K slot is refilled while the P V product of the tile before still
+  reads V.
+- Consumers are warpgroups of 4 warps owning 64 query rows each. Both products are async wgmma:
+  S = Q K^T with Q and K from shared memory, O += P V with P in registers (the fp32 score
+  accumulator's layout maps onto the A-operand layout of the second wgmma without data movement)
+  and O accumulated in fp32 registers.
+- Intra-warpgroup overlap (FA3 algorithm 2): iteration j issues S_j = Q K_j^T and then
+  O += P_{j-1} V_{j-1}, waits for S_j only, and runs the softmax of tile j while the P V wgmma of
+  tile j-1 is still on the tensor cores. O is rescaled by exp2(m_{j-1} - m_j) once that wgmma
+  has retired; the running sum is divided out once at the end.
+- ``warp_specialize``: a 1-warp producer partition issues every TMA load, two consumer
+  partitions each own half the CTA's rows (FA3's 2 x 64-row ping-pong layout). With ``pingpong``
+  the consumers take turns issuing their wgmmas (an mbarrier pair passes the turn), so one
+  warpgroup's softmax runs while the other's GEMMs occupy the tensor cores. Register budgets move
+  to the consumers (24 for the producer, 240 for each consumer warpgroup).
+- Without ``warp_specialize`` one 8-warp consumer (two warpgroups in lockstep) issues its own TMA
+  loads: the simplest correct schedule, kept as a fallback.
+
+Softmax is kept in base 2 with the scale folded into one FMA: p = exp2(s * scale * log2(e) - m).
+Causal masks are aligned bottom-right (query row i sees keys j <= i + Sk - Sq); tiles past the
+diagonal are never loaded, and only the tiles on the diagonal or the ragged end of the keys pay for
+the mask. Rows that see no key give output 0 and LSE +inf, as the portable kernel does.
+
+Tensors are read through host-side TMA descriptors over the (B, S, H, D) tensors themselves (rank
+4, box [1, rows, 1, D]): the descriptor clips at each batch's sequence end, so loads past it fill
+zeros and the output store writes nothing past it, for any Sq and Sk.
+
+This module imports on machines without a GPU; ``compile_for_sm90`` builds a variant's cubin there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+try:  # Gluon ships with triton >= 3.5; keep the module importable without it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _GLUON = True
+    _LN2 = gl.constexpr(0.6931471805599453)  # natural log of the base-2 LSE, inside the kernel
+except ImportError:  # pragma: no cover - depends on the installed triton
+    _GLUON = False
+
+LOG2E = 1.4426950408889634
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class GluonVariant:
+    """One compiled specialization of the kernel.
+
+    ``block_n`` keys per tile; ``stages`` K/V slots in the shared-memory ring; ``warp_specialize``
+    picks the producer + 2 consumer partitions (else one 8-warp consumer loading its own tiles);
+    ``pingpong`` makes the two consumer warpgroups alternate their wgmma issues; ``consumer_regs``
+    is each consumer warpgroup's register budget under warp specialization.
+    """
+    head_dim: int
+    dtype: str = "bf16"
+    causal: bool = False
+    block_n: int = 128
+    stages: int = 2
+    warp_specialize: bool = True
+    pingpong: bool = True
+    consumer_regs: int = 240
+
+    @property
+    def block_m(self) -> int:
+        return 128  # 2 warpgroups x 64 rows
+
+    @property
+    def name(self) -> str:
+        sched = ("ws-pingpong" if self.pingpong else "ws") if self.warp_specialize else "sync"
+        return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
+                f"-n{self.block_n}-s{self.stages}-{sched}")
+
+
+def _tile_config(head_dim: int, causal: bool) -> dict:
+    # Shared memory per CTA: Q 128 x D plus stages x (K + V) tiles of block_n x D, all 2-byte.
+    # d128: 32 KB + 2 x 64 KB = 160 KB; d64: 16 KB + 3 x 32 KB = 112 KB (227 KB available).
+    if head_dim <= 64:
+        return {"block_n": 128, "stages": 3}
+    return {"block_n": 128, "stages": 2}
+
+
+def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
+    return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal))
+
+
+# What ships: the default schedule at every head dim, dtype and mask, plus the simple
+# non-specialized fallback at d128 (the compile test covers all of them).
+GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16")
+                   for c in (False, True)]
+                  + [GluonVariant(128, "bf16", c, warp_specialize=False, pingpong=False)
+                     for c in (False, True)])
+
+
+# --------------------------------------------------------------------------------------------
+# Device code
+# --------------------------------------------------------------------------------------------
+
+if _GLUON:
+
+    @gluon.constexpr_function
+    def _wgmma_layout(num_warps, instr_n):
+        # Accumulator of an M = 16 * num_warps wgmma: warps stacked along the rows (each warpgroup
+        # owns 64 of them), instruction n = instr_n columns (bf16/fp16: k = 16).
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, instr_n, 16])
+
+    @gluon.jit
+    def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+        """Wait until ring slot ``tile % STAGES`` is free, then TMA key tile ``tile`` into it.
+
+        Empty barriers start in phase 0: waiting for parity 1 passes at once, so the first lap
+        over the ring needs no consumer arrival. Keys past the sequence end fill zeros.
+        """
+        slot = tile % STAGES
+        phase = (tile // STAGES) & 1
+        mbarrier.wait(empty.index(slot), phase ^ 1, pred=pred)
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], ready.index(slot),
+                                        bufs.index(slot), pred=pred)
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                  batch, kv_head, num_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The 1-warp load partition: K_j then V_j for every tile, STAGES tiles ahead at most."""
+        for j in range(num_tiles):
+            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j, BLOCK_N, STAGES, True)
+            _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, BLOCK_N, STAGES, True)
+
+    @gluon.jit
+    def _take_turn(turn_bars, event, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        # Ping-pong: warpgroup 0 issues the wgmmas of its event e after warpgroup 1 issued those of
+        # event e - 1, warpgroup 1 after warpgroup 0 issued event e. Warpgroup 0's first wait (parity
+        # 1 on a fresh barrier) passes at once.
+        if PINGPONG:
+            if WG == 0:
+                mbarrier.wait(turn_bars.index(0), (event & 1) ^ 1)
+            else:
+                mbarrier.wait(turn_bars.index(1), event & 1)
+
+    @gluon.jit
+    def _pass_turn(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(1 - WG))
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale,
+                      MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+        """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
+
+        m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
+        visible key so far gets alpha = 1 and p = exp2(-inf) = 0 rather than NaN.
+        """
+        if MASKED:
+            keys = n0 + cols
+            keep = gl.expand_dims(keys < seqlen_k, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows_pos, 1))
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_new = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_new, alpha
+
+    @gluon.jit
+    def _kv_iteration(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                      k_desc, v_desc, batch, kv_head, num_tiles,
+                      o, p_op, m_i, l_i, zero_s, rows_pos, cols, seqlen_k, qk_scale,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                      CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                      LOADS: gl.constexpr):
+        """Tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j
+        while the second runs, then O rescaled to the new running max."""
+        o_layout: gl.constexpr = o.type.layout
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        _take_turn(turn_bars, j, WG, PINGPONG)
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        k_tile = k_bufs.index(slot).reshape([BLOCK_N, q_tile.shape[1]])
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        v_tile = v_bufs.index(prev).reshape([BLOCK_N, q_tile.shape[1]])
+        o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+        _pass_turn(turn_bars, WG, PINGPONG)
+        # The older of the two groups (S_j) is done; P V keeps running through the softmax.
+        s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
+        mbarrier.arrive(k_empty.index(slot))
+        if LOADS:
+            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES, BLOCK_N,
+                             STAGES, j + STAGES < num_tiles)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
+                                           qk_scale, MASKED, CAUSAL)
+        p_next = gl.convert_layout(p.to(q_tile.dtype), p_op.type.layout)
+        o, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_tile))
+        mbarrier.arrive(v_empty.index(prev))
+        if LOADS:
+            _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
+                             BLOCK_N, STAGES, j - 1 + STAGES < num_tiles)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        return o, p_next, m_i, l_i
+
+    @gluon.jit
+    def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, k_bufs, v_bufs,
+                  k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
+                  batch, head, kv_head, row0, seqlen_q, seqlen_k, num_tiles, num_full, qk_scale,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                  LOADS: gl.constexpr):
+        """One consumer: 16 * num_warps query rows starting at ``row0`` (a warpgroup of 64 rows
+        under warp specialization, both warpgroups' 128 rows without). ``LOADS``: issue the K/V
+        loads itself (no producer partition)."""
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        ROWS: gl.constexpr = 16 * NUM_WARPS
+        s_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, HEAD_DIM)
+        # P as the register A operand of P @ V: two 16-bit values per 32-bit register.
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, row0, head, 0], q_bar, q_smem)
+        if LOADS:  # fill the ring before waiting on anything
+            for t in gl.static_range(STAGES):
+                _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, t, BLOCK_N, STAGES,
+                                 t < num_tiles)
+                _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, t, BLOCK_N, STAGES,
+                                 t < num_tiles)
+        mbarrier.wait(q_bar, 0)
+        q_tile = q_smem.reshape([ROWS, HEAD_DIM])
+
+        rows = row0 + gl.arange(0, ROWS, layout=row_layout)
+        rows_pos = rows + (seqlen_k - seqlen_q)  # the key position each row is aligned with
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([ROWS], -1.0e30, gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+        # Tile 0 on its own (it has no P V to overlap with); always masked, which also makes a CTA
+        # whose rows see no key at all (causal, Sq > Sk) come out as p = 0 everywhere.
+        _take_turn(turn_bars, 0, WG, PINGPONG)
+        mbarrier.wait(k_ready.index(0), 0)
+        k_tile = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _pass_turn(turn_bars, WG, PINGPONG)
+        s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
+        mbarrier.arrive(k_empty.index(0))
+        if LOADS:
+            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES, BLOCK_N, STAGES,
+                             STAGES < num_tiles)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, qk_scale,
+                                           True, CAUSAL)
+        p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+
+        # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
+        for j in range(1, num_full):
+            o, p_op, m_i, l_i = _kv_iteration(
+                j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s, rows_pos, cols,
+                seqlen_k, qk_scale, BLOCK_N, STAGES, False, CAUSAL, WG, PINGPONG, LOADS)
+        for j in range(gl.maximum(num_full, 1), num_tiles):
+            o, p_op, m_i, l_i = _kv_iteration(
+                j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s, rows_pos, cols,
+                seqlen_k, qk_scale, BLOCK_N, STAGES, True, CAUSAL, WG, PINGPONG, LOADS)
+
+        # The last P V.
+        last = num_tiles - 1
+        slot = last % STAGES
+        _take_turn(turn_bars, num_tiles, WG, PINGPONG)
+        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+        _pass_turn(turn_bars, WG, PINGPONG)
+        o, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_tile))
+        mbarrier.arrive(v_empty.index(slot))
+
+        # Normalize once; rows that saw no key: output 0 (o is 0 there) and LSE +inf.
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+        o = o * gl.expand_dims(inv_l, 1)
+        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * _LN2, float("inf"))
+
+        # Q's tile is free now (its last reader, S of the last tile, has retired): stage O there
+        # and let TMA write it, clipped at the sequence end.
+        out_tile = q_smem.reshape([ROWS, HEAD_DIM])
+        out_tile.store(o.to(q_tile.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], q_smem)
+        lse_ptrs = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows
+        gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
+                        seqlen_q, seqlen_k, group_size, qk_scale,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+                        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        pid_m = gl.program_id(0)
+        head = gl.program_id(1)
+        batch = gl.program_id(2)
+        if CAUSAL:  # later query blocks see more keys: launch them first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        kv_head = head // group_size
+        m0 = pid_m * BLOCK_M
+        dtype: gl.constexpr = q_desc.dtype
+
+        # Key tiles this CTA's rows see: [0, num_tiles); the first num_full need no mask (every
+        # row sees every key of them). At least one tile, so every row goes through the softmax.
+        diag = seqlen_k - seqlen_q
+        if CAUSAL:
+            key_end = gl.minimum(seqlen_k, m0 + BLOCK_M + diag)
+            num_full = gl.minimum(seqlen_k // BLOCK_N, gl.maximum(m0 + diag + 1, 0) // BLOCK_N)
+        else:
+            key_end = seqlen_k
+            num_full = seqlen_k // BLOCK_N
+        num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+        num_full = gl.minimum(num_full, num_tiles)
+
+        kv_layout: gl.constexpr = k_desc.layout
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, kv_layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, kv_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        NUM_CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape,
+                                           q_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+            mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+        for i in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(q_bars.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn_bars.index(i), count=1)
+
+        ROWS_PER_CONSUMER: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+        if WARP_SPECIALIZE:
+            # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
+            FIRST: gl.constexpr = 0
+            SECOND: gl.constexpr = 1
+            NO_LOADS: gl.constexpr = False
+            gl.warp_specialize([
+                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(0), q_bars.index(0),
+                             k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                             Lse, stride_lb, stride_lh, batch, head, kv_head,
+                             m0, seqlen_q, seqlen_k, num_tiles, num_full, qk_scale,
+                             BLOCK_N, HEAD_DIM, STAGES, CAUSAL, FIRST, PINGPONG, NO_LOADS)),
+                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(1), q_bars.index(1),
+                             k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                             Lse, stride_lb, stride_lh, batch, head, kv_head,
+                             m0 + ROWS_PER_CONSUMER, seqlen_q, seqlen_k, num_tiles, num_full,
+                             qk_scale, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, SECOND, PINGPONG,
+                             NO_LOADS)),
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                             batch, kv_head, num_tiles, BLOCK_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            _consumer(q_desc, k_desc, v_desc, o_desc, q_smem.index(0), q_bars.index(0), k_bufs, v_bufs,
+                      k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
+                      batch, head, kv_head, m0, seqlen_q, seqlen_k, num_tiles, num_full, qk_scale,
+                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, False, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+def _launch_shape(variant: GluonVariant) -> dict:
+    """Warps and register limit of a launch. Warp specialized: 4 (consumer 0, the default
+    partition) + 4 (consumer 1) + 1 (producer, a warpgroup of its own for register allocation)
+    warps = 12 rounded; maxnreg 168 over 384 threads fills the 64K register file and the
+    partitions' budgets redistribute it (240 + 240 + 24 per warpgroup at the default budget)."""
+    if variant.warp_specialize:
+        total = 168 * 3 * 128
+        default_regs = (total - 128 * variant.consumer_regs - 128 * 24) // 128
+        if default_regs < 24:
+            raise ValueError(f"{variant.name}: register budget does not fit")
+        return {"num_warps": 4, "maxnreg": 168}
+    return {"num_warps": 8}
+
+
+def _smem_layout(block_shape, torch_dtype):
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16 if torch_dtype == torch.bfloat16
+                                                else gl.float16)
+
+
+def _kernel_constexprs(variant: GluonVariant) -> dict:
+    return {"BLOCK_M": variant.block_m, "BLOCK_N": variant.block_n, "HEAD_DIM": variant.head_dim,
+            "STAGES": variant.stages, "CAUSAL": variant.causal,
+            "WARP_SPECIALIZE": variant.warp_specialize, "PINGPONG": variant.pingpong,
+            "CONSUMER_REGS": variant.consumer_regs}
+
+
+def _rows_per_consumer(variant: GluonVariant) -> int:
+    return variant.block_m // 2 if variant.warp_specialize else variant.block_m
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((st * size) % 16 == 0 for st in t.stride()[:-1]))
+
+
+def supported(q, k, v, *, causal: bool = False, dropout_p: float = 0.0,
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+              cu_seqlens_q=None, block_table=None, **unsupported) -> bool:
+    """Whether ``gluon_attention_forward`` handles these inputs: (B, S, H, D) CUDA tensors on a
+    compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim 64 or 128, H a multiple of
+    Hk, rows TMA can address (16-byte aligned bases and strides, contiguous head dim), and none of
+    dropout, sliding window, softcap, ALiBi, packed or paged sequences (other keyword arguments
+    given as not None / nonzero count as unsupported features)."""
+    del causal  # both masks are handled
+    if not _GLUON:
+        return False
+    if dropout_p or softcap or alibi_slopes is not None or cu_seqlens_q is not None:
+        return False
+    if block_table is not None or tuple(window_size) != (-1, -1):
+        return False
+    if any(value not in (None, 0, 0.0, False) for value in unsupported.values()):
+        return False
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if len({t.device for t in tensors}) != 1:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    batch, _, heads, head_dim = q.shape
+    if head_dim not in (64, 128) or k.shape[-1] != head_dim or v.shape != k.shape:
+        return False
+    if k.shape[0] != batch or k.shape[2] == 0 or heads % k.shape[2]:
+        return False
+    return all(_tma_ok(t) for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(block_m: int, block_n: int, head_dim: int, torch_dtype):
+    return (_smem_layout([1, block_m, 1, head_dim], torch_dtype),
+            _smem_layout([1, block_n, 1, head_dim], torch_dtype))
+
+
+def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                            causal: bool, variant: GluonVariant | None = None):
+    """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
+
+    Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
+    log. ``causal`` aligns the diagonal bottom-right (flash_attn's convention). ``variant``
+    overrides the shipped schedule for this head dim (benchmarks); its head dim, dtype and mask
+    must match the call.
+    """
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if batch == 0 or seqlen_q == 0 or heads == 0:
+        return out, lse
+    if seqlen_k == 0:  # nothing to attend to: flash_attn's empty-row convention
+        out.zero_()
+        lse.fill_(math.inf)
+        return out, lse
+    dtype = _DTYPES[q.dtype]
+    if variant is None:
+        variant = default_variant(head_dim, dtype, causal)
+    elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
+        raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
+
+    rows = _rows_per_consumer(variant)
+    q_layout, kv_layout = _layouts(rows, variant.block_n, head_dim, q.dtype)
+    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, rows, 1, head_dim], q_layout)
+    o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, rows, 1, head_dim], q_layout)
+    k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, variant.block_n, 1, head_dim],
+                              kv_layout)
+    v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, variant.block_n, 1, head_dim],
+                              kv_layout)
+    grid = (-(-seqlen_q // variant.block_m), heads, batch)
+    with torch.cuda.device(q.device):
+        _attn_fwd_gluon[grid](
+            q_desc, k_desc, v_desc, o_desc, lse, lse.stride(0), lse.stride(1),
+            seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E,
+            **_kernel_constexprs(variant), **_launch_shape(variant))
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time compilation (no GPU needed)
+# --------------------------------------------------------------------------------------------
+
+_GL_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compile_for_sm90(variant: GluonVariant):
+    """Compile a variant to a cubin for sm_90 the way a launch would; returns the compiled kernel
+    (``.metadata`` has shared memory, registers and spills, ``.asm`` the ptx and cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    torch_dtype = _GL_DTYPE_NAMES[variant.dtype]
+    rows = _rows_per_consumer(variant)
+    q_layout, kv_layout = _layouts(rows, variant.block_n, variant.head_dim, torch_dtype)
+    d = variant.head_dim
+
+    def desc(block_rows, layout):
+        return f"tensordesc<{variant.dtype}[1, {block_rows}, 1, {d}],{layout!r}>"
+
+    fn = _attn_fwd_gluon
+    signature = {"q_desc": desc(rows, q_layout), "k_desc": desc(variant.block_n, kv_layout),
+                 "v_desc": desc(variant.block_n, kv_layout), "o_desc": desc(rows, q_layout),
+                 "Lse": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "seqlen_q": "i32",
+                 "seqlen_k": "i32", "group_size": "i32", "qk_scale": "fp32"}
+    constexprs = _kernel_constexprs(variant)
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "Lse":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    signature = {name: signature[name] for name in fn.arg_names}
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_launch_shape(variant))
+
+
+def resource_usage(compiled) -> str:
+    """cuobjdump's per-function register/shared-memory line for a compiled kernel ('' if the tool
+    is missing)."""
+    import os
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
+    return " ".join(line.strip() for line in res.stdout.splitlines() if "REG" in line)
+
+
+def main(argv=None) -> int:
+    """Compile every shipped variant for sm_90 and print its resources; exit 1 if any fails or
+    spills."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--only", default="", help="substring of the variant names to compile")
+    args = parser.parse_args(argv)
+    failed = 0
+    for variant in GLUON_VARIANTS:
+        if args.only not in variant.name:
+            continue
+        try:
+            compiled = compile_for_sm90(variant)
+            md = compiled.metadata
+            spills = getattr(md, "n_spills", None)
+            print(f"{variant.name}: ok, shared memory {md.shared} B, registers {getattr(md, 'n_regs', '?')}, "
+                  f"spills {spills}; {resource_usage(compiled)}")
+            if spills:
+                failed += 1
+                print(f"{variant.name}: FAILED (spills)")
+        except Exception as exc:  # report every failing variant, not only the first
+            failed += 1
+            print(f"{variant.name}: FAILED {type(exc).__name__}: {exc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
