@@ -243,9 +243,46 @@ def fp8_varlen_and_cache_cases(dev) -> int:
     return failures
 
 
+def gluon_cases(dev) -> int:
+    """Every shipped Gluon variant (sm_90) on ragged shapes, GQA and MQA, through attention_forward's
+    dispatch and directly; output and LSE against float64."""
+    from flashtile.kernels import gluon_forward
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0):
+        print("gluon: not an sm_90 GPU, skipped")
+        return 0
+    failures = cases = 0
+    for variant in gluon_forward.GLUON_VARIANTS:
+        dtype = {"bf16": BF16, "fp16": F16}[variant.dtype]
+        for batch, sq, sk, heads, heads_k in ((2, 33, 200, 4, 2), (2, 200, 33, 4, 1), (1, 300, 300, 8, 8),
+                                              (1, 129, 1000, 4, 4)):
+            q = torch.randn(batch, sq, heads, variant.head_dim, device=dev, dtype=dtype)
+            k = torch.randn(batch, sk, heads_k, variant.head_dim, device=dev, dtype=dtype)
+            v = torch.randn(batch, sk, heads_k, variant.head_dim, device=dev, dtype=dtype)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((batch, heads, sq), float("nan"), device=dev)
+            gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=variant.head_dim ** -0.5,
+                                                  causal=variant.causal, variant=variant, out=out, lse=lse)
+            ref, ref_lse = attention(q.double(), k.double(), v.double(), causal=variant.causal)
+            low, _ = attention(q, k, v, causal=variant.causal)
+            err = (out.double() - ref).abs().max().item()
+            budget = 2 * (low.double() - ref).abs().max().item()
+            seen = torch.isfinite(ref_lse)
+            lse_err = (lse.double() - ref_lse)[seen].abs().max().item() if seen.any() else 0.0
+            lse_ok = bool((lse[~seen] == float("inf")).all()) and lse_err <= 1e-3
+            cases += 1
+            if not (err <= budget and lse_ok):
+                failures += 1
+                print(f"FAIL {variant.name} {(batch, sq, sk, heads, heads_k)}: out {err:.3g} > {budget:.3g} "
+                      f"or lse {lse_err:.3g}")
+    print(f"gluon: {cases} launches of {len(gluon_forward.GLUON_VARIANTS)} variants; {failures} wrong results")
+    return failures
+
+
 def main() -> int:
     # CPU (with TRITON_INTERPRET=1) only to try the script itself; the sanitizer needs the GPU.
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "--gluon-only" in sys.argv:  # the Hopper Gluon forward alone
+        return 1 if gluon_cases(dev) else 0
     if "--decode-only" in sys.argv:  # after a change to the decode kernels alone
         failures = decode_cases(dev)
         print(f"sanitize: decode cases; {failures} wrong results")

@@ -236,6 +236,12 @@ def tile_config(head_dim: int, device: torch.device) -> dict:
     return asdict(cfg) if is_dataclass(cfg) else {"repr": repr(cfg)}
 
 
+def forward_kernel(q, k, v, causal: bool) -> str:
+    """The kernel flashtile.flash_attn_func runs on these inputs ("triton" or a Gluon variant)."""
+    from ..kernels.forward import forward_kernel_name
+    return forward_kernel_name(q, k, v, causal=causal)
+
+
 def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar,
               providers=PROVIDERS) -> dict:
     inputs = make_inputs(point, dtype, device)
@@ -246,6 +252,7 @@ def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Cal
         results[name] = measure(name, point, inputs, timer, with_memory)
         bar.update(1)
     record = {**asdict(point), "flops": point.flops,
+              "forward_kernel": forward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
               "tile_config": tile_config(point.head_dim, device),
               "providers": results, "ratios": ratios(results),
               "out_lse_mb": output_mb(point, dtype) if with_memory else None}
@@ -302,7 +309,7 @@ def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
     columns = (f"{'d':>4} {'causal':>6} {'B':>3} {'H/Hk':>6} {'S':>5} | "
                + " ".join(f"{short[n]:>{widths[n]}}" for n in providers)
                + f" | {'vs flash':>8} {'vs cudnn':>8}"
-               + (f" | {'fp8/bf16':>8} {'fp8/cudnn':>9}" if fp8 else ""))
+               + (f" | {'fp8/bf16':>8} {'fp8/cudnn':>9}" if fp8 else "") + " | kernel")
     lines = [title, columns, "-" * len(columns)]
     for r in records:
         ratio = r["ratios"]
@@ -313,7 +320,8 @@ def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
             + f" | {format_number(ratio['sdpa-flash'], '{:.2f}x'):>8} "
             f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}"
             + (f" | {format_number(r['ratios_fp8']['flashtile'], '{:.2f}x'):>8} "
-               f"{format_number(r['ratios_fp8']['sdpa-cudnn'], '{:.2f}x'):>9}" if fp8 else ""))
+               f"{format_number(r['ratios_fp8']['sdpa-cudnn'], '{:.2f}x'):>9}" if fp8 else "")
+            + f" | {r.get('forward_kernel', 'triton').split('-')[0]}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from .common import (DTYPES, FWD_BWD_FACTOR, add_common_arguments, attention_tra
 from .prefill import (COLORS, PROVIDERS, Point, _error_text, _panels, backend_context,
                       draw_tflops_panels, peak_extra_mb, ratios, sweep_points, tile_config)
 from .prefill import format_table as prefill_table
+from .prefill import forward_kernel
 
 WARMUP_MS, REP_MS = 25, 100
 MEMORY_SEQLENS = (8192, 16384)
@@ -217,6 +218,7 @@ def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Cal
             del forward, leaves
         bar.update(1)
     return {**asdict(point), "flops": flops, "flops_forward": point.flops,
+            "forward_kernel": forward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
             "tile_config": tile_config(point.head_dim, device),
             "backward_config": backward_config(point.head_dim, device),
             "providers": results, "ratios": ratios(results),

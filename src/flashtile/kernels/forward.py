@@ -429,6 +429,41 @@ def _tma_eligible(tensors, strides) -> bool:
     return True
 
 
+# The Hopper (sm_90) forward in Gluon runs wherever it applies (gluon_forward.supported: bf16/fp16,
+# head dim 64/128, full or bottom-right causal, nothing else); FLASHTILE_GLUON=0 keeps every call on
+# the portable Triton kernel.
+GLUON_ENABLED = os.environ.get("FLASHTILE_GLUON", "1") not in ("", "0")
+
+
+def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_offset, softcap=0.0,
+                  alibi_slopes=None, config=None, cu_seqlens_q=None, dropout_seed=None,
+                  block_table=None, descales=None) -> bool:
+    """Whether attention_forward hands this call to the Gluon kernel."""
+    if not GLUON_ENABLED or _INTERPRET or not q.is_cuda:
+        return False
+    if (config is not None or cu_seqlens_q is not None or dropout_seed is not None
+            or block_table is not None or descales is not None or softcap or alibi_slopes is not None):
+        return False
+    if q.dim() != 4 or window_left >= 0:
+        return False
+    causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
+    if window_right >= 0 and not causal:
+        return False
+    from . import gluon_forward
+    return gluon_forward.supported(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def forward_kernel_name(q, k, v, *, causal: bool, softmax_scale: float | None = None) -> str:
+    """Which forward kernel a plain flash_attn_func call (no dropout, window, softcap or ALiBi) runs:
+    the Gluon variant's name, or "triton" (the portable kernel)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if gluon_applies(q, k, v, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1,
+                     diag_offset=k.shape[1] - q.shape[1]):
+        from . import gluon_forward
+        return gluon_forward.default_variant(q.shape[-1], gluon_forward._DTYPES[q.dtype], causal).name
+    return "triton"
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                       window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -458,6 +493,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     k and v (B, Hk, Sk blocks)) float32, one per ``scale_blocks`` = (queries, keys) tokens, each a
     multiple of the kernel's tile; out is bfloat16.
     """
+    if gluon_applies(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
+                     window_right=window_right, diag_offset=diag_offset, softcap=softcap,
+                     alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,
+                     dropout_seed=dropout_seed, block_table=block_table, descales=descales):
+        from .gluon_forward import _tma_ok, gluon_attention_forward
+        if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
+            return gluon_attention_forward(q, k, v, softmax_scale=softmax_scale,
+                                           causal=window_right == 0, out=out, lse=lse)
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     if varlen:

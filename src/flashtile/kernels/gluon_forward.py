@@ -23,6 +23,10 @@ memory. What the portable Triton kernel leaves to the compiler is explicit here:
   to the consumers (24 for the producer, 240 for each consumer warpgroup).
 - Without ``warp_specialize`` one 8-warp consumer (two warpgroups in lockstep) issues its own TMA
   loads: the simplest correct schedule, kept as a fallback.
+- ``persistent``: one CTA per SM loops over work tiles (query block, head, batch), causal ones
+  longest first; every partition keeps counting ring slots and barrier phases across work tiles,
+  so the producer loads the next tile's first K/V while the consumers finish the current one.
+  Otherwise the same code runs one work tile per CTA.
 
 Softmax is kept in base 2 with the scale folded into one FMA: p = exp2(s * scale * log2(e) - m).
 Causal masks are aligned bottom-right (query row i sees keys j <= i + Sk - Sq); tiles past the
@@ -38,6 +42,7 @@ This module imports on machines without a GPU; ``compile_for_sm90`` builds a var
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import subprocess
@@ -68,7 +73,8 @@ class GluonVariant:
 
     ``block_n`` keys per tile; ``stages`` K/V slots in the shared-memory ring; ``warp_specialize``
     picks the producer + 2 consumer partitions (else one 8-warp consumer loading its own tiles);
-    ``pingpong`` makes the two consumer warpgroups alternate their wgmma issues; ``consumer_regs``
+    ``pingpong`` makes the two consumer warpgroups alternate their wgmma issues; ``persistent``
+    launches one CTA per SM looping over the work tiles (else one CTA per tile); ``consumer_regs``
     is each consumer warpgroup's register budget under warp specialization.
     """
     head_dim: int
@@ -78,6 +84,7 @@ class GluonVariant:
     stages: int = 2
     warp_specialize: bool = True
     pingpong: bool = True
+    persistent: bool = False
     consumer_regs: int = 240
 
     @property
@@ -87,6 +94,8 @@ class GluonVariant:
     @property
     def name(self) -> str:
         sched = ("ws-pingpong" if self.pingpong else "ws") if self.warp_specialize else "sync"
+        if self.persistent:
+            sched += "-persistent"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -94,21 +103,35 @@ class GluonVariant:
 def _tile_config(head_dim: int, causal: bool) -> dict:
     # Shared memory per CTA: Q 128 x D plus stages x (K + V) tiles of block_n x D, all 2-byte.
     # d128: 32 KB + 2 x 64 KB = 160 KB; d64: 16 KB + 3 x 32 KB = 112 KB (227 KB available).
-    if head_dim <= 64:
-        return {"block_n": 128, "stages": 3}
-    return {"block_n": 128, "stages": 2}
+    # (Tile extents must be powers of two in Gluon, so FA3's 176-key tiles at d128 are out.)
+    # Causal work tiles differ in length: persistent CTAs take them longest first and prefetch the
+    # next tile's keys while finishing the current one.
+    stages = 3 if head_dim <= 64 else 2
+    # d64 non-causal: persistent measured 1-5% faster from 2k to 8k tokens on the H200
+    # (gluon-check-h200-20261129-a.json); at d128 only causal gains from it.
+    return {"block_n": 128, "stages": stages, "persistent": causal or head_dim <= 64}
 
 
 def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
     return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal))
 
 
-# What ships: the default schedule at every head dim, dtype and mask, plus the simple
-# non-specialized fallback at d128 (the compile test covers all of them).
+def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
+    """Other schedules at bf16, kept compiling so that a GPU run can compare them with the default:
+    the other persistence mode, no ping-pong, and (d128) the non-specialized fallback."""
+    base = default_variant(head_dim, "bf16", causal)
+    out = [dataclasses.replace(base, persistent=not base.persistent)]
+    if head_dim == 128:
+        out += [dataclasses.replace(base, pingpong=False),
+                dataclasses.replace(base, warp_specialize=False, pingpong=False)]
+    return out
+
+
+# What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
+# runs), then the alternates. The compile test covers all of them.
 GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16")
                    for c in (False, True)]
-                  + [GluonVariant(128, "bf16", c, warp_specialize=False, pingpong=False)
-                     for c in (False, True)])
+                  + [alt for d in (128, 64) for c in (False, True) for alt in _alternates(d, c)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,15 +148,48 @@ if _GLUON:
                                          instr_shape=[16, instr_n, 16])
 
     @gluon.jit
-    def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
-        """Wait until ring slot ``tile % STAGES`` is free, then TMA key tile ``tile`` into it.
+    def _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL: gl.constexpr):
+        """(query block, head, batch) of a linear work-tile id.
 
+        Causal: the query block is the slowest index, from the last (most keys) down, so the
+        longest tiles start first and the short ones fill the end. Otherwise the query block is
+        the fastest index: CTAs running at the same time share a head and its K/V stay in L2.
+        """
+        if CAUSAL:
+            pid_m = num_m_blocks - 1 - tile_id // num_bh
+            rest = tile_id % num_bh
+        else:
+            pid_m = tile_id % num_m_blocks
+            rest = tile_id // num_m_blocks
+        return pid_m, rest % num_heads, rest // num_heads
+
+    @gluon.jit
+    def _key_range(m0, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """Key tiles the rows [m0, m0 + BLOCK_M) see: (num_tiles, num_full); the first num_full need
+        no mask (every row sees every key of them). At least one tile, so that rows seeing no key
+        still go through one (fully masked) softmax step."""
+        diag = seqlen_k - seqlen_q
+        if CAUSAL:
+            key_end = gl.minimum(seqlen_k, m0 + BLOCK_M + diag)
+            num_full = gl.minimum(seqlen_k // BLOCK_N, gl.maximum(m0 + diag + 1, 0) // BLOCK_N)
+        else:
+            key_end = seqlen_k
+            num_full = seqlen_k // BLOCK_N
+        num_tiles = gl.maximum((key_end + BLOCK_N - 1) // BLOCK_N, 1)
+        return num_tiles, gl.minimum(num_full, num_tiles)
+
+    @gluon.jit
+    def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile, ring,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+        """Wait until ring slot ``ring % STAGES`` is free, then TMA key tile ``tile`` into it.
+
+        ``ring`` counts every tile that went through the ring (across work tiles when persistent).
         Empty barriers start in phase 0: waiting for parity 1 passes at once, so the first lap
         over the ring needs no consumer arrival. Keys past the sequence end fill zeros.
         """
-        slot = tile % STAGES
-        phase = (tile // STAGES) & 1
+        slot = ring % STAGES
+        phase = (ring // STAGES) & 1
         mbarrier.wait(empty.index(slot), phase ^ 1, pred=pred)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], ready.index(slot),
@@ -141,17 +197,31 @@ if _GLUON:
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                  batch, kv_head, num_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The 1-warp load partition: K_j then V_j for every tile, STAGES tiles ahead at most."""
-        for j in range(num_tiles):
-            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j, BLOCK_N, STAGES, True)
-            _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, BLOCK_N, STAGES, True)
+                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+        """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
+        STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
+        consumers finish the current one)."""
+        num_bh = num_heads * batch_size
+        ring = 0
+        for tile_id in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+            kv_head = head // group_size
+            num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+            for j in range(num_tiles):
+                _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j, ring + j,
+                                 BLOCK_N, STAGES, True)
+                _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
+                                 BLOCK_N, STAGES, True)
+            ring += num_tiles
 
     @gluon.jit
     def _take_turn(turn_bars, event, WG: gl.constexpr, PINGPONG: gl.constexpr):
         # Ping-pong: warpgroup 0 issues the wgmmas of its event e after warpgroup 1 issued those of
         # event e - 1, warpgroup 1 after warpgroup 0 issued event e. Warpgroup 0's first wait (parity
-        # 1 on a fresh barrier) passes at once.
+        # 1 on a fresh barrier) passes at once. Both count events alike (one per key tile and one
+        # for the last P V of each work tile), so the turns never drift apart.
         if PINGPONG:
             if WG == 0:
                 mbarrier.wait(turn_bars.index(0), (event & 1) ^ 1)
@@ -184,22 +254,23 @@ if _GLUON:
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _kv_iteration(j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                      k_desc, v_desc, batch, kv_head, num_tiles,
+    def _kv_iteration(j, ring0, event0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                      turn_bars, k_desc, v_desc, batch, kv_head, num_tiles,
                       o, p_op, m_i, l_i, zero_s, rows_pos, cols, seqlen_k, qk_scale,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr):
-        """Tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, softmax of S_j
-        while the second runs, then O rescaled to the new running max."""
+        """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
+        of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        _take_turn(turn_bars, j, WG, PINGPONG)
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        ring = ring0 + j
+        slot = ring % STAGES
+        prev = (ring - 1) % STAGES
+        _take_turn(turn_bars, event0 + j, WG, PINGPONG)
+        mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
         k_tile = k_bufs.index(slot).reshape([BLOCK_N, q_tile.shape[1]])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
         v_tile = v_bufs.index(prev).reshape([BLOCK_N, q_tile.shape[1]])
         o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
@@ -207,8 +278,8 @@ if _GLUON:
         s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
         mbarrier.arrive(k_empty.index(slot))
         if LOADS:
-            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES, BLOCK_N,
-                             STAGES, j + STAGES < num_tiles)
+            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES,
+                             ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
                                            qk_scale, MASKED, CAUSAL)
         p_next = gl.convert_layout(p.to(q_tile.dtype), p_op.type.layout)
@@ -216,20 +287,20 @@ if _GLUON:
         mbarrier.arrive(v_empty.index(prev))
         if LOADS:
             _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
-                             BLOCK_N, STAGES, j - 1 + STAGES < num_tiles)
+                             ring - 1 + STAGES, BLOCK_N, STAGES, j - 1 + STAGES < num_tiles)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         return o, p_next, m_i, l_i
 
     @gluon.jit
-    def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, k_bufs, v_bufs,
-                  k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
-                  batch, head, kv_head, row0, seqlen_q, seqlen_k, num_tiles, num_full, qk_scale,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                  LOADS: gl.constexpr):
-        """One consumer: 16 * num_warps query rows starting at ``row0`` (a warpgroup of 64 rows
-        under warp specialization, both warpgroups' 128 rows without). ``LOADS``: issue the K/V
-        loads itself (no producer partition)."""
+    def _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, q_phase, k_bufs, v_bufs,
+                      k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
+                      batch, head, kv_head, row0, seqlen_q, seqlen_k, num_tiles, num_full,
+                      ring0, event0, qk_scale,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                      LOADS: gl.constexpr):
+        """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
+        [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * NUM_WARPS
         s_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, BLOCK_N)
@@ -242,11 +313,11 @@ if _GLUON:
         tma.async_copy_global_to_shared(q_desc, [batch, row0, head, 0], q_bar, q_smem)
         if LOADS:  # fill the ring before waiting on anything
             for t in gl.static_range(STAGES):
-                _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, t, BLOCK_N, STAGES,
-                                 t < num_tiles)
-                _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, t, BLOCK_N, STAGES,
-                                 t < num_tiles)
-        mbarrier.wait(q_bar, 0)
+                _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, t, ring0 + t,
+                                 BLOCK_N, STAGES, t < num_tiles)
+                _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, t, ring0 + t,
+                                 BLOCK_N, STAGES, t < num_tiles)
+        mbarrier.wait(q_bar, q_phase)
         q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
         rows = row0 + gl.arange(0, ROWS, layout=row_layout)
@@ -257,18 +328,19 @@ if _GLUON:
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-        # Tile 0 on its own (it has no P V to overlap with); always masked, which also makes a CTA
-        # whose rows see no key at all (causal, Sq > Sk) come out as p = 0 everywhere.
-        _take_turn(turn_bars, 0, WG, PINGPONG)
-        mbarrier.wait(k_ready.index(0), 0)
-        k_tile = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+        # Key tile 0 on its own (it has no P V to overlap with); always masked, which also makes
+        # rows that see no key at all (causal, Sq > Sk) come out with p = 0 everywhere.
+        slot = ring0 % STAGES
+        _take_turn(turn_bars, event0, WG, PINGPONG)
+        mbarrier.wait(k_ready.index(slot), (ring0 // STAGES) & 1)
+        k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(slot))
         if LOADS:
-            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES, BLOCK_N, STAGES,
-                             STAGES < num_tiles)
+            _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES,
+                             ring0 + STAGES, BLOCK_N, STAGES, STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, qk_scale,
                                            True, CAUSAL)
         p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
@@ -276,19 +348,21 @@ if _GLUON:
         # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
         for j in range(1, num_full):
             o, p_op, m_i, l_i = _kv_iteration(
-                j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s, rows_pos, cols,
-                seqlen_k, qk_scale, BLOCK_N, STAGES, False, CAUSAL, WG, PINGPONG, LOADS)
+                j, ring0, event0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
+                rows_pos, cols, seqlen_k, qk_scale, BLOCK_N, STAGES, False, CAUSAL, WG, PINGPONG,
+                LOADS)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
-                j, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s, rows_pos, cols,
-                seqlen_k, qk_scale, BLOCK_N, STAGES, True, CAUSAL, WG, PINGPONG, LOADS)
+                j, ring0, event0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
+                rows_pos, cols, seqlen_k, qk_scale, BLOCK_N, STAGES, True, CAUSAL, WG, PINGPONG,
+                LOADS)
 
         # The last P V.
-        last = num_tiles - 1
+        last = ring0 + num_tiles - 1
         slot = last % STAGES
-        _take_turn(turn_bars, num_tiles, WG, PINGPONG)
+        _take_turn(turn_bars, event0 + num_tiles, WG, PINGPONG)
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
@@ -303,8 +377,9 @@ if _GLUON:
         o = o * gl.expand_dims(inv_l, 1)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * _LN2, float("inf"))
 
-        # Q's tile is free now (its last reader, S of the last tile, has retired): stage O there
-        # and let TMA write it, clipped at the sequence end.
+        # Q's tile is free now (its last reader, S of the last key tile, has retired): stage O
+        # there and let TMA write it, clipped at the sequence end. The wait keeps the next work
+        # tile's Q load from overwriting the tile before the store has read it.
         out_tile = q_smem.reshape([ROWS, HEAD_DIM])
         out_tile.store(o.to(q_tile.dtype))
         fence_async_shared()
@@ -314,32 +389,46 @@ if _GLUON:
         tma.store_wait(0)
 
     @gluon.jit
+    def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, k_bufs, v_bufs,
+                  k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
+                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                  PINGPONG: gl.constexpr, LOADS: gl.constexpr):
+        """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
+        16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
+        ``LOADS``: issue the K/V loads itself (no producer partition)."""
+        ROWS: gl.constexpr = 16 * gl.num_warps()
+        num_bh = num_heads * batch_size
+        ring = 0
+        event = 0
+        q_phase = 0
+        for tile_id in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+            m0 = pid_m * BLOCK_M
+            num_tiles, num_full = _key_range(m0, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+            _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, q_phase, k_bufs, v_bufs,
+                          k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
+                          batch, head, head // group_size, m0 + WG * ROWS, seqlen_q, seqlen_k,
+                          num_tiles, num_full, ring, event, qk_scale, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WG, PINGPONG, LOADS)
+            ring += num_tiles
+            event += num_tiles + 1
+            q_phase ^= 1
+
+    # Integer arguments stay unspecialized (no divisibility or == 1 variants): one compile per
+    # variant and dtype, which is also what compile_for_sm90 builds.
+    @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "group_size",
+                                  "num_heads", "num_m_blocks", "batch_size"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
-                        seqlen_q, seqlen_k, group_size, qk_scale,
+                        seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        pid_m = gl.program_id(0)
-        head = gl.program_id(1)
-        batch = gl.program_id(2)
-        if CAUSAL:  # later query blocks see more keys: launch them first
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        kv_head = head // group_size
-        m0 = pid_m * BLOCK_M
+        """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
+        batch_size of them; CTA p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the
+        grid covers them all, persistent when the grid is the SM count)."""
         dtype: gl.constexpr = q_desc.dtype
-
-        # Key tiles this CTA's rows see: [0, num_tiles); the first num_full need no mask (every
-        # row sees every key of them). At least one tile, so every row goes through the softmax.
-        diag = seqlen_k - seqlen_q
-        if CAUSAL:
-            key_end = gl.minimum(seqlen_k, m0 + BLOCK_M + diag)
-            num_full = gl.minimum(seqlen_k // BLOCK_N, gl.maximum(m0 + diag + 1, 0) // BLOCK_N)
-        else:
-            key_end = seqlen_k
-            num_full = seqlen_k // BLOCK_N
-        num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
-        num_full = gl.minimum(num_full, num_tiles)
-
         kv_layout: gl.constexpr = k_desc.layout
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, kv_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, kv_layout)
@@ -362,7 +451,6 @@ if _GLUON:
         for i in gl.static_range(2):
             mbarrier.init(turn_bars.index(i), count=1)
 
-        ROWS_PER_CONSUMER: gl.constexpr = BLOCK_M // NUM_CONSUMERS
         if WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
             FIRST: gl.constexpr = 0
@@ -371,23 +459,23 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(0), q_bars.index(0),
                              k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                             Lse, stride_lb, stride_lh, batch, head, kv_head,
-                             m0, seqlen_q, seqlen_k, num_tiles, num_full, qk_scale,
-                             BLOCK_N, HEAD_DIM, STAGES, CAUSAL, FIRST, PINGPONG, NO_LOADS)),
+                             Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads,
+                             num_m_blocks, batch_size, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, FIRST, PINGPONG, NO_LOADS)),
                 (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(1), q_bars.index(1),
                              k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                             Lse, stride_lb, stride_lh, batch, head, kv_head,
-                             m0 + ROWS_PER_CONSUMER, seqlen_q, seqlen_k, num_tiles, num_full,
-                             qk_scale, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, SECOND, PINGPONG,
-                             NO_LOADS)),
+                             Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads,
+                             num_m_blocks, batch_size, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, CAUSAL, SECOND, PINGPONG, NO_LOADS)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                             batch, kv_head, num_tiles, BLOCK_N, STAGES)),
+                             seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_desc, k_desc, v_desc, o_desc, q_smem.index(0), q_bars.index(0), k_bufs, v_bufs,
                       k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
-                      batch, head, kv_head, m0, seqlen_q, seqlen_k, num_tiles, num_full, qk_scale,
-                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, False, True)
+                      seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
+                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, False, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,7 +504,8 @@ def _smem_layout(block_shape, torch_dtype):
 def _kernel_constexprs(variant: GluonVariant) -> dict:
     return {"BLOCK_M": variant.block_m, "BLOCK_N": variant.block_n, "HEAD_DIM": variant.head_dim,
             "STAGES": variant.stages, "CAUSAL": variant.causal,
-            "WARP_SPECIALIZE": variant.warp_specialize, "PINGPONG": variant.pingpong,
+            "WARP_SPECIALIZE": variant.warp_specialize,
+            "PINGPONG": variant.pingpong and variant.warp_specialize,
             "CONSUMER_REGS": variant.consumer_regs}
 
 
@@ -425,21 +514,26 @@ def _rows_per_consumer(variant: GluonVariant) -> int:
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
+    # TMA: 16-byte aligned base, contiguous last dim, other strides positive 16-byte multiples.
     size = t.element_size()
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((st * size) % 16 == 0 for st in t.stride()[:-1]))
+            and all(st > 0 and (st * size) % 16 == 0 for st in t.stride()[:-1]))
 
 
-def supported(q, k, v, *, causal: bool = False, dropout_p: float = 0.0,
-              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-              cu_seqlens_q=None, block_table=None, **unsupported) -> bool:
+def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+              dropout_p: float = 0.0, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              alibi_slopes=None, cu_seqlens_q=None, block_table=None, deterministic: bool = False,
+              **unsupported) -> bool:
     """Whether ``gluon_attention_forward`` handles these inputs: (B, S, H, D) CUDA tensors on a
     compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim 64 or 128, H a multiple of
-    Hk, rows TMA can address (16-byte aligned bases and strides, contiguous head dim), and none of
-    dropout, sliding window, softcap, ALiBi, packed or paged sequences (other keyword arguments
-    given as not None / nonzero count as unsupported features)."""
-    del causal  # both masks are handled
+    Hk, rows TMA can address (16-byte aligned bases, positive 16-byte multiple strides, contiguous
+    head dim), a positive softmax scale, and none of dropout, sliding window, softcap, ALiBi,
+    packed or paged sequences (any other keyword argument given as not None / nonzero counts as an
+    unsupported feature, e.g. return_attn_probs=True)."""
+    del causal, deterministic  # both masks are handled; the forward is deterministic anyway
     if not _GLUON:
+        return False
+    if softmax_scale is not None and not softmax_scale > 0:  # the running max assumes scale > 0
         return False
     if dropout_p or softcap or alibi_slopes is not None or cu_seqlens_q is not None:
         return False
@@ -465,24 +559,36 @@ def supported(q, k, v, *, causal: bool = False, dropout_p: float = 0.0,
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
 def _layouts(block_m: int, block_n: int, head_dim: int, torch_dtype):
     return (_smem_layout([1, block_m, 1, head_dim], torch_dtype),
             _smem_layout([1, block_n, 1, head_dim], torch_dtype))
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
-                            causal: bool, variant: GluonVariant | None = None):
+                            causal: bool, variant: GluonVariant | None = None,
+                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
     log. ``causal`` aligns the diagonal bottom-right (flash_attn's convention). ``variant``
     overrides the shipped schedule for this head dim (benchmarks); its head dim, dtype and mask
-    must match the call.
+    must match the call. ``out`` (like q, 16-byte aligned rows) and ``lse`` (B, H, Sq) float32
+    with a contiguous last dim may be given to write into.
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or not _tma_ok(out) or lse.stride(-1) != 1:
+        raise ValueError("gluon_attention_forward: out must be like q with TMA-aligned rows and lse "
+                         "(B, H, Sq) float32 with a contiguous last dim")
     if batch == 0 or seqlen_q == 0 or heads == 0:
         return out, lse
     if seqlen_k == 0:  # nothing to attend to: flash_attn's empty-row convention
@@ -503,11 +609,13 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                               kv_layout)
     v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, variant.block_n, 1, head_dim],
                               kv_layout)
-    grid = (-(-seqlen_q // variant.block_m), heads, batch)
+    num_m_blocks = -(-seqlen_q // variant.block_m)
+    work_tiles = num_m_blocks * heads * batch
+    grid = (min(work_tiles, _sm_count(q.device)) if variant.persistent else work_tiles,)
     with torch.cuda.device(q.device):
         _attn_fwd_gluon[grid](
             q_desc, k_desc, v_desc, o_desc, lse, lse.stride(0), lse.stride(1),
-            seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E,
+            seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks, batch, softmax_scale * LOG2E,
             **_kernel_constexprs(variant), **_launch_shape(variant))
     return out, lse
 
@@ -521,7 +629,8 @@ _GL_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compile_for_sm90(variant: GluonVariant):
     """Compile a variant to a cubin for sm_90 the way a launch would; returns the compiled kernel
-    (``.metadata`` has shared memory, registers and spills, ``.asm`` the ptx and cubin)."""
+    (``.metadata.shared`` the shared memory, ``.asm`` the ttgir, ptx and cubin; ``resource_usage``
+    reads registers and spills off the cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -538,7 +647,8 @@ def compile_for_sm90(variant: GluonVariant):
     signature = {"q_desc": desc(rows, q_layout), "k_desc": desc(variant.block_n, kv_layout),
                  "v_desc": desc(variant.block_n, kv_layout), "o_desc": desc(rows, q_layout),
                  "Lse": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "seqlen_q": "i32",
-                 "seqlen_k": "i32", "group_size": "i32", "qk_scale": "fp32"}
+                 "seqlen_k": "i32", "group_size": "i32", "num_heads": "i32", "num_m_blocks": "i32",
+                 "batch_size": "i32", "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
@@ -551,21 +661,36 @@ def compile_for_sm90(variant: GluonVariant):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_launch_shape(variant))
 
 
-def resource_usage(compiled) -> str:
-    """cuobjdump's per-function register/shared-memory line for a compiled kernel ('' if the tool
-    is missing)."""
+def resource_usage(compiled) -> dict:
+    """Registers per thread at launch, local memory (spills) and stack bytes from ``cuobjdump
+    -res-usage`` on the cubin; {} if the tool is missing."""
     import os
+    import re
     import tempfile
 
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return ""
+        return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True)
-    return " ".join(line.strip() for line in res.stdout.splitlines() if "REG" in line)
+    found = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|LOCAL|STACK):(\d+)", res.stdout)}
+    return found
+
+
+def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
+    """One report line for a compiled variant, and whether it spills."""
+    usage = resource_usage(compiled)
+    spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > 0
+    if variant.warp_specialize:
+        regs = (f"{usage.get('reg', '?')} registers/thread at launch, partitions: 2 consumer "
+                f"warpgroups x {variant.consumer_regs}, producer 24")
+    else:
+        regs = f"{usage.get('reg', '?')} registers/thread"
+    return (f"{variant.name}: ok, shared memory {compiled.metadata.shared} B, {regs}, "
+            f"local {usage.get('local', '?')} B, stack {usage.get('stack', '?')} B"), spills
 
 
 def main(argv=None) -> int:
@@ -580,17 +705,14 @@ def main(argv=None) -> int:
         if args.only not in variant.name:
             continue
         try:
-            compiled = compile_for_sm90(variant)
-            md = compiled.metadata
-            spills = getattr(md, "n_spills", None)
-            print(f"{variant.name}: ok, shared memory {md.shared} B, registers {getattr(md, 'n_regs', '?')}, "
-                  f"spills {spills}; {resource_usage(compiled)}")
+            line, spills = describe(variant, compile_for_sm90(variant))
             if spills:
                 failed += 1
-                print(f"{variant.name}: FAILED (spills)")
+                line = line.replace(": ok,", ": FAILED (spills),")
+            print(line, flush=True)
         except Exception as exc:  # report every failing variant, not only the first
             failed += 1
-            print(f"{variant.name}: FAILED {type(exc).__name__}: {exc}")
+            print(f"{variant.name}: FAILED {type(exc).__name__}: {exc}", flush=True)
     return 1 if failed else 0
 
 

@@ -1,0 +1,80 @@
+"""The Gluon Hopper forward: every shipped variant compiles to an sm_90 cubin without spills (no GPU
+needed), and ``supported`` turns away what the kernel does not handle.
+
+The compiler runs in a subprocess without TRITON_INTERPRET (conftest sets it for this process).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashtile.kernels import gluon_forward
+
+
+def test_gluon_variants_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "flashtile.kernels.gluon_forward"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(gluon_forward.GLUON_VARIANTS), proc.stdout + proc.stderr[-2000:]
+    failed = [line for line in lines if "FAILED" in line]
+    assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]
+    assert all(": ok," in line and "local 0 B" in line for line in lines)
+
+
+def test_variants_cover_every_default():
+    names = {v.name for v in gluon_forward.GLUON_VARIANTS}
+    for d in (64, 128):
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                assert gluon_forward.default_variant(d, dtype, causal).name in names
+    assert len(names) == len(gluon_forward.GLUON_VARIANTS)
+
+
+def _qkv(dtype=torch.bfloat16, d=128, heads=4, heads_k=4):
+    q = torch.randn(2, 64, heads, d, dtype=dtype)
+    k = torch.randn(2, 80, heads_k, d, dtype=dtype)
+    return q, k, torch.randn_like(k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_supported_is_false_on_cpu(causal):
+    q, k, v = _qkv()
+    assert not gluon_forward.supported(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("options", [
+    {"dropout_p": 0.1}, {"window_size": (128, 0)}, {"softcap": 30.0},
+    {"alibi_slopes": torch.ones(4)}, {"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)},
+    {"block_table": torch.zeros(2, 4, dtype=torch.int32)}, {"return_attn_probs": True},
+    {"softmax_scale": -0.1},
+])
+def test_supported_turns_away_options(options):
+    q, k, v = _qkv()
+    assert not gluon_forward.supported(q, k, v, causal=True, **options)
+
+
+@pytest.mark.parametrize("case", ["float32", "head_dim_96", "mixed_dtypes", "heads_not_multiple", "3d"])
+def test_supported_turns_away_shapes_and_dtypes(case):
+    q, k, v = _qkv()
+    if case == "float32":
+        q, k, v = (t.float() for t in (q, k, v))
+    elif case == "head_dim_96":
+        q, k, v = _qkv(d=96)
+    elif case == "mixed_dtypes":
+        k = k.half()
+    elif case == "heads_not_multiple":
+        q, k, v = _qkv(heads=6, heads_k=4)
+    else:
+        q = q[0]
+    assert not gluon_forward.supported(q, k, v, causal=False)
+
+
+def test_variant_names_are_distinct_and_describe_the_schedule():
+    v = gluon_forward.GluonVariant(128, "bf16", True, persistent=True)
+    assert v.name == "gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent"
+    sync = gluon_forward.GluonVariant(128, "fp16", False, warp_specialize=False, pingpong=False)
+    assert sync.name.endswith("-sync")
