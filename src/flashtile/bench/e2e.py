@@ -38,7 +38,7 @@ QUICK_PROMPTS = (2048, 8192)
 DECODE_BATCHES = (1, 16)
 DECODE_PROMPT, NEW_TOKENS, CHECK_STEPS = 512, 256, 32
 REPS = 3
-DECODE_REPS = 3  # timed generate runs (after one warm-up run): one run alone is noisy
+DECODE_REPS = 3  # rounds of timed generate runs (after a warm-up of each implementation)
 
 
 def qwen_config(layers: int | None = None):
@@ -166,29 +166,52 @@ def time_to_first_token(model, device, prompt: int, impl: str) -> dict:
     return {"available": True, "ms": ms}
 
 
-def decode_rate(model, device, batch: int, impl: str, prompt: int = DECODE_PROMPT,
-                new_tokens: int = NEW_TOKENS) -> dict:
-    use(model, impl)
+def _wall_ms(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def decode_rates(model, device, batch: int, impls=IMPLEMENTATIONS, prompt: int = DECODE_PROMPT,
+                 new_tokens: int = NEW_TOKENS, reps: int = DECODE_REPS) -> dict:
+    """Per implementation: ms per decode step = (generate(new_tokens + 1) - generate(1)) / new_tokens,
+    so the prefill subtracted is generate's own. Every implementation is warmed up first; then each of
+    ``reps`` rounds times all of them, rotating which goes first, so that drift of the host (generate
+    is host-bound at these sizes) and anything that favours a position in the order are shared."""
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device)
 
-    def prefill():
+    def generate(n):
         with torch.no_grad():
-            return model(ids, logits_to_keep=1).logits
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    def generate():
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, pad_token_id=0)
-    try:
-        prefill_ms = timed(prefill, device, reps=DECODE_REPS)
-        total_ms = timed(generate, device, reps=DECODE_REPS)
-    except Exception as exc:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"available": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    decode_ms = max(total_ms - prefill_ms, 1e-6)
-    return {"available": True, "generate_ms": total_ms, "prefill_ms": prefill_ms,
-            "tokens_per_s": batch * new_tokens / (decode_ms / 1e3)}
+    result, steps = {}, {}
+    for impl in impls:
+        try:
+            use(model, impl)
+            generate(new_tokens + 1)  # warm-up: compiles, allocator segments
+            steps[impl] = []
+        except Exception as exc:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            result[impl] = {"available": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    live = list(steps)
+    for r in range(reps):
+        for impl in live[r % len(live):] + live[:r % len(live)] if live else ():
+            use(model, impl)
+            short = _wall_ms(lambda: generate(1), device)
+            full = _wall_ms(lambda: generate(new_tokens + 1), device)
+            steps[impl].append(max(full - short, 1e-6) / new_tokens)
+    for impl in impls:
+        if impl in steps:
+            ms = steps[impl]
+            med = statistics.median(ms)
+            result[impl] = {"available": True, "ms_per_step": med, "ms_per_step_min": min(ms),
+                            "ms_per_step_max": max(ms), "tokens_per_s": batch * 1e3 / med}
+    return result
 
 
 def format_table(payload: dict) -> str:
@@ -265,10 +288,10 @@ def run(args) -> int:
                "transformers": transformers.__version__, "command": " ".join(sys.argv),
                "method": {"ttft": "one forward over the prompt (logits of the last position) + argmax, "
                                   f"batch 1, CUDA events, median of {REPS} after a warm-up",
-                          "decode": f"generate {NEW_TOKENS} greedy tokens after a {DECODE_PROMPT}-token "
-                                    f"prompt (median of {DECODE_REPS} runs after a warm-up run), minus "
-                                    f"the prompt's forward time (median of {DECODE_REPS} after a "
-                                    "warm-up); B x new tokens / s"},
+                          "decode": f"ms per step = (generate({NEW_TOKENS + 1}) - generate(1)) / "
+                                    f"{NEW_TOKENS} after a {DECODE_PROMPT}-token prompt, wall clock; every "
+                                    f"implementation warmed up, then {DECODE_REPS} rounds each timing all "
+                                    "of them in a rotated order; median; B / ms per step"},
                "complete": False, "check": None, "ttft": {}, "decode": {}}
     path = result_path(args.out, "e2e", env["gpu"], "json")
     # Written after every phase, so a run stopped by a time limit still leaves what it measured.
@@ -281,7 +304,7 @@ def run(args) -> int:
         print(f"prompt {p}: " + ", ".join(f"{i} {x.get('ms', float('nan')):.1f} ms" for i, x in r.items()),
               flush=True)
     for b in DECODE_BATCHES:
-        r = payload["decode"][str(b)] = {impl: decode_rate(model, device, b, impl) for impl in IMPLEMENTATIONS}
+        r = payload["decode"][str(b)] = decode_rates(model, device, b)
         write_json(path, payload)
         print(f"batch {b}: " + ", ".join(f"{i} {x.get('tokens_per_s', float('nan')):.0f} tok/s"
                                          for i, x in r.items()), flush=True)
