@@ -7,7 +7,8 @@ Per call, at Qwen2.5-1.5B's decode shape (12/2 heads, d128, 768 cached keys, bat
 transposed views of a (B, Hk, S, D) cache as transformers passes them): flash_attn_with_kvcache,
 decode_attention alone, the split kernel's and the combine kernel's launches through Triton's JIT,
 the same compiled kernels launched directly (CompiledKernel.run, checked to give identical output),
-and SDPA. Host time = wall time of 1000 back-to-back calls / 1000 (the GPU keeps up at this size).
+and SDPA; then a 128-token prefill (flash_attn_func through the Gluon and the Triton kernel, SDPA
+flash) and a profile of flash_attn_with_kvcache. Host time = wall time of 1000 back-to-back calls / 1000 (the GPU keeps up at this size).
 """
 
 from __future__ import annotations
@@ -117,7 +118,12 @@ def main():
             forward.GLUON_ENABLED = enabled
             rows.append((1, f"flash_attn_func S128 causal, {'gluon' if enabled else 'triton'}", per_call_us(
                 lambda: flashtile.flash_attn_func(q, k, k, causal=True))))
-    forward.GLUON_ENABLED = True
+        forward.GLUON_ENABLED = True
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rows.append((1, "sdpa flash S128 causal", per_call_us(
+                lambda: F.scaled_dot_product_attention(qt, kt, kt, is_causal=True, enable_gqa=True))))
     print("host us per call, Qwen2.5-1.5B decode shape (12/2 heads, d128, 768 keys)")
     for batch, name, us in rows:
         print(f"  B{batch:<3d} {name:<45s} {us:8.1f}")
