@@ -46,19 +46,31 @@ def test_supported_is_false_on_cpu(causal):
     assert not gluon_forward.supported(q, k, v, causal=causal)
 
 
+def test_options_supported_accepts_the_plain_call():
+    assert gluon_forward.options_supported(softmax_scale=0.125)
+    assert gluon_forward.options_supported(softmax_scale=None, return_attn_probs=False)
+
+
 @pytest.mark.parametrize("options", [
     {"dropout_p": 0.1}, {"window_size": (128, 0)}, {"softcap": 30.0},
     {"alibi_slopes": torch.ones(4)}, {"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)},
     {"block_table": torch.zeros(2, 4, dtype=torch.int32)}, {"return_attn_probs": True},
     {"softmax_scale": -0.1},
 ])
-def test_supported_turns_away_options(options):
+def test_options_supported_turns_away(options):
+    assert not gluon_forward.options_supported(**options)
     q, k, v = _qkv()
     assert not gluon_forward.supported(q, k, v, causal=True, **options)
 
 
-@pytest.mark.parametrize("case", ["float32", "head_dim_96", "mixed_dtypes", "heads_not_multiple", "3d"])
-def test_supported_turns_away_shapes_and_dtypes(case):
+def test_shapes_supported_accepts_gqa_bf16_and_fp16():
+    assert gluon_forward.shapes_supported(*_qkv(heads=8, heads_k=2))
+    assert gluon_forward.shapes_supported(*_qkv(dtype=torch.float16, d=64))
+
+
+@pytest.mark.parametrize("case", ["float32", "head_dim_96", "mixed_dtypes", "heads_not_multiple", "3d",
+                                  "unaligned_stride"])
+def test_shapes_supported_turns_away(case):
     q, k, v = _qkv()
     if case == "float32":
         q, k, v = (t.float() for t in (q, k, v))
@@ -68,8 +80,11 @@ def test_supported_turns_away_shapes_and_dtypes(case):
         k = k.half()
     elif case == "heads_not_multiple":
         q, k, v = _qkv(heads=6, heads_k=4)
+    elif case == "unaligned_stride":  # rows 2 elements apart: not a 16-byte multiple
+        q = torch.randn(2, 64, 4, 130, dtype=torch.bfloat16)[..., :128]
     else:
         q = q[0]
+    assert not gluon_forward.shapes_supported(q, k, v)
     assert not gluon_forward.supported(q, k, v, causal=False)
 
 

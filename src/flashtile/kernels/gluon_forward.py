@@ -531,24 +531,38 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     packed or paged sequences (any other keyword argument given as not None / nonzero counts as an
     unsupported feature, e.g. return_attn_probs=True)."""
     del causal, deterministic  # both masks are handled; the forward is deterministic anyway
-    if not _GLUON:
+    if not _GLUON or not options_supported(softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                           window_size=window_size, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                           block_table=block_table, **unsupported):
         return False
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        return False
+    if len({t.device for t in tensors}) != 1 or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return shapes_supported(q, k, v)
+
+
+def options_supported(*, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                      cu_seqlens_q=None, block_table=None, **unsupported) -> bool:
+    """The option half of ``supported`` (no tensor or device is looked at)."""
     if softmax_scale is not None and not softmax_scale > 0:  # the running max assumes scale > 0
         return False
     if dropout_p or softcap or alibi_slopes is not None or cu_seqlens_q is not None:
         return False
     if block_table is not None or tuple(window_size) != (-1, -1):
         return False
-    if any(value not in (None, 0, 0.0, False) for value in unsupported.values()):
-        return False
+    return all(value in (None, 0, 0.0, False) for value in unsupported.values())
+
+
+def shapes_supported(q, k, v) -> bool:
+    """The layout half of ``supported``: dtypes, shapes and TMA-addressable strides, on any device."""
     tensors = (q, k, v)
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
         return False
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if len({t.device for t in tensors}) != 1:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     batch, _, heads, head_dim = q.shape
     if head_dim not in (64, 128) or k.shape[-1] != head_dim or v.shape != k.shape:
