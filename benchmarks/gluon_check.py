@@ -9,12 +9,12 @@ protocol error waits forever) costs one phase and is reported instead of stallin
    sampled query rows, with the project's rule: max error <= 2x the error of the same textbook
    attention in the input dtype; LSE to fp32 rounding, +inf (and output 0) on rows that see no key.
    Outputs are filled with NaN before each call, and the whole output and LSE must come back free of
-   NaN (every row written). Cases: bf16/fp16, d64/d128, causal or not, Sq = Sk = 4096, Sq != Sk
+   NaN (every row written). Cases: bf16/fp16, d64/d128/d256, causal or not, Sq = Sk = 4096, Sq != Sk
    (bottom-right causal, including rows that see no key), odd lengths, GQA 32/8 and MQA, B = 2,
    a q sliced out of a packed qkv tensor.
 2. bench: triton.testing.do_bench medians of the Gluon variants that came through the check, the
    portable flashtile kernel and SDPA's cuDNN and FlashAttention-2 backends, at 16k tokens as
-   (B, S) = (8, 2k), (4, 4k), (2, 8k), (1, 16k), 16 heads, d128 and d64, causal and not.
+   (B, S) = (8, 2k), (4, 4k), (2, 8k), (1, 16k), 16 heads, d128, d256 and d64, causal and not.
    TFLOP/s = 4 * S^2 * D * H * B (halved for causal) / time.
 
 Writes $OUT/gluon-check.json and prints a compact table last.
@@ -234,7 +234,7 @@ def phase_bench(out_dir, checked):
     t_start = time.time()
     budget = PHASE_LIMITS["bench"] - 10
     torch.manual_seed(0)
-    for d in (128, 64):
+    for d in (128, 256, 64):
         for causal in (False, True):
             variants = [v for v in _variants() if v.head_dim == d and v.causal == causal
                         and v.dtype == "bf16" and checked.get(v.name) == "done"]
@@ -310,7 +310,7 @@ def _table(check, bench):
         short = {n: n.replace("gluon-", "").replace("-bf16", "")
                  + ("" if n in passed or not n.startswith("gluon") else " (FAILED CHECK)") for n in names}
         lines += ["", "TFLOP/s, bf16, 16 heads, 16k tokens (best checked gluon variant / cuDNN last):"]
-        for d in (128, 64):
+        for d in (128, 256, 64):
             for causal in (False, True):
                 sel = [p for p in points if p["d"] == d and p["causal"] == causal]
                 if not sel:

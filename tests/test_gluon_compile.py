@@ -27,7 +27,7 @@ def test_gluon_variants_compile_for_sm90():
 
 def test_variants_cover_every_default():
     names = {v.name for v in gluon_forward.GLUON_VARIANTS}
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for dtype in ("bf16", "fp16"):
             for causal in (False, True):
                 assert gluon_forward.default_variant(d, dtype, causal).name in names
