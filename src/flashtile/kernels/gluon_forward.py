@@ -42,6 +42,7 @@ This module imports on machines without a GPU; ``compile_for_sm90`` builds a var
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -114,6 +115,7 @@ def _tile_config(head_dim: int, causal: bool) -> dict:
     return {"block_n": block_n, "stages": stages, "persistent": causal or head_dim <= 64}
 
 
+@functools.lru_cache(maxsize=None)
 def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
     return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal))
 
@@ -582,6 +584,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # shared-memory layouts cost microseconds to build, on every call
 def _layouts(block_m: int, block_n: int, head_dim: int, torch_dtype):
     return (_smem_layout([1, block_m, 1, head_dim], torch_dtype),
             _smem_layout([1, block_n, 1, head_dim], torch_dtype))
@@ -630,7 +633,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     num_m_blocks = -(-seqlen_q // variant.block_m)
     work_tiles = num_m_blocks * heads * batch
     grid = (min(work_tiles, _sm_count(q.device)) if variant.persistent else work_tiles,)
-    with torch.cuda.device(q.device):
+    # Launches go to the current device: switch only when the inputs live on another one.
+    on_other_device = q.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         _attn_fwd_gluon[grid](
             q_desc, k_desc, v_desc, o_desc, lse, lse.stride(0), lse.stride(1),
             seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks, batch, softmax_scale * LOG2E,
