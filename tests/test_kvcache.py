@@ -221,3 +221,22 @@ def test_lengths_checked_again_after_an_in_place_change():
     lengths[1] = 49  # a cached check must notice the new version
     with pytest.raises(ValueError, match="cache holds 50 positions"):
         flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)
+
+
+@pytest.mark.parametrize("batch,heads_k,context,expected", [
+    (16, 2, 32768, 8),   # the target, 9 splits x 32 pairs = 288 programs, leaves 24 SMs with a third
+    (1, 8, 32768, 33),   # 264 programs: two full waves, kept
+    (1, 2, 32768, 128),  # the cap
+    (16, 8, 32768, 2),   # pairs fill the SMs: one wave of splits
+    (1, 8, 1024, 8),     # no split shorter than min_split_keys
+])
+def test_split_heuristic_fills_the_last_wave(monkeypatch, batch, heads_k, context, expected):
+    from flashtile.kernels import decode
+    monkeypatch.setitem(decode._SM_COUNTS, 0, 132)  # an H200
+    cfg = decode.DecodeConfig(32, 4, 4, waves=2, min_split_keys=128)
+    splits = decode.split_heuristic(batch, heads_k, context, torch.device("cuda", 0), cfg)
+    assert splits == expected
+    programs = splits * batch * heads_k
+    per_sm = programs / 132
+    if per_sm >= 1:  # full waves, or a last wave at least 90% full
+        assert per_sm / math.ceil(per_sm) >= 0.9

@@ -196,7 +196,8 @@ def _ring_forward(q, k, v, group, causal, scale, softcap, layout, geo: _Geometry
                 softmax_scale=scale, window_left=left, window_right=right, diag_offset=0,
                 softcap=softcap, **kw)
             if out is None:
-                assert step == 0 and q_part == "all"  # every layout's step 0 is the own shard, all rows
+                if q_part != "all":  # every layout's step 0 is the own shard, all rows
+                    raise RuntimeError(f"ring step {step} of rank {ring.rank} starts on part {q_part!r}")
                 out, lse = part, _no_keys_to_neginf(part_lse)
                 continue
             if out.dtype != torch.float32:
