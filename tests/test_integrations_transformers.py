@@ -151,3 +151,35 @@ def test_mask_is_read_once_per_forward(monkeypatch):
     mask[0, :5] = 0
     logits(ft, ids, attention_mask=mask)
     assert len(calls) == 1
+
+
+def test_decode_step_checks_a_signature_once(monkeypatch):
+    """A decode call whose shapes, strides, dtypes and options were validated goes straight to the
+    kernel, with the public function's result; a new signature is validated (and refused) again."""
+    import flashtile.integrations.transformers as integration
+
+    monkeypatch.setattr(integration, "_PREPARED_DECODE", {})
+    public = []
+    real = integration.interface.flash_attn_with_kvcache
+    monkeypatch.setattr(integration.interface, "flash_attn_with_kvcache",
+                        lambda *a, **k: public.append(1) or real(*a, **k))
+    module = torch.nn.Linear(1, 1).to(torch.bfloat16)
+    module.is_causal = True
+
+    def step(heads=4, heads_k=2, keys=37, dim=16):
+        q = torch.randn(3, heads, 1, dim, dtype=torch.bfloat16)
+        k, v = (torch.randn(3, heads_k, keys, dim, dtype=torch.bfloat16) for _ in range(2))
+        with torch.no_grad():
+            out, _ = integration.flashtile_attention_forward(module, q, k, v, None, scaling=0.3)
+            expected = real(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                            softmax_scale=0.3)
+        return out, expected
+
+    for calls in (1, 1, 1):
+        out, expected = step()
+        assert len(public) == calls  # the first call only
+        assert torch.equal(out, expected)
+    step(keys=38)
+    assert len(public) == 2
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        step(heads=3)

@@ -17,6 +17,7 @@ from .kernels.forward import interpreting
 from .kernels.rotary import rotate_and_append
 
 MAX_HEAD_DIM = 256
+_INTERPRETING = interpreting()
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -28,10 +29,11 @@ def _check_tensor(t, name: str, ndim: int, dtypes=_DTYPES) -> None:
         raise TypeError(f"{name} must be {allowed}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if interpreting():
-        if t.device.type != "cpu":
+    # is_cpu / is_cuda: reading t.device builds an object, microseconds per decode step and layer.
+    if _INTERPRETING:
+        if not t.is_cpu:
             raise ValueError(f"{name} is on {t.device}, but TRITON_INTERPRET=1 runs kernels on CPU tensors")
-    elif t.device.type != "cuda":
+    elif not t.is_cuda:
         raise ValueError(f"{name} is on {t.device}: flashtile needs CUDA tensors "
                          "(or TRITON_INTERPRET=1 to run the kernels on the CPU)")
     if t.shape[-1] > 0 and t.stride(-1) != 1:
@@ -57,7 +59,7 @@ def _check_attention_match(q, k, v, k_shape, v_shape, names, kv_dtype=None) -> N
                 raise TypeError(f"{n} has dtype {t.dtype}: {kn} and {vn} must both be {kv_dtype}")
         elif t.dtype != q.dtype:
             raise TypeError(f"{n} has dtype {t.dtype} but {qn} has {q.dtype}: they must match")
-        if t.device != q.device:
+        if t.get_device() != q.get_device():  # an int, cheaper than comparing t.device objects
             raise ValueError(f"{n} is on {t.device} but {qn} is on {q.device}")
     batch, _, heads, head_dim = q.shape
     if k_shape != v_shape:
@@ -532,7 +534,8 @@ def _full_lengths(batch: int, value: int, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return torch.full((batch,), value, dtype=torch.int32, device=device)
-        stream = torch.cuda.current_stream(device)
+        # The raw handle: torch.cuda.current_stream builds a Stream object, microseconds per layer.
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
     global _FULL_LENGTHS
     key = (batch, value, device, stream)
     held_key, held = _FULL_LENGTHS
@@ -725,7 +728,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             lengths = lengths + new_tokens
     out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
                            scale, left, right, softcap, num_splits, cache_leftpad,
-                           k_descale if fp8_cache else None, v_descale if fp8_cache else None)
+                           k_descale if fp8_cache else None, v_descale if fp8_cache else None,
+                           need_lse=bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .kernels.backward import attention_backward
+from .kernels.decode import decode_attention
 from .kernels.forward import attention_forward
 
 
@@ -137,8 +138,9 @@ attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)
 
 def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
             softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
-            cache_leftpad=None, k_descale=None, v_descale=None):
-    """The decode as ``flash_attn_with_kvcache`` calls it.
+            cache_leftpad=None, k_descale=None, v_descale=None, need_lse: bool = True):
+    """The decode as ``flash_attn_with_kvcache`` calls it; (out, lse), lse None when not
+    ``need_lse`` and the kernel could skip it.
 
     As ``forward``: eager calls go straight to the launcher, since the custom-op dispatcher costs
     tens of microseconds on the host, paid by every layer at every decode step. Under torch.compile,
@@ -152,19 +154,18 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, al
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
             or (alibi_slopes is not None and alibi_slopes.requires_grad))):
         return attn_kvcache(*args)
-    return _attn_kvcache_impl(*args)
+    return _attn_kvcache_impl(*args, need_lse=need_lse)
 
 
 def _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
                        alibi_slopes, softmax_scale, window_left, window_right, softcap, num_splits,
-                       cache_leftpad, k_descale=None, v_descale=None):
-    from .kernels.decode import decode_attention
-
+                       cache_leftpad, k_descale=None, v_descale=None, need_lse=True):
     return decode_attention(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                             window_left=window_left, window_right=window_right, softcap=softcap,
                             alibi_slopes=alibi_slopes, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                            num_splits=num_splits, k_descale=k_descale, v_descale=v_descale)
+                            num_splits=num_splits, k_descale=k_descale, v_descale=v_descale,
+                            need_lse=need_lse)
 
 
 @torch.library.custom_op("flashtile::attn_kvcache", mutates_args=(), device_types=("cuda", "cpu"))

@@ -580,11 +580,23 @@ def run_case(case: DecodeCase, device: torch.device, seed: int) -> dict:
     if case.page_size is not None:
         k, v, table = paginate(k, v, case.page_size, gen)
     lengths = torch.tensor(case.lengths, dtype=torch.int32, device=device)
-    out, lse = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
+
+    def call():
+        return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
                                                  causal=True, num_splits=case.num_splits,
                                                  return_softmax_lse=True)
+    out, lse = call()
+    same = True
+    if device.type == "cuda":
+        # The first call of a signature goes through Triton's JIT, later ones straight to the
+        # compiled kernel (kernels/launch.py): the judged output is a later call's, bit for bit the first's.
+        first_out, first_lse = out, lse
+        out, lse = call()
+        same = torch.equal(out, first_out) and torch.equal(lse, first_lse)
     exact, exact_lse, low = reference_decode(q, k, v, table, case.lengths)
-    return {**case.as_dict(), "label": case.label(), **_judge(out, lse, exact, exact_lse, low),
+    judged = _judge(out, lse, exact, exact_lse, low)
+    judged["passed"] = judged["passed"] and same
+    return {**case.as_dict(), "label": case.label(), **judged, "repeat_identical": same,
             "seconds": round(time.perf_counter() - start, 3), "error": None}
 
 

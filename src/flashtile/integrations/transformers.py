@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import interface
+from ..kernels import decode
 
 try:
     from transformers import AttentionInterface
@@ -112,6 +113,30 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
     return interface.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
+# Decode calls flash_attn_with_kvcache has validated, by signature -> the decode prepared for them.
+# generate calls every layer with the same shapes at each step, and the host time of a decode step is
+# the time per token (transformers' loop is host-bound at small batch): a call whose shapes, strides,
+# dtypes, devices and options were checked already goes straight to the decode kernel's launch.
+_PREPARED_DECODE: dict = {}
+_MAX_PREPARED = 256
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _decode_signature(module, query, key, value, dropout, scaling, sliding_window, softcap, kwargs):
+    """The key of a call that may take the prepared decode, or None."""
+    if (query.shape[2] > DECODE_MAX_QUERY or torch.is_grad_enabled() or query.dtype not in _HALF
+            or torch.compiler.is_compiling() or kwargs.get("cu_seq_lens_q") is not None
+            or kwargs.get("position_ids") is not None and query.shape[0] == 1 and query.shape[2] > 1):
+        return None
+    is_causal = kwargs.get("is_causal")
+    # Under CUDA graph capture a decode plans differently (split for the GPU, not the host).
+    return (query.shape, query.stride(), query.dtype, key.shape, key.stride(), key.dtype, value.shape,
+            value.stride(), value.dtype, query.get_device(), key.get_device(), value.get_device(),
+            scaling, bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
+            sliding_window, softcap, float(dropout) if module.training else 0.0,
+            query.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: torch.Tensor | None,
                                 dropout: float = 0.0, scaling: float | None = None,
@@ -124,7 +149,17 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                   "head masks; use attn_implementation='eager' for those")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("flashtile attention does not support attention sinks (s_aux)")
-    if attention_mask is not None and attention_mask.dim() != 2:
+    signature = None
+    if attention_mask is None:
+        signature = _decode_signature(module, query, key, value, dropout, scaling, sliding_window,
+                                      softcap, kwargs)
+        prepared = _PREPARED_DECODE.get(signature) if signature is not None else None
+        if prepared is not None:
+            # The launch reads only the data pointers of query/key/value (the same as their
+            # (B, S, H, D) views'); the strides are in the plan, taken from those views.
+            lengths = interface._full_lengths(query.shape[0], key.shape[2], query.device)
+            return decode.run_decode(prepared, query, key, value, lengths)[0], None
+    elif attention_mask.dim() != 2:
         raise ValueError("flashtile attention takes transformers' 2-D padding mask; got a "
                          f"{attention_mask.dim()}-D mask (is the model's mask function registered?)")
     is_causal = kwargs.pop("is_causal", None)
@@ -135,7 +170,10 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     dtype = _target_dtype(module, query.dtype)
     # flash_attn's layout (B, S, H, D): transposed views, no copies. (.to only when the dtype
     # differs: even a no-op .to costs microseconds, per layer and decode step.)
-    q, k, v = ((t if t.dtype == dtype else t.to(dtype)).transpose(1, 2) for t in (query, key, value))
+    if query.dtype == key.dtype == value.dtype == dtype:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    else:
+        q, k, v = (t.to(dtype).transpose(1, 2) for t in (query, key, value))
     kw = dict(softmax_scale=scaling, causal=bool(is_causal), window_size=_window(sliding_window),
               softcap=float(softcap or 0.0))
     dropout_p = float(dropout) if module.training else 0.0
@@ -161,7 +199,16 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if attention_mask is None:
         if decode_step:
             # A decode step: split-KV over the cache (any strides of the last dim 1 are fine).
-            out = interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=k_len, **kw)
+            out = interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=k_len, **kw)  # checks all
+            if signature is not None and query.dtype == key.dtype == value.dtype == dtype:
+                left, right = _window(sliding_window)
+                if kw["causal"]:
+                    right = 0
+                if len(_PREPARED_DECODE) >= _MAX_PREPARED:
+                    _PREPARED_DECODE.clear()
+                _PREPARED_DECODE[signature] = decode.prepare_decode(
+                    q, k, v, softmax_scale=head_dim ** -0.5 if scaling is None else float(scaling),
+                    window_left=left, window_right=right, softcap=kw["softcap"], need_lse=False)
         else:
             out = interface.flash_attn_func(q, k, v, dropout_p=dropout_p, **kw)
         return out, None

@@ -12,8 +12,10 @@ be captured in a CUDA graph and replayed as the lengths grow.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,6 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import key_blocks
 from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting
+from .launch import launch
 
 
 @triton.jit
@@ -39,7 +42,8 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
-                 EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0):
+                 EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
+                 WRITE_LSE: tl.constexpr = True):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -139,7 +143,8 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     lr_ptrs = Lse + batch.to(tl.int64) * stride_lrb + head.to(tl.int64) * stride_lrh + qi
     if not SPLIT:  # the whole row in one program: no partials, no merge
         tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=q_ok)
-        tl.store(lr_ptrs, tl.where(seen, lse, EMPTY_LSE), mask=row_ok)
+        if WRITE_LSE:
+            tl.store(lr_ptrs, tl.where(seen, lse, EMPTY_LSE), mask=row_ok)
     else:
         # A split that saw nothing: output 0 and LSE -inf, so the merge gives it no weight.
         o_ptrs = (OutPart + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
@@ -198,8 +203,10 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+@functools.lru_cache(maxsize=1024)
 def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) -> dict:
-    """The combine kernel's constexprs and launch options."""
+    """The combine kernel's constexprs and launch options (one dict per value: ``launch`` keys
+    options by identity; never mutated)."""
     return dict(SPLITS_PAD=max(2, _next_power_of_2(splits)), HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse, PDL=pdl,
                 **({"launch_pdl": True} if pdl else {}))
@@ -207,9 +214,9 @@ def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) ->
 
 def _launch_combine(out_partial, lse_partial, out, lse, options: dict) -> None:
     splits, batch, seqlen_q, heads, _ = out_partial.shape
-    _combine[(seqlen_q, heads, batch)](
-        out_partial, lse_partial, out, lse, splits, *out_partial.stride()[:4], *lse_partial.stride()[:3],
-        *out.stride()[:3], *lse.stride()[:2], **options)
+    launch(_combine, (seqlen_q, heads, batch), (out_partial, lse_partial, out, lse),
+           (splits, *out_partial.stride()[:4], *lse_partial.stride()[:3], *out.stride()[:3],
+            *lse.stride()[:2]), options)
 
 
 @dataclass(frozen=True)
@@ -280,13 +287,19 @@ def _sm_count(device: torch.device) -> int:
 # call of every layer. transformers' growing cache changes the capacity at each step, hence the bound.
 _PLANS: dict = {}
 _MAX_PLANS = 1024
+# Eager calls with at most this many K+V bytes per (sequence, KV head) run unsplit, in one launch.
+EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
-          config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache):
+          config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
+          one_launch, write_lse):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
     cfg = config or decode_config(paged, device, batch * heads_k)
-    splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, device, cfg)
+    if one_launch:
+        splits = 1
+    else:
+        splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, device, cfg)
     # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
     upcast = interpreting() and dtype == torch.bfloat16
     pdl = cfg.pdl and not interpreting() and device.type == "cuda" and _arch(
@@ -301,17 +314,114 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=(2 if cfg.page_prefetch else 1) if paged else 0, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
-        FP8=2 if fp8_cache else 0,
+        FP8=2 if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
     return splits, upcast, kernel, merge
+
+
+class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attention call, cheaply
+    """What a decode call works out on the host from its signature (shapes, strides, dtypes, device,
+    options): valid for every call with the same signature, so a caller that knows its calls repeat
+    (a model's layers at each step) prepares once and runs many times."""
+    splits: int
+    upcast: bool
+    kernel_options: dict
+    combine_options: dict | None
+    scalars: tuple  # the decode kernel's scalar arguments
+    out_shape: tuple
+    lse_shape: tuple | None  # None: the LSE is not written
+    grid: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                   softmax_scale: float, window_left: int, window_right: int, softcap: float = 0.0,
+                   alibi_slopes=None, block_table=None, cache_batch_idx=None, cache_leftpad=None,
+                   num_splits: int = 0, config: DecodeConfig | None = None, k_descale=None,
+                   need_lse: bool = True) -> PreparedDecode:
+    """decode_attention's host work for one signature; see ``run_decode``."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    heads_k = k_cache.shape[2]
+    paged = block_table is not None
+    if paged:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    device = q.device
+    # Outside CUDA graphs every launch costs the host ~20 us (more than the GPU time of the whole
+    # decode at this size): when one program per (sequence, KV head) reads so little, skip the split
+    # and its merge.
+    one_launch = (num_splits == 0 and device.type == "cuda"
+                  and capacity * head_dim * k_cache.element_size() <= EAGER_ONE_LAUNCH_BYTES // 2
+                  and not torch.cuda.is_current_stream_capturing())
+    key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
+           config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
+           cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
+           one_launch, need_lse)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(*key)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    splits, upcast, kernel_options, combine_options = plan
+    if softcap > 0:
+        qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
+    else:
+        qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
+    write_lse = need_lse or splits > 1
+    # Strides of the contiguous tensors run_decode allocates: out (B, Sq, H, D), lse (B, H, Sq),
+    # partials (splits, B, Sq, H, D) and (splits, B, H, Sq).
+    row = seqlen_q * heads * head_dim
+    out_strides = (row, heads * head_dim, head_dim)
+    lse_strides = (heads * seqlen_q, seqlen_q) if write_lse else (0, 0)
+    part_strides = (batch * row, row, heads * head_dim, head_dim) if splits > 1 else (0, 0, 0, 0)
+    lse_part_strides = (batch * heads * seqlen_q, heads * seqlen_q, seqlen_q) if splits > 1 else (0, 0, 0)
+    scalars = (
+        *(k_descale.stride() if k_descale is not None else (0, 0, 0)), *q.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *part_strides, *lse_part_strides, *out_strides,
+        *lse_strides, block_table.stride(0) if paged else 0,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        seqlen_q, capacity, heads // heads_k, max(window_left, 0), max(window_right, 0), qk_scale,
+        softcap_in, k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
+        block_table.shape[1] if paged else 0)
+    return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
+                          (batch, seqlen_q, heads, head_dim),
+                          (batch, heads, seqlen_q) if write_lse else None, (splits, batch, heads_k),
+                          q.dtype, device)
+
+
+def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None,
+               cache_leftpad=None, block_table=None, alibi_slopes=None, k_descale=None, v_descale=None):
+    """The launches of a prepared decode, for tensors with the signature it was prepared for
+    (the caller's guarantee). Returns (out, lse or None)."""
+    out = torch.empty(p.out_shape, dtype=torch.float32 if p.upcast else p.dtype, device=p.device)
+    lse = None if p.lse_shape is None else torch.empty(p.lse_shape, dtype=torch.float32,
+                                                        device=p.device)
+    if out.numel() == 0:
+        return out.to(p.dtype), lse
+    if p.splits > 1:
+        out_partial = torch.empty(p.splits, *p.out_shape, dtype=torch.float32, device=p.device)
+        lse_partial = torch.empty(p.splits, *p.lse_shape, dtype=torch.float32, device=p.device)
+    else:
+        out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
+    tensors = (q, k_cache, v_cache, out_partial, lse_partial, out, out if lse is None else lse,
+               cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale,
+               v_descale)
+    launch(_attn_decode, p.grid, tensors, p.scalars, p.kernel_options)
+    if p.splits > 1:
+        _launch_combine(out_partial, lse_partial, out, lse, p.combine_options)
+    return (out.to(p.dtype) if p.upcast else out), lse
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, *, softmax_scale: float, window_left: int,
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
-                     config: DecodeConfig | None = None, k_descale=None, v_descale=None):
+                     config: DecodeConfig | None = None, k_descale=None, v_descale=None,
+                     need_lse: bool = True):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -321,56 +431,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows that see no key, as the forward).
 
     An e4m3 cache takes ``k_descale``/``v_descale`` float32, shaped like the cache without its head
-    dim (one per key and KV head, any strides, one layout for both).
+    dim (one per key and KV head, any strides, one layout for both). With ``need_lse=False`` the LSE
+    may be left unwritten and None is returned in its place.
     """
-    batch, seqlen_q, heads, head_dim = q.shape
-    heads_k = k_cache.shape[2]
-    group = heads // heads_k
-    paged = block_table is not None
-    if paged:
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
-    device = q.device
-    key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
-           config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
-           cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan(*key)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    splits, upcast, kernel_options, combine_options = plan
-    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=torch.float32 if upcast else q.dtype,
-                      device=device)
-    lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=device)
-    if out.numel() == 0:
-        return out.to(q.dtype), lse
-    if splits > 1:
-        out_partial = torch.empty(splits, batch, seqlen_q, heads, head_dim, dtype=torch.float32,
-                                  device=device)
-        lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=device)
-    else:
-        out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
-    if softcap > 0:
-        qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
-    else:
-        qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
-    k_strides = k_cache.stride()
-    v_strides = v_cache.stride()
-    part_strides = out_partial.stride()[:4] if splits > 1 else (0, 0, 0, 0)
-    lse_part_strides = lse_partial.stride()[:3] if splits > 1 else (0, 0, 0)
-    _attn_decode[(splits, batch, heads_k)](
-        q, k_cache, v_cache, out_partial, lse_partial, out, lse, cache_seqlens,
-        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale, v_descale,
-        *(k_descale.stride() if k_descale is not None else (0, 0, 0)), *q.stride()[:3], *k_strides[:3],
-        *v_strides[:3], *part_strides, *lse_part_strides, *out.stride()[:3], *lse.stride()[:2],
-        block_table.stride(0) if paged else 0,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        seqlen_q, capacity, group, max(window_left, 0), max(window_right, 0), qk_scale, softcap_in,
-        k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
-        block_table.shape[1] if paged else 0, **kernel_options)
-    if splits > 1:
-        _launch_combine(out_partial, lse_partial, out, lse, combine_options)
-    return (out.to(q.dtype) if upcast else out), lse
+    prepared = prepare_decode(q, k_cache, v_cache, softmax_scale=softmax_scale,
+                              window_left=window_left, window_right=window_right, softcap=softcap,
+                              alibi_slopes=alibi_slopes, block_table=block_table,
+                              cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                              num_splits=num_splits, config=config, k_descale=k_descale,
+                              need_lse=need_lse)
+    return run_decode(prepared, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                      block_table, alibi_slopes, k_descale, v_descale)

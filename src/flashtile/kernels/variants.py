@@ -234,7 +234,8 @@ def decode_variants() -> list[Variant]:
 
 def compile_decode(variant: Variant, arch: int) -> list:
     """Compile the split-KV decode kernel (8 query heads per KV head, one query) writing partials
-    and writing the output directly (one split), and the combine kernel that merges partials."""
+    and writing the output directly (one split; its LSE on the paged variants only, as a call
+    without return_softmax_lse), and the combine kernel that merges partials."""
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
@@ -247,8 +248,10 @@ def compile_decode(variant: Variant, arch: int) -> list:
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     stages = 3 if variant.paged else 2
-    return [_compile(_attn_decode, {**decode, "SPLIT": True}, variant, arch, 4, stages, cache),
-            _compile(_attn_decode, {**decode, "SPLIT": False}, variant, arch, 4, stages, cache),
+    return [_compile(_attn_decode, {**decode, "SPLIT": True, "WRITE_LSE": True}, variant, arch, 4,
+                     stages, cache),
+            _compile(_attn_decode, {**decode, "SPLIT": False, "WRITE_LSE": variant.paged}, variant, arch,
+                     4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90}, variant, arch, 4, 1)]
 
 
