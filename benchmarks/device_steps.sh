@@ -4,7 +4,7 @@
 #
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
-# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode, paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8-quick,
+# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8-quick,
 # tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check, decode-host. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
@@ -24,6 +24,7 @@ command_for() {
         train-quick) echo "python -m flashtile bench train --quick --out $OUT" ;;
         train-extras) echo "python -c \"import torch, flashtile.bench.check as c; c.run_training_extras(torch.device('cuda'))\"" ;;
         decode) echo "python -m flashtile bench decode --out $OUT" ;;
+        decode-quick) echo "python -m flashtile bench decode --quick --out $OUT" ;;
         paged) echo "python -m flashtile bench paged --out $OUT" ;;
         decode-fp8) echo "python -m flashtile bench decode-fp8 --out $OUT" ;;
         decode-fp8-quick) echo "python -m flashtile bench decode-fp8 --quick --out $OUT" ;;
