@@ -10,7 +10,7 @@ through the JIT, which compiles and picks the kernel; the key is at least as fin
 the kernel found for it is the kernel the JIT would have launched.
 
 The JIT path is kept when kernels run in the interpreter, when Triton's launch hooks are set (a
-profiler such as proton needs them) and with ``FLASHTILE_DIRECT_LAUNCH=0``.
+profiler such as proton needs them), with a Triton other than 3.6 and with ``FLASHTILE_DIRECT_LAUNCH=0``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 from triton import knobs
 
 from .forward import interpreting
 
-ENABLED = os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") not in ("", "0")
+# The launcher's calling convention and the JIT's caches are Triton internals: used only with the
+# Triton release this was written and checked against (3.6), the JIT's path with any other.
+ENABLED = (os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") not in ("", "0")
+           and triton.__version__.split(".")[:2] == ["3", "6"])
 
 # key -> (compiled kernel, the arguments the launcher takes after the call's own: constexprs and
 # defaulted parameters, as Triton's binder ordered them). Bounded: transformers' growing cache gives
