@@ -201,13 +201,12 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             # A decode step: split-KV over the cache (any strides of the last dim 1 are fine).
             out = interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=k_len, **kw)  # checks all
             if signature is not None and query.dtype == key.dtype == value.dtype == dtype:
-                left, right = _window(sliding_window)
-                if kw["causal"]:
-                    right = 0
+                # The same resolution of scale and window as the validated call's.
+                left, right = interface._check_window(kw["window_size"], kw["causal"])
                 if len(_PREPARED_DECODE) >= _MAX_PREPARED:
                     _PREPARED_DECODE.clear()
                 _PREPARED_DECODE[signature] = decode.prepare_decode(
-                    q, k, v, softmax_scale=head_dim ** -0.5 if scaling is None else float(scaling),
+                    q, k, v, softmax_scale=interface._check_scale(scaling, head_dim),
                     window_left=left, window_right=right, softcap=kw["softcap"], need_lse=False)
         else:
             out = interface.flash_attn_func(q, k, v, dropout_p=dropout_p, **kw)
