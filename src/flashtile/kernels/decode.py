@@ -164,6 +164,9 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
              EMPTY_LSE: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # resident while the splits finish; reads their partials only after they all have
         gdc_wait()
+        # The next kernel may launch now: it waits for this grid in its turn, and its programs
+        # start without a launch's delay (B1 32/8: 12.2-12.5 -> 12.0 us at 4k, 40.6 -> 40.2 at 32k).
+        gdc_launch_dependents()
     qi = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)

@@ -1,0 +1,222 @@
+"""Where a batch-1 decode step's time goes on the GPU: the split kernel alone, the merge, kernel
+boundaries, and plain read kernels with the same grid (what streaming the same bytes costs without
+attention math).
+
+    PYTHONPATH=src python benchmarks/decode_probe.py --out $OUT
+
+Each variant runs as a CUDA graph over L layers with their own caches (>= 1 GiB, as ``bench decode``)
+and is timed with do_bench (median) / L. Writes decode-probe.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from flashtile.bench.decode import LayerCaches, Point, build_replay, layers_for, measure_ceiling, \
+    shuffled_block_table
+from flashtile.kernels import decode as dec
+from flashtile.kernels.launch import launch
+
+
+@triton.jit
+def _read_tiles(K, V, Out, seqlen, stride_kb, stride_ks, stride_kh, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    chunk = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), tl.num_programs(0)) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        at = base + (start + offs_n)[:, None].to(tl.int64) * stride_ks + offs_d[None, :]
+        acc += tl.load(K + at).to(tl.float32) + tl.load(V + at).to(tl.float32)
+    pid = (b * tl.num_programs(2) + h) * tl.num_programs(0) + split
+    tl.store(Out + pid, tl.sum(acc))
+
+
+@triton.jit
+def _touch(X, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    tl.store(X + tl.program_id(0), tl.program_id(0))
+
+
+def time_layers(call, layers, device):
+    call(0)
+    replay = build_replay(call, layers, device)
+    ms = triton.testing.do_bench(replay, warmup=25, rep=150, return_mode="median")
+    del replay
+    return ms * 1e3 / layers
+
+
+def probe_paged(point, page_sizes, device, ceiling):
+    """Paged against contiguous with the same tile configs: shuffled block tables (as ``bench paged``)
+    and identity tables (pages in memory order), to tell the gather's own cost from the cost of
+    scattered pages."""
+    layers = layers_for(point)
+    caches = LayerCaches.allocate(point, layers, device)
+    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    scale = point.head_dim ** -0.5
+    rows = []
+    base = dec.decode_config(False, device, point.batch * point.heads_k)
+    splits = dec.split_heuristic(point.batch, point.heads_k, point.context, device, base)
+    layouts = [("contiguous", 0, None)]
+    for page in page_sizes:
+        pages = point.context // page
+        layouts.append((f"P{page} shuffled", page, shuffled_block_table(point.batch, pages, device)))
+        layouts.append((f"P{page} in order", page, torch.arange(point.batch * pages, device=device,
+                                                                dtype=torch.int32).view(point.batch, pages)))
+    for name, page, table in layouts:
+        for block_n, stages, prefetch in ((32, 4, 1), (64, 3, 1), (64, 3, 0), (128, 2, 1)):
+            if not page and prefetch == 0:
+                continue
+            cfg = dec.DecodeConfig(block_n, 4, stages, pdl=False, page_prefetch=bool(prefetch))
+
+            def call(layer, page=page, table=table, cfg=cfg):
+                k, v = caches.pools(layer, page) if page else caches.nhd(layer)
+                return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
+                                            window_right=0, block_table=table, config=cfg,
+                                            num_splits=splits, need_lse=False)[0]
+            us = time_layers(call, layers, device)
+            gbps = nbytes / us / 1e3
+            label = f"{name} n{block_n} s{stages} prefetch{prefetch}"
+            rows.append({"variant": label, "splits": splits, "us_per_layer": us, "gbps": gbps,
+                         "pct": 100 * gbps / ceiling})
+            print(f"  {label:40s} splits {splits:3d} {us:8.1f} us {gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}%",
+                  flush=True)
+    return {"point": point.__dict__, "layers": layers, "bytes_per_layer": nbytes, "rows": rows}
+
+
+def probe_point(point, page, device, ceiling):
+    layers = layers_for(point)
+    caches = LayerCaches.allocate(point, layers, device)
+    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    table = shuffled_block_table(point.batch, point.context // page, device) if page else None
+    scale = point.head_dim ** -0.5
+    rows = []
+
+    def record(name, us, **info):
+        gbps = nbytes / us / 1e3
+        rows.append({"variant": name, "us_per_layer": us, "gbps": gbps, "pct": 100 * gbps / ceiling, **info})
+        print(f"  {name:48s} {us:8.1f} us {gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}%", flush=True)
+
+    def kv(layer):
+        return caches.pools(layer, page) if page else caches.nhd(layer)
+
+    def full(cfg=None, splits=0):
+        def call(layer):
+            k, v = kv(layer)
+            return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
+                                        window_right=0, block_table=table, config=cfg,
+                                        num_splits=splits, need_lse=False)[0]
+        return call
+
+    record("default", time_layers(full(), layers, device))
+    k0, v0 = kv(0)
+    p = dec.prepare_decode(q, k0, v0, softmax_scale=scale, window_left=-1, window_right=0,
+                           block_table=table, need_lse=False)
+    default_splits = p.splits
+    rows[-1]["splits"] = default_splits
+
+    def split_only(layer):
+        k, v = kv(layer)
+        outp = torch.empty(p.splits, *p.out_shape, dtype=torch.float32, device=device)
+        lsep = torch.empty(p.splits, *p.lse_shape, dtype=torch.float32, device=device)
+        out = torch.empty(p.out_shape, dtype=p.dtype, device=device)
+        lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
+        launch(dec._attn_decode, p.grid, (q, k, v, outp, lsep, out, lse, lengths, None, None, table,
+                                          None, None, None, None), p.scalars, p.kernel_options)
+        return out
+
+    if p.splits > 1:
+        record("split kernel only (no merge)", time_layers(split_only, layers, device), splits=p.splits)
+
+    configs = [(32, 4, 4, True), (32, 4, 4, False), (64, 4, 3, True), (64, 4, 4, True), (64, 8, 4, True),
+               (128, 8, 3, True), (16, 4, 6, True)]
+    split_counts = sorted({default_splits, max(1, default_splits // 2), 2 * default_splits})
+    for block_n, warps, stages, pdl in configs:
+        for splits in split_counts:
+            cfg = dec.DecodeConfig(block_n, warps, stages, pdl=pdl and not page)
+            try:
+                us = time_layers(full(cfg, splits), layers, device)
+            except Exception as exc:  # a config that does not fit
+                print(f"  cfg {block_n},{warps},{stages} splits {splits}: {type(exc).__name__}")
+                continue
+            record(f"cfg n{block_n} w{warps} s{stages} pdl{int(pdl)} splits{splits}", us,
+                   block_n=block_n, warps=warps, stages=stages, pdl=pdl, splits=splits)
+
+    if not page:
+        sink = torch.empty(1 << 16, dtype=torch.float32, device=device)
+        for block_n, stages in ((32, 4), (64, 3), (64, 4)):
+            for splits in split_counts:
+                grid = (splits, point.batch, point.heads_k)
+
+                def read(layer, grid=grid, block_n=block_n, stages=stages):
+                    k, v = caches.nhd(layer)
+                    _read_tiles[grid](k, v, sink, point.context, k.stride(0), k.stride(1), k.stride(2),
+                                      BLOCK_N=block_n, HEAD_DIM=point.head_dim, PDL=True,
+                                      num_warps=4, num_stages=stages, launch_pdl=True)
+                record(f"read tiles n{block_n} s{stages} grid {grid}", time_layers(read, layers, device))
+        for programs in (132, 264, 528):
+            def flat(layer, programs=programs):
+                k, v = caches.k[layer].view(1, -1, 1, 128), caches.v[layer].view(1, -1, 1, 128)
+                _read_tiles[(programs, 1, 1)](k, v, sink, k.shape[1], 0, 128, 0, BLOCK_N=32, HEAD_DIM=128,
+                                              PDL=True, num_warps=4, num_stages=4, launch_pdl=True)
+            record(f"read flat chunks, {programs} programs", time_layers(flat, layers, device))
+        for pdl in (False, True):
+            def touch2(layer, pdl=pdl):
+                for _ in range(2):
+                    _touch[(264,)](sink, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            us = time_layers(touch2, layers, device)
+            rows.append({"variant": f"two empty kernels pdl{int(pdl)}", "us_per_layer": us})
+            print(f"  two empty kernels pdl{int(pdl)}: {us:.2f} us per layer", flush=True)
+    return {"point": point.__dict__ if hasattr(point, "__dict__") else str(point), "page": page,
+            "layers": layers, "bytes_per_layer": nbytes, "rows": rows}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--mode", choices=("where", "paged"), default="where")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    ceiling = measure_ceiling(device)["sum_gbps"]
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    results = []
+    if args.mode == "where":
+        points = [(1, 32, 8, 32768, 0), (1, 32, 8, 4096, 0), (1, 32, 8, 131072, 0),
+                  (16, 32, 8, 32768, 0), (1, 32, 8, 32768, 16), (1, 12, 2, 32768, 0),
+                  (1, 12, 2, 32768, 16)]
+    else:
+        points = [(1, 32, 8, 32768, (16, 256, 1)), (16, 32, 8, 16384, (16,)), (1, 12, 2, 32768, (16,))]
+    probe = probe_point if args.mode == "where" else probe_paged
+    for (batch, heads, heads_k, context, page) in points:
+        point = Point("probe", batch, heads, heads_k, context)
+        print(f"B{batch} {heads}/{heads_k} ctx{context} page{page}", flush=True)
+        results.append(probe(point, page, device, ceiling))
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, f"decode-probe-{args.mode}.json"), "w") as f:
+            json.dump({"ceiling_gbps": ceiling, "points": results}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
