@@ -66,6 +66,8 @@ def test_options_supported_turns_away(options):
 def test_shapes_supported_accepts_gqa_bf16_and_fp16():
     assert gluon_forward.shapes_supported(*_qkv(heads=8, heads_k=2))
     assert gluon_forward.shapes_supported(*_qkv(dtype=torch.float16, d=64))
+    assert gluon_forward.shapes_supported(*_qkv(d=256))
+    assert not gluon_forward.shapes_supported(*_qkv(d=256), head_dims=(64, 128))
 
 
 @pytest.mark.parametrize("case", ["float32", "head_dim_96", "mixed_dtypes", "heads_not_multiple", "3d",

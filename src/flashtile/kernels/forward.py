@@ -430,7 +430,7 @@ def _tma_eligible(tensors, strides) -> bool:
 
 
 # The Hopper (sm_90) forward in Gluon runs wherever it applies (gluon_forward.supported: bf16/fp16,
-# head dim 64/128, full or bottom-right causal, nothing else); FLASHTILE_GLUON=0 keeps every call on
+# head dims 64/128/256, full or bottom-right causal, nothing else); FLASHTILE_GLUON=0 keeps every call on
 # the portable Triton kernel.
 GLUON_ENABLED = os.environ.get("FLASHTILE_GLUON", "1") not in ("", "0")
 

@@ -131,10 +131,12 @@ def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
     return out
 
 
+# The head dims ``supported`` hands to the Gluon kernel; gluon_check.py checks every shipped
+# variant on an H200 (head dim 256 too, whether dispatched or not).
+HEAD_DIMS = (64, 128, 256)
+
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
-# runs), then the alternates. The compile test covers all of them. Head dim 256 compiles (no spills)
-# but has not run on a GPU yet, so ``supported`` keeps it on the Triton kernel; gluon_check.py checks
-# and times it.
+# runs), then the alternates. The compile test covers all of them.
 GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in ("bf16", "fp16")
                    for c in (False, True)]
                   + [alt for d in (128, 64) for c in (False, True) for alt in _alternates(d, c)])
@@ -531,7 +533,7 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
               alibi_slopes=None, cu_seqlens_q=None, block_table=None, deterministic: bool = False,
               **unsupported) -> bool:
     """Whether ``gluon_attention_forward`` handles these inputs: (B, S, H, D) CUDA tensors on a
-    compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim 64 or 128, H a multiple of
+    compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim in HEAD_DIMS, H a multiple of
     Hk, rows TMA can address (16-byte aligned bases, positive 16-byte multiple strides, contiguous
     head dim), a positive softmax scale, and none of dropout, sliding window, softcap, ALiBi,
     packed or paged sequences (any other keyword argument given as not None / nonzero counts as an
@@ -563,7 +565,7 @@ def options_supported(*, softmax_scale: float | None = None, dropout_p: float = 
     return all(value in (None, 0, 0.0, False) for value in unsupported.values())
 
 
-def shapes_supported(q, k, v) -> bool:
+def shapes_supported(q, k, v, head_dims: tuple = HEAD_DIMS) -> bool:
     """The layout half of ``supported``: dtypes, shapes and TMA-addressable strides, on any device."""
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
@@ -571,7 +573,7 @@ def shapes_supported(q, k, v) -> bool:
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     batch, _, heads, head_dim = q.shape
-    if head_dim not in (64, 128) or k.shape[-1] != head_dim or v.shape != k.shape:
+    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape != k.shape:
         return False
     if k.shape[0] != batch or k.shape[2] == 0 or heads % k.shape[2]:
         return False
