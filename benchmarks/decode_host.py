@@ -4,8 +4,9 @@ every microsecond per layer is a microsecond per token):
     PYTHONPATH=src python benchmarks/decode_host.py [--out DIR]
 
 1. Direct launches (kernels/launch.py) against Triton's JIT: for several decode configurations (one
-   launch, split + merge, pages, an e4m3 cache, left padding, with and without the LSE) the output of
-   the JIT launch and of two later direct launches must be bitwise equal.
+   launch, split + merge, pages, an e4m3 cache, left padding, with and without the LSE) and for the
+   Gluon prefill forward (d64/d128/d256) the output of the JIT launch and of later direct launches
+   must be bitwise equal.
 2. Host microseconds per call at Qwen2.5-1.5B's decode shape (12/2 heads, d128, 768 cached keys,
    K/V as transposed views of a (B, Hk, S, D) cache as transformers passes them), batch 1 and 16:
    flash_attn_with_kvcache with direct and with JIT launches, decode_attention alone, SDPA, and the
@@ -108,6 +109,10 @@ def direct_equals_jit(dev) -> list[dict]:
     leftpad = torch.tensor([0, 100, 2000, 4095], dtype=torch.int32, device=dev)
     cases.append(("left padding B4 32/8", lambda: flashtile.flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=lengths, cache_leftpad=leftpad, causal=True, return_softmax_lse=True)))
+    for d, causal in ((128, True), (256, False), (64, True)):  # the Gluon forward (sm_90)
+        qp, kp, vp = randn(2, 1000, 8, d), randn(2, 1000, 2, d), randn(2, 1000, 2, d)
+        cases.append((f"prefill d{d} causal={causal}", lambda qp=qp, kp=kp, vp=vp, causal=causal:
+                      flashtile.flash_attn_func(qp, kp, vp, causal=causal, return_attn_probs=False)))
     results = []
     for name, call in cases:
         launch.ENABLED = False
@@ -200,6 +205,10 @@ def main():
             rows.append((1, f"flash_attn_func S128 causal, {'gluon' if enabled else 'triton'}", per_call_us(
                 lambda: flashtile.flash_attn_func(q, k, k, causal=True))))
         forward.GLUON_ENABLED = True
+        launch.ENABLED = False
+        rows.append((1, "flash_attn_func S128 causal, gluon, JIT launch", per_call_us(
+            lambda: flashtile.flash_attn_func(q, k, k, causal=True))))
+        launch.ENABLED = True
         from torch.nn.attention import SDPBackend, sdpa_kernel
         qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

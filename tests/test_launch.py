@@ -20,3 +20,19 @@ def test_an_empty_hook_chain_is_no_hook():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert not launch._hooks_set()
+
+
+def test_descriptor_stand_ins_become_real_descriptors_for_the_jit():
+    """The Gluon forward passes light stand-ins for its TMA descriptors; the JIT (first call of a
+    signature, interpreter, hooks) gets real TensorDescriptors with the same fields."""
+    import torch
+
+    from flashtile.kernels import gluon_forward
+    q = torch.randn(1, 64, 4, 128, dtype=torch.bfloat16)
+    layout = gluon_forward._layouts(64, 128, 128, torch.bfloat16)[0]
+    stand_in = gluon_forward._Descriptor(q, q.shape, q.stride(), (1, 64, 1, 128), layout)
+    plain = object()
+    real, same = launch._jit_descriptors((stand_in, plain))
+    assert isinstance(real, gluon_forward.TensorDescriptor) and same is plain
+    assert real.base is q and real.shape == list(q.shape) and real.strides == list(q.stride())
+    assert real.block_shape == [1, 64, 1, 128] and real.layout == layout and real.padding == "zero"

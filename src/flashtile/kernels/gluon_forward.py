@@ -49,8 +49,11 @@ import math
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from .launch import launch
 
 try:  # Gluon ships with triton >= 3.5; keep the module importable without it
     from triton.experimental import gluon
@@ -626,23 +629,42 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
     rows = _rows_per_consumer(variant)
     q_layout, kv_layout = _layouts(rows, variant.block_n, head_dim, q.dtype)
-    q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, rows, 1, head_dim], q_layout)
-    o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [1, rows, 1, head_dim], q_layout)
-    k_desc = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, variant.block_n, 1, head_dim],
-                              kv_layout)
-    v_desc = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, variant.block_n, 1, head_dim],
-                              kv_layout)
+    q_block, kv_block = (1, rows, 1, head_dim), (1, variant.block_n, 1, head_dim)
+    descriptors = (_Descriptor(q, q.shape, q.stride(), q_block, q_layout),
+                   _Descriptor(k, k.shape, k.stride(), kv_block, kv_layout),
+                   _Descriptor(v, v.shape, v.stride(), kv_block, kv_layout),
+                   _Descriptor(out, out.shape, out.stride(), q_block, q_layout))
     num_m_blocks = -(-seqlen_q // variant.block_m)
     work_tiles = num_m_blocks * heads * batch
     grid = (min(work_tiles, _sm_count(q.device)) if variant.persistent else work_tiles,)
+    scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks,
+               batch, softmax_scale * LOG2E)
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        _attn_fwd_gluon[grid](
-            q_desc, k_desc, v_desc, o_desc, lse, lse.stride(0), lse.stride(1),
-            seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks, batch, softmax_scale * LOG2E,
-            **_kernel_constexprs(variant), **_launch_shape(variant))
+        launch(_attn_fwd_gluon, grid, (lse,), scalars, _launch_options(variant), descriptors)
     return out, lse
+
+
+class _Descriptor(NamedTuple):
+    """What the launcher reads of a TMA descriptor (base, shape, strides, padding), built in a
+    fraction of TensorDescriptor's validation time; ``real()`` is the descriptor, for the JIT."""
+    base: torch.Tensor
+    shape: tuple
+    strides: tuple
+    block_shape: tuple
+    layout: object
+    padding: str = "zero"
+
+    def real(self):
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                self.layout, self.padding)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_options(variant: GluonVariant) -> dict:
+    """Constexprs and launch shape of a variant: one dict per variant (``launch`` keys it by identity)."""
+    return {**_kernel_constexprs(variant), **_launch_shape(variant)}
 
 
 # --------------------------------------------------------------------------------------------

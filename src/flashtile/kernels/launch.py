@@ -41,36 +41,46 @@ def _hooks_set() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict) -> None:
-    """``jit[grid](*tensors, *scalars, **options)``.
+def _jit_descriptors(descriptors: tuple) -> tuple:
+    # The JIT specializes on real descriptor objects; light stand-ins say how to make one (``real``).
+    return tuple(d.real() if hasattr(d, "real") else d for d in descriptors)
 
-    ``tensors``: the kernel's pointer parameters, first in its signature: CUDA tensors on one device
-    (the first not None) or None. ``scalars``: the rest, each position always given the same type by
-    its call site (an int is never a float there: the key compares values). ``options``
-    (constexprs and launch options) is keyed by identity: pass the same dict object for the same
-    options (a cached plan's), never mutate it."""
+
+def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
+           descriptors: tuple = ()) -> None:
+    """``jit[grid](*descriptors, *tensors, *scalars, **options)``.
+
+    ``tensors``: the kernel's pointer parameters, first in its signature after any tensor
+    descriptors: CUDA tensors on one device (the first not None) or None. ``scalars``: the rest,
+    each position always given the same type by its call site (an int is never a float there: the
+    key compares values). ``options`` (constexprs and launch options) is keyed by identity: pass the
+    same dict object for the same options (a cached plan's), never mutate it. ``descriptors``: TMA
+    tensor descriptors (Gluon's), whose block shape and layout ``options`` must determine (their
+    tensors' dtypes are keyed), or light stand-ins with the launcher's fields (``base``, ``shape``,
+    ``strides``, ``padding``) and a ``real()`` that builds the descriptor for the JIT."""
     if not ENABLED or interpreting() or jit.pre_run_hooks or _hooks_set():
-        jit[grid](*tensors, *scalars, **options)
+        jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
     device = torch._C._cuda_getDevice()
     if tensors[0].get_device() != device:  # the JIT's path (and its checks) for another GPU's tensors
-        jit[grid](*tensors, *scalars, **options)
+        jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
     ptrs = [None if t is None else t.data_ptr() for t in tensors]
-    key = (jit, id(options), device, grid, scalars,
+    key = (jit, id(options), device, grid, scalars, *[d.base.dtype for d in descriptors],
            *[None if t is None else (t.dtype, p % 16 == 0) for t, p in zip(tensors, ptrs)])
     entry = _KERNELS.get(key)
     if entry is None:
-        kernel = jit[grid](*tensors, *scalars, **options)
+        descriptors = _jit_descriptors(descriptors)
+        kernel = jit[grid](*descriptors, *tensors, *scalars, **options)
         if hasattr(kernel, "result"):  # an asynchronous compile's future
             kernel = kernel.result()
         binder = jit.device_caches[device][4]
-        bound, _, _ = binder(*tensors, *scalars, **options)
+        bound, _, _ = binder(*descriptors, *tensors, *scalars, **options)
         values = tuple(bound.values())
         if len(_KERNELS) >= _MAX_KERNELS:
             _KERNELS.clear()
         # The entry holds ``options`` so that its id stays unique while the entry lives.
-        _KERNELS[key] = (kernel, values[len(tensors) + len(scalars):], options)
+        _KERNELS[key] = (kernel, values[len(descriptors) + len(tensors) + len(scalars):], options)
         return
     kernel, tail, _ = entry
     g = grid + (1,) * (3 - len(grid))
@@ -78,4 +88,4 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict) -> N
     # the address (cuPointerGetAttribute), a microsecond per pointer. The callers' argument checks
     # have put every tensor on the first one's device, the current one.
     kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
-               kernel.packed_metadata, None, None, None, *ptrs, *scalars, *tail)
+               kernel.packed_metadata, None, None, None, *descriptors, *ptrs, *scalars, *tail)
