@@ -64,6 +64,80 @@ def time_layers(call, layers, device):
     return ms * 1e3 / layers
 
 
+def probe_fp8(point, _, device, ceiling):
+    """An e4m3 cache with per-key descales (bf16 query): tile configs against the bf16 cache, GB/s
+    counting the bytes each reads."""
+    layers = layers_for(point)
+    caches = LayerCaches.allocate(point, layers, device)
+    fp8_k = caches.k.to(torch.float8_e4m3fn)
+    fp8_v = caches.v.to(torch.float8_e4m3fn)
+    shape = (point.batch, point.context, point.heads_k, point.head_dim)
+    k_descale = torch.rand(layers, *shape[:3], device=device) + 0.5
+    v_descale = torch.rand(layers, *shape[:3], device=device) + 0.5
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    scale = point.head_dim ** -0.5
+    rows = []
+    bf16_bytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
+    splits = dec.split_heuristic(point.batch, point.heads_k, point.context, device,
+                                 dec.decode_config(False, device, point.batch * point.heads_k))
+    variants = [("bf16 default", None, False)] + [
+        (f"e4m3 n{n} w{w} s{st}", dec.DecodeConfig(n, w, st, pdl=True), True)
+        for n, w, st in ((64, 4, 4), (64, 8, 4), (128, 4, 3), (128, 8, 3), (64, 4, 6), (128, 8, 4), (32, 4, 4))]
+    variants.insert(1, ("e4m3 default", None, True))
+    for name, cfg, fp8 in variants:
+        def call(layer, cfg=cfg, fp8=fp8):
+            if fp8:
+                k, v = fp8_k[layer].view(shape), fp8_v[layer].view(shape)
+                extra = dict(k_descale=k_descale[layer], v_descale=v_descale[layer])
+            else:
+                k, v = caches.nhd(layer)
+                extra = {}
+            return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
+                                        window_right=0, config=cfg, num_splits=splits if cfg else 0,
+                                        need_lse=False, **extra)[0]
+        try:
+            us = time_layers(call, layers, device)
+        except Exception as exc:
+            print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        nbytes = bf16_bytes // 2 if fp8 else bf16_bytes
+        gbps = nbytes / us / 1e3
+        rows.append({"variant": name, "us_per_layer": us, "gbps": gbps, "pct": 100 * gbps / ceiling})
+        print(f"  {name:28s} {us:8.1f} us {gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}%", flush=True)
+    return {"point": point.__dict__, "layers": layers, "rows": rows}
+
+
+def probe_trigger(point, _, device, ceiling):
+    """The merge kernel letting the next kernel launch at its start (the default) or at its end,
+    alternated twice."""
+    layers = layers_for(point)
+    caches = LayerCaches.allocate(point, layers, device)
+    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    original = dec._combine_options
+    rows = []
+    try:
+        for trigger in (True, False, True, False):
+            dec._combine_options = (lambda *a, t=trigger: dict(original(*a), LAUNCH_DEPENDENTS=t))
+            dec._PLANS.clear()
+
+            def call(layer):
+                k, v = caches.nhd(layer)
+                return dec.decode_attention(q, k, v, lengths, softmax_scale=0.088, window_left=-1,
+                                            window_right=0, need_lse=False)[0]
+            us = time_layers(call, layers, device)
+            gbps = nbytes / us / 1e3
+            rows.append({"launch_dependents": trigger, "us_per_layer": us, "gbps": gbps})
+            print(f"  merge triggers dependents={trigger}: {us:.2f} us {gbps:.0f} GB/s "
+                  f"{100 * gbps / ceiling:.1f}%", flush=True)
+    finally:
+        dec._combine_options = original
+        dec._PLANS.clear()
+    return {"point": point.__dict__, "layers": layers, "rows": rows}
+
+
 def probe_paged(point, page_sizes, device, ceiling):
     """Paged against contiguous with the same tile configs: shuffled block tables (as ``bench paged``)
     and identity tables (pages in memory order), to tell the gather's own cost from the cost of
@@ -196,7 +270,7 @@ def probe_point(point, page, device, ceiling):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
-    parser.add_argument("--mode", choices=("where", "paged"), default="where")
+    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger"), default="where")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
@@ -206,9 +280,13 @@ def main():
         points = [(1, 32, 8, 32768, 0), (1, 32, 8, 4096, 0), (1, 32, 8, 131072, 0),
                   (16, 32, 8, 32768, 0), (1, 32, 8, 32768, 16), (1, 12, 2, 32768, 0),
                   (1, 12, 2, 32768, 16)]
-    else:
+    elif args.mode == "paged":
         points = [(1, 32, 8, 32768, (16, 256, 1)), (16, 32, 8, 16384, (16,)), (1, 12, 2, 32768, (16,))]
-    probe = probe_point if args.mode == "where" else probe_paged
+    elif args.mode == "fp8":
+        points = [(16, 32, 8, 32768, 0), (1, 32, 8, 32768, 0), (16, 32, 8, 4096, 0)]
+    else:
+        points = [(16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0), (16, 12, 2, 32768, 0), (1, 32, 8, 4096, 0)]
+    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger}[args.mode]
     for (batch, heads, heads_k, context, page) in points:
         point = Point("probe", batch, heads, heads_k, context)
         print(f"B{batch} {heads}/{heads_k} ctx{context} page{page}", flush=True)

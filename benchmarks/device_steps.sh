@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8-quick,
-# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check, decode-host, decode-probe(-paged), gluon-debug. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -44,9 +44,12 @@ command_for() {
         gluon-check) echo "python benchmarks/gluon_check.py --out $OUT" ;;
         sanitize-decode) echo "${SANITIZER[*]} python benchmarks/sanitize.py --decode-only" ;;
         decode-host) echo "python benchmarks/decode_host.py --out $OUT" ;;
+        ncu-decode) echo "python benchmarks/ncu_decode.py --all" ;;
         gluon-debug) echo "python benchmarks/gluon_debug.py --out $OUT" ;;
         decode-probe) echo "python benchmarks/decode_probe.py --out $OUT" ;;
         decode-probe-paged) echo "python benchmarks/decode_probe.py --mode paged --out $OUT" ;;
+        decode-probe-fp8) echo "python benchmarks/decode_probe.py --mode fp8 --out $OUT" ;;
+        decode-probe-trigger) echo "python benchmarks/decode_probe.py --mode trigger --out $OUT" ;;
         *) return 1 ;;
     esac
 }

@@ -416,3 +416,37 @@ def test_bench_decode_fp8_cpu_check_and_table():
               "fp8_speedup_per_token": None}
     table = decode_fp8.format_table([record], "t")
     assert "3000" in table and "72%" in table
+
+
+@pytest.mark.parametrize("q_scale", [3e4, 1e-3])
+def test_fp8_cache_bf16_query_far_from_fp16_range(q_scale):
+    """With an e4m3 cache and a bf16 query the kernel computes in fp16 after scaling q by a power of
+    two: a query beyond fp16's range (3e4 x N(0,1) reaches 1e5) or far below it still matches the
+    reference from the dequantized cache, with the softcap path too."""
+    import flashtile
+    from flashtile.reference import attention as textbook
+    batch, cap, heads, heads_k, d = 2, 50, 4, 2, 64
+    lengths = [50, 23]
+    q = (torch.randn(batch, 1, heads, d) * q_scale).to(torch.bfloat16)
+    k, v = torch.randn(batch, cap, heads_k, d), torch.randn(batch, cap, heads_k, d)
+    (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    scale = 1.0 / (q_scale * d)  # keeps the scores O(1)
+    out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, cache_seqlens=seqlens,
+                                            causal=True, num_splits=2, softmax_scale=scale)
+    assert torch.isfinite(out).all()
+    k_deq, v_deq = k8.float() * kd[..., None], v8.float() * vd[..., None]
+    for b, n in enumerate(lengths):
+        args = (q[b:b + 1].double(), k_deq[b:b + 1, :n].double(), v_deq[b:b + 1, :n].double())
+        ref, _ = textbook(*args, causal=True, softmax_scale=scale)
+        low, _ = textbook(*(t.to(q.dtype) for t in args), causal=True, softmax_scale=scale)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"row {b}: {err}"
+    capped = flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, cache_seqlens=seqlens,
+                                               causal=True, softmax_scale=scale, softcap=2.0)
+    for b, n in enumerate(lengths):
+        args = (q[b:b + 1].double(), k_deq[b:b + 1, :n].double(), v_deq[b:b + 1, :n].double())
+        ref, _ = textbook(*args, causal=True, softmax_scale=scale, softcap=2.0)
+        low, _ = textbook(*(t.to(q.dtype) for t in args), causal=True, softmax_scale=scale, softcap=2.0)
+        err = (capped[b:b + 1].double() - ref).abs().max().item()
+        assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"softcap row {b}: {err}"

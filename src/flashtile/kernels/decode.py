@@ -43,7 +43,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
-                 WRITE_LSE: tl.constexpr = True):
+                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -71,6 +71,20 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                 + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :], mask=q_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if Q_FP16:
+        # An e4m3 cache with a bf16 query: the math runs in fp16, which e4m3 widens to in one
+        # instruction per pair. A power of two brings max|q| into [64, 128), where fp16 holds every
+        # bf16 mantissa exactly (entries over 2^20 times smaller than the largest may round, far below
+        # bf16's own rounding of the product); the score scale takes it back.
+        q32 = q.to(tl.float32)
+        amax_bits = tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True)
+        shift = tl.minimum(tl.maximum(6 - ((amax_bits >> 23) - 127), -120), 120)
+        q_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+        q = (q32 * q_scale).to(tl.float16)
+        if SOFTCAP:
+            softcap_in = softcap_in / q_scale
+        else:
+            qk_scale = qk_scale / q_scale
 
     cache_row = batch
     if BATCH_IDX:
@@ -161,12 +175,16 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
              stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
              stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
              SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-             EMPTY_LSE: tl.constexpr, PDL: tl.constexpr = False):
+             EMPTY_LSE: tl.constexpr, PDL: tl.constexpr = False,
+             LAUNCH_DEPENDENTS: tl.constexpr = False):
     if PDL:  # resident while the splits finish; reads their partials only after they all have
         gdc_wait()
-        # The next kernel may launch now: it waits for this grid in its turn, and its programs
-        # start without a launch's delay (B1 32/8: 12.2-12.5 -> 12.0 us at 4k, 40.6 -> 40.2 at 32k).
-        gdc_launch_dependents()
+        if LAUNCH_DEPENDENTS:
+            # The next kernel may launch now and wait for this grid in its turn. Off by default:
+            # B1 32/8 gained (12.5 -> 11.9 us at 4k) but B16 12/2 lost 9-25% (24.6 -> 28.9 us at
+            # 4k, 131 -> 143 at 32k; decode-probe-trigger-h200-20261130.json), and B1 12/2 at 32k
+            # read 11% slower with it (bench decode) than without it earlier the same day.
+            gdc_launch_dependents()
     qi = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -308,9 +326,11 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     pdl = cfg.pdl and not interpreting() and device.type == "cuda" and _arch(
         device.index if device.index is not None else torch.cuda.current_device()) >= 90
     launch = {"launch_pdl": True} if pdl else {}
-    block_n = cfg.block_n
+    block_n, num_stages = cfg.block_n, cfg.num_stages
     if fp8_cache and config is None and not interpreting():
-        block_n = min(2 * block_n, 128)  # e4m3 tiles: as many bytes per pipeline stage as bf16's
+        # e4m3 tiles: 128 keys, 3 stages (decode-probe-fp8-h200-20261130.json: B16 32/8 32k 2941 GB/s
+        # of e4m3 against 2473 with 64 keys and 4 stages, 1474-1974 with 8 warps)
+        block_n, num_stages = 128, min(num_stages, 3)
     kernel = dict(
         ROWS=max(16, _next_power_of_2(heads // heads_k * seqlen_q)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
@@ -318,7 +338,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         PAGED=(2 if cfg.page_prefetch else 1) if paged else 0, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
         FP8=2 if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        Q_FP16=fp8_cache and dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
     return splits, upcast, kernel, merge
 

@@ -131,7 +131,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     e4m3 wgmma reads its B operand K-major only); with USE_TMA ``v_ptrs`` is a descriptor over V^T.
     FP8 == 2 (an e4m3 KV cache read by a bf16/fp16 query): one descale per key and KV head, at
     ``k_descale``/``v_descale`` + key * ``stride_scale_n`` (+ page * ``stride_scale_page`` when PAGED);
-    K and V tiles widen to the query's dtype, K's descales scale the score columns, V's the columns of P.
+    K and V tiles widen to the query's dtype (the decode kernel hands over an fp16 query: e4m3 widens
+    to fp16 in one instruction per pair, to bf16 through a second conversion), K's descales scale the
+    score columns, V's the columns of P.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
@@ -229,9 +231,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         if FP8 == 1:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
             p = p * v_scale
         if FP8 == 2:
-            p = p * v_scales[None, :]
+            # V's descales scale P's columns, relative to the tile's largest so that P stays within
+            # [0, 1] in a 16-bit type; the largest multiplies this tile's P V.
+            v_max = tl.max(v_scales, 0)
+            v_max = tl.where(v_max > 0, v_max, 1.0)
+            p = p * (v_scales / v_max)[None, :]
             v = v.to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+            acc += tl.dot(p.to(v.dtype), v) * v_max
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if FP8 == 2 and PAGED:
             nxt = cols + BLOCK_N

@@ -1,0 +1,56 @@
+"""Nsight Compute over single decode-kernel launches, to see where a decode kernel stalls.
+
+    PYTHONPATH=src python benchmarks/ncu_decode.py --all      # every case under ncu
+    PYTHONPATH=src python benchmarks/ncu_decode.py CASE       # one case, no profiler
+
+CASE: contiguous (B1 32/8, 32k, bf16), paged16 (the same through a shuffled 16-token page table) or
+fp8 (B16 32/8, 32k, e4m3 cache with per-key descales). Each runs the decode three times (two warm-ups,
+then the profiled launch).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flashtile
+from flashtile.bench.decode import shuffled_block_table
+
+
+NCU = ["ncu", "--target-processes", "all", "-k", "regex:_attn_decode", "--launch-skip", "2",
+       "--launch-count", "1", "--section", "SpeedOfLight", "--section", "WarpStateStats",
+       "--section", "MemoryWorkloadAnalysis", "--section", "Occupancy", "--section", "LaunchStats"]
+
+
+def main() -> int:
+    case = sys.argv[1]
+    if case == "--all":
+        import subprocess
+        status = 0
+        for name in ("contiguous", "paged16", "fp8"):
+            print(f"== {name}", flush=True)
+            status |= subprocess.call(NCU + [sys.executable, __file__, name])
+        return status
+    dev = torch.device("cuda")
+    batch, ctx = (16, 32768) if case == "fp8" else (1, 32768)
+    q = torch.randn(batch, 1, 32, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch, ctx, 8, 128, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    kw = {}
+    if case == "paged16":
+        k, v = k.view(-1, 16, 8, 128), v.view(-1, 16, 8, 128)
+        kw["block_table"] = shuffled_block_table(batch, ctx // 16, dev)
+    elif case == "fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        kw["k_descale"] = torch.rand(batch, ctx, 8, device=dev) + 0.5
+        kw["v_descale"] = torch.rand(batch, ctx, 8, device=dev) + 0.5
+    for _ in range(3):
+        flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, **kw)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
