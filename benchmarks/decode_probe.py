@@ -56,6 +56,16 @@ def _touch(X, PDL: tl.constexpr):
     tl.store(X + tl.program_id(0), tl.program_id(0))
 
 
+def _setup(point, device):
+    """Layers (>= 1 GiB of K+V), their caches, K+V bytes of one layer, a query, full lengths."""
+    layers = layers_for(point)
+    caches = LayerCaches.allocate(point, layers, device)
+    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    return layers, caches, nbytes, q, lengths
+
+
 def time_layers(call, layers, device):
     call(0)
     replay = build_replay(call, layers, device)
@@ -109,13 +119,9 @@ def probe_fp8(point, _, device, ceiling):
 
 
 def probe_trigger(point, _, device, ceiling):
-    """The merge kernel letting the next kernel launch at its start (the default) or at its end,
+    """The merge kernel letting the next kernel launch at its start or at its end (the default),
     alternated twice."""
-    layers = layers_for(point)
-    caches = LayerCaches.allocate(point, layers, device)
-    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
-    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
-    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    layers, caches, nbytes, q, lengths = _setup(point, device)
     original = dec._combine_options
     rows = []
     try:
@@ -142,11 +148,7 @@ def probe_paged(point, page_sizes, device, ceiling):
     """Paged against contiguous with the same tile configs: shuffled block tables (as ``bench paged``)
     and identity tables (pages in memory order), to tell the gather's own cost from the cost of
     scattered pages."""
-    layers = layers_for(point)
-    caches = LayerCaches.allocate(point, layers, device)
-    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
-    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
-    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    layers, caches, nbytes, q, lengths = _setup(point, device)
     scale = point.head_dim ** -0.5
     rows = []
     base = dec.decode_config(False, device, point.batch * point.heads_k)
@@ -179,11 +181,7 @@ def probe_paged(point, page_sizes, device, ceiling):
 
 
 def probe_point(point, page, device, ceiling):
-    layers = layers_for(point)
-    caches = LayerCaches.allocate(point, layers, device)
-    nbytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
-    q = torch.randn(point.batch, 1, point.heads, point.head_dim, device=device, dtype=torch.bfloat16)
-    lengths = torch.full((point.batch,), point.context, dtype=torch.int32, device=device)
+    layers, caches, nbytes, q, lengths = _setup(point, device)
     table = shuffled_block_table(point.batch, point.context // page, device) if page else None
     scale = point.head_dim ** -0.5
     rows = []
