@@ -95,3 +95,60 @@ def test_variant_names_are_distinct_and_describe_the_schedule():
     assert v.name == "gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent"
     sync = gluon_forward.GluonVariant(128, "fp16", False, warp_specialize=False, pingpong=False)
     assert sync.name.endswith("-sync")
+
+
+def test_fp8_variants_cover_both_masks_at_every_fp8_head_dim():
+    names = {v.name for v in gluon_forward.GLUON_VARIANTS}
+    for d in gluon_forward.FP8_HEAD_DIMS:
+        for causal in (False, True):
+            variant = gluon_forward.default_variant(d, "fp8", causal)
+            assert variant.fp8 and variant.name in names
+            assert variant.block_n in (128, 256)
+
+
+def _fp8_qkv(seqlen_k=300, d=128, heads=4, heads_k=2):
+    from flashtile.kernels.forward import keys_contiguous
+    e4m3 = torch.float8_e4m3fn
+    q = torch.randn(2, 200, heads, d).to(e4m3)
+    k = torch.randn(2, seqlen_k, heads_k, d).to(e4m3)
+    v = keys_contiguous(torch.randn(2, seqlen_k, heads_k, d).to(e4m3))
+    return q, k, v
+
+
+def test_fp8_shapes_supported_accepts_whole_tiles_of_the_variant():
+    q, k, v = _fp8_qkv()
+    assert gluon_forward.fp8_shapes_supported(q, k, v, (128, 256))
+    assert gluon_forward.fp8_shapes_supported(q, k, v, (64, 256))
+    # 128-key scale blocks are whole tiles of the causal variant (128 keys), not of the full one (256)
+    full = gluon_forward.default_variant(128, "fp8", False)
+    causal = gluon_forward.default_variant(128, "fp8", True)
+    assert gluon_forward.fp8_shapes_supported(q, k, v, (64, 128), causal=True) == (causal.block_n <= 128)
+    assert gluon_forward.fp8_shapes_supported(q, k, v, (64, 128), causal=False) == (full.block_n <= 128)
+
+
+@pytest.mark.parametrize("case", ["query_block_32", "not_power_of_two", "v_not_transposed", "bf16",
+                                  "head_dim_64", "heads_not_multiple"])
+def test_fp8_shapes_supported_turns_away(case):
+    q, k, v = _fp8_qkv()
+    blocks = (128, 256)
+    if case == "query_block_32":
+        blocks = (32, 256)
+    elif case == "not_power_of_two":
+        blocks = (192, 256)
+    elif case == "v_not_transposed":
+        v = v.contiguous()  # flash_attn's layout: the kernel reads V^T through TMA
+    elif case == "bf16":
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    elif case == "head_dim_64":
+        q, k, v = _fp8_qkv(d=64)
+    elif case == "heads_not_multiple":
+        q, k, v = _fp8_qkv(heads=3, heads_k=2)
+    assert not gluon_forward.fp8_shapes_supported(q, k, v, blocks)
+
+
+def test_fp8_dispatch_is_off_on_cpu():
+    from flashtile.kernels.forward import fp8_forward_kernel_name, gluon_fp8_applies
+    q, k, v = _fp8_qkv()
+    assert not gluon_fp8_applies(q, k, v, window_left=-1, window_right=-1, diag_offset=100,
+                                 scale_blocks=(128, 256))
+    assert fp8_forward_kernel_name(q, k, v, causal=True, scale_blocks=(128, 256)) == "triton"

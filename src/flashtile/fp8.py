@@ -9,9 +9,10 @@ tokens of one (batch, head): the tile an attention kernel loads, so an outlier o
 in its own block. ``dequantize`` inverts the quantization (not the rotation: attention on rotated Q
 and K gives the same scores).
 
-The FP8 attention kernels that consume these tensors are not written yet (issue 6); this module is
-the quantization side, tested on CPU (rotation and block scales; fp8 rounding itself is checked on a
-GPU because Triton's interpreter rounds fp32 -> fp8 wrongly).
+``attention`` runs the e4m3 forward on them: the Gluon kernel on sm_90 at head dim 128 (when the
+scale blocks are whole tiles of it, see ``kernel_blocks``), the portable Triton kernel otherwise.
+Quantization is tested on CPU (rotation and block scales); fp8 rounding itself is checked on a GPU
+because Triton's interpreter rounds fp32 -> fp8 wrongly.
 """
 
 from __future__ import annotations
@@ -184,11 +185,21 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Ten
 
 
 def kernel_blocks(head_dim: int, device) -> tuple[int, int]:
-    """The forward kernel's (query, key) tile for this head dim on ``device``: the finest scale
-    blocks ``attention`` accepts (any multiple of them works too)."""
-    from .kernels.forward import pick_config
-    cfg = pick_config(head_dim, torch.device(device), fp8=True)
-    return cfg.block_m, cfg.block_n
+    """The finest (query, key) scale blocks with which ``attention`` runs the fastest forward for
+    this head dim on ``device`` (any multiple of them works too): the portable kernel's tile, and on
+    an sm_90 GPU also the Gluon kernel's (64 query rows per consumer, 256-key tiles at d128 non-causal).
+    Finer blocks that are still whole portable tiles are accepted and take the portable kernel."""
+    from .kernels import gluon_forward
+    from .kernels.forward import GLUON_ENABLED, pick_config
+    device = torch.device(device)
+    cfg = pick_config(head_dim, device, fp8=True)
+    block_q, block_k = cfg.block_m, cfg.block_n
+    if (GLUON_ENABLED and gluon_forward._GLUON and device.type == "cuda" and not interpreting()
+            and head_dim in gluon_forward.FP8_HEAD_DIMS
+            and torch.cuda.get_device_capability(device) == (9, 0)):
+        gluon_n = max(gluon_forward.default_variant(head_dim, "fp8", c).block_n for c in (False, True))
+        block_q, block_k = math.lcm(block_q, 64), math.lcm(block_k, gluon_n)
+    return block_q, block_k
 
 
 def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = None,

@@ -242,6 +242,16 @@ def forward_kernel(q, k, v, causal: bool) -> str:
     return forward_kernel_name(q, k, v, causal=causal)
 
 
+def fp8_kernel(x: Inputs, point: Point) -> str:
+    """The kernel the flashtile-fp8 provider's call runs on these inputs ("triton" or a Gluon variant)."""
+    from .. import fp8
+    from ..kernels.forward import fp8_forward_kernel_name
+    e4m3 = torch.float8_e4m3fn
+    q8, k8, v8 = (t.to(e4m3) for t in (x.q, x.k, x.v))
+    return fp8_forward_kernel_name(q8, k8, v8, causal=point.causal,
+                                   scale_blocks=fp8.kernel_blocks(point.head_dim, x.q.device))
+
+
 def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar,
               providers=PROVIDERS) -> dict:
     inputs = make_inputs(point, dtype, device)
@@ -258,6 +268,7 @@ def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Cal
               "out_lse_mb": output_mb(point, dtype) if with_memory else None}
     if "flashtile-fp8" in results:  # FP8 against bf16 flashtile and cuDNN
         record["ratios_fp8"] = speed_ratios(results, "flashtile-fp8", ("flashtile", "sdpa-cudnn"))
+        record["fp8_kernel"] = fp8_kernel(inputs, point)
     return record
 
 
@@ -321,7 +332,8 @@ def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
             f"{format_number(ratio['sdpa-cudnn'], '{:.2f}x'):>8}"
             + (f" | {format_number(r['ratios_fp8']['flashtile'], '{:.2f}x'):>8} "
                f"{format_number(r['ratios_fp8']['sdpa-cudnn'], '{:.2f}x'):>9}" if fp8 else "")
-            + f" | {r.get('forward_kernel', 'triton').split('-')[0]}")
+            + f" | {r.get('forward_kernel', 'triton').split('-')[0]}"
+            + (f", fp8 {r.get('fp8_kernel', 'triton').split('-')[0]}" if fp8 else ""))
     return "\n".join(lines)
 
 

@@ -461,6 +461,42 @@ def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_off
     return gluon_forward.supported(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
+def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor):
+    """The descales as the e4m3 kernels read them: Q's as given; K's and V's relative to V's
+    largest, each row followed by that largest (the kernels multiply the output by it), both
+    (B, Hk, blocks + 1) in one layout."""
+    v_max = v_d.amax(-1, keepdim=True)
+    return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0), torch.cat([v_d / v_max, v_max], -1))
+
+
+def gluon_fp8_applies(q, k, v, *, window_left, window_right, diag_offset, scale_blocks, softcap=0.0,
+                      alibi_slopes=None, config=None, cu_seqlens_q=None) -> bool:
+    """Whether attention_forward hands an e4m3 call (v already keys-contiguous) to the Gluon kernel:
+    sm_90, full or bottom-right causal, no softcap, ALiBi, packed sequences or tile override, and
+    the tensors and scale blocks gluon_forward.fp8_shapes_supported takes."""
+    if not GLUON_ENABLED or _INTERPRET or not q.is_cuda or config is not None:
+        return False
+    if cu_seqlens_q is not None or softcap or alibi_slopes is not None or window_left >= 0:
+        return False
+    causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
+    if window_right >= 0 and not causal:
+        return False
+    from . import gluon_forward
+    if not gluon_forward._GLUON or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return gluon_forward.fp8_shapes_supported(q, k, v, scale_blocks, causal)
+
+
+def fp8_forward_kernel_name(q, k, v, *, causal: bool, scale_blocks: tuple[int, int]) -> str:
+    """Which forward kernel an e4m3 call (flashtile.fp8.attention, no window or softcap) runs."""
+    v = v if v.stride(1) == 1 and v.stride(3) % 16 == 0 else keys_contiguous(v)
+    if gluon_fp8_applies(q, k, v, window_left=-1, window_right=0 if causal else -1,
+                         diag_offset=k.shape[1] - q.shape[1], scale_blocks=scale_blocks):
+        from . import gluon_forward
+        return gluon_forward.default_variant(q.shape[-1], "fp8", causal).name
+    return "triton"
+
+
 def forward_kernel_name(q, k, v, *, causal: bool, softmax_scale: float | None = None) -> str:
     """Which forward kernel a plain flash_attn_func call (no dropout, window, softcap or ALiBi) runs:
     the Gluon variant's name, or "triton" (the portable kernel)."""
@@ -545,12 +581,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                              f"({cfg.block_m}, {cfg.block_n}); see flashtile.fp8.kernel_blocks")
         if v.stride(1) != 1 or v.stride(3) % 16:  # the kernel reads V^T (see _attn_fwd_inner)
             v = keys_contiguous(v)
-        q_d, k_d, v_d = descales
-        # K's descales and V's relative to V's largest, each row followed by that largest (the
-        # kernel multiplies the output by it); both (B, Hk, blocks + 1), one layout.
-        v_max = v_d.amax(-1, keepdim=True)
-        descales = (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0),
-                    torch.cat([v_d / v_max, v_max], -1))
+        descales = fp8_kernel_descales(*descales)
+        if gluon_fp8_applies(q, k, v, window_left=window_left, window_right=window_right,
+                             diag_offset=diag_offset, scale_blocks=scale_blocks, softcap=softcap,
+                             alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q):
+            from .gluon_forward import _tma_ok, gluon_attention_forward
+            if _tma_ok(out) and lse.stride(-1) == 1:
+                gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
+                                        out=out, lse=lse, descales=descales,
+                                        scale_blocks=scale_blocks)
+                return result
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:

@@ -68,7 +68,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 LOG2E = 1.4426950408889634
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 
 
 @dataclass(frozen=True)
@@ -90,37 +90,66 @@ class GluonVariant:
     pingpong: bool = True
     persistent: bool = False
     consumer_regs: int = 240
+    p_in_registers: bool = False  # e4m3 only: P as a register operand instead of through shared memory
+    p_slots: int = 2  # e4m3 through shared memory: P slots per consumer (1: P_j waits for P_{j-1} V)
+    max_stack: int = 0  # stack bytes (register spills) the compile check accepts for this variant
+    joint_release: bool = False  # free a ring slot's K and V together, after its P V (one arrive a tile)
 
     @property
     def block_m(self) -> int:
         return 128  # 2 warpgroups x 64 rows
 
     @property
+    def fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
     def name(self) -> str:
         sched = ("ws-pingpong" if self.pingpong else "ws") if self.warp_specialize else "sync"
         if self.persistent:
             sched += "-persistent"
+        if self.fp8 and self.p_in_registers:
+            sched += "-preg"
+        elif self.fp8 and self.p_slots == 1:
+            sched += "-p1"
+        if self.joint_release:
+            sched += "-joint"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
 
-def _tile_config(head_dim: int, causal: bool) -> dict:
+def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
     # Shared memory per CTA: Q 128 x D plus stages x (K + V) tiles of block_n x D, all 2-byte.
     # d128: 32 KB + 2 x 64 KB = 160 KB; d64: 16 KB + 3 x 32 KB = 112 KB (227 KB available).
     # (Tile extents must be powers of two in Gluon, so FA3's 176-key tiles at d128 are out.)
     # Causal work tiles differ in length: persistent CTAs take them longest first and prefetch the
     # next tile's keys while finishing the current one.
     # d256: 64-key tiles, Q 64 KB + 2 x (K + V) 128 KB = 192 KB (three stages would not fit).
-    stages = 3 if head_dim <= 64 else 2
-    block_n = 64 if head_dim > 128 else 128
     # d64 non-causal: persistent measured 1-5% faster from 2k to 8k tokens on the H200
     # (gluon-check-h200-20261129-a.json); at d128 only causal gains from it.
-    return {"block_n": block_n, "stages": stages, "persistent": causal or head_dim <= 64}
+    config = {"block_n": 64 if head_dim > 128 else 128, "stages": 3 if head_dim <= 64 else 2,
+              "persistent": causal or head_dim <= 64}
+    if dtype == "fp8":
+        # e4m3 at d128, causal: 128-key tiles, Q 2 x 8 KB, bf16 output staging 2 x 16 KB, P in two
+        # slots per consumer 4 x 8 KB, K/V 3 x 32 KB (176 KB). Non-causal: 256-key tiles (half the
+        # barrier rounds per key), two stages, one P slot per consumer (2 x 16 KB): 208 KB, with a
+        # few registers spilled (max_stack), 5-9% faster than 128-key tiles in
+        # gluon-check-h200-20261130-fp8-c.json (whose 256-key rows failed their check only for
+        # lack of 256-key scale blocks; -fp8-d checks them with such blocks). Ping-pong: within
+        # run-to-run noise either way at e4m3 (-fp8-a, -fp8-b).
+        # Causal: K and V slots freed together after P V (one barrier round per tile fewer): +3-16%
+        # over freeing K early at 2k-16k in gluon-check-h200-20261130-fp8-e.json; with the 256-key
+        # tiles' two stages it starves the producer (-16%), so non-causal frees K early.
+        if causal:
+            config.update(block_n=128, stages=3, pingpong=False, joint_release=True)
+        else:
+            config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128)
+    return config
 
 
 @functools.lru_cache(maxsize=None)
 def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
-    return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal))
+    return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal, dtype))
 
 
 def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
@@ -137,12 +166,21 @@ def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
 # The head dims ``supported`` hands to the Gluon kernel; gluon_check.py checks every shipped
 # variant on an H200 (head dim 256 too, whether dispatched or not).
 HEAD_DIMS = (64, 128, 256)
+# e4m3 (FP8 forward through fp8_supported): head dim 128 only so far.
+FP8_HEAD_DIMS = (128,)
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
 # runs), then the alternates. The compile test covers all of them.
 GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in ("bf16", "fp16")
                    for c in (False, True)]
-                  + [alt for d in (128, 64) for c in (False, True) for alt in _alternates(d, c)])
+                  + [alt for d in (128, 64) for c in (False, True) for alt in _alternates(d, c)]
+                  + [default_variant(d, "fp8", c) for d in FP8_HEAD_DIMS for c in (False, True)]
+                  + [dataclasses.replace(default_variant(128, "fp8", False), **change) for change in (
+                      {"block_n": 128, "stages": 2, "p_slots": 2},
+                      {"block_n": 128, "stages": 3, "p_slots": 2, "pingpong": True},
+                      {"block_n": 128, "stages": 3, "p_in_registers": True})]
+                  + [dataclasses.replace(default_variant(128, "fp8", True), joint_release=False, **change)
+                     for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})])
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,11 +190,11 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
 if _GLUON:
 
     @gluon.constexpr_function
-    def _wgmma_layout(num_warps, instr_n):
+    def _wgmma_layout(num_warps, instr_n, instr_k=16):
         # Accumulator of an M = 16 * num_warps wgmma: warps stacked along the rows (each warpgroup
-        # owns 64 of them), instruction n = instr_n columns (bf16/fp16: k = 16).
+        # owns 64 of them), instruction n = instr_n columns, k = 32 bytes (bf16/fp16: 16, e4m3: 32).
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                         instr_shape=[16, instr_n, 16])
+                                         instr_shape=[16, instr_n, instr_k])
 
     @gluon.jit
     def _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL: gl.constexpr):
@@ -192,28 +230,36 @@ if _GLUON:
 
     @gluon.jit
     def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile, ring,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
+                         TRANSPOSED: gl.constexpr = False, WAIT: gl.constexpr = True):
         """Wait until ring slot ``ring % STAGES`` is free, then TMA key tile ``tile`` into it.
 
         ``ring`` counts every tile that went through the ring (across work tiles when persistent).
         Empty barriers start in phase 0: waiting for parity 1 passes at once, so the first lap
         over the ring needs no consumer arrival. Keys past the sequence end fill zeros.
+        ``TRANSPOSED``: the descriptor is over (B, Hk, D, Sk) (e4m3 V^T, keys contiguous).
+        ``WAIT=False``: the caller has waited for the slot already (K and V slots freed together).
         """
         slot = ring % STAGES
         phase = (ring // STAGES) & 1
-        mbarrier.wait(empty.index(slot), phase ^ 1, pred=pred)
+        if WAIT:
+            mbarrier.wait(empty.index(slot), phase ^ 1, pred=pred)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], ready.index(slot),
-                                        bufs.index(slot), pred=pred)
+        if TRANSPOSED:
+            coords = [batch, kv_head, 0, tile * BLOCK_N]
+        else:
+            coords = [batch, tile * BLOCK_N, kv_head, 0]
+        tma.async_copy_global_to_shared(desc, coords, ready.index(slot), bufs.index(slot), pred=pred)
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                   seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr):
+                  CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
-        consumers finish the current one)."""
+        consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
+        (on v_empty, once P V of the tile has retired), one barrier round per tile instead of two."""
         num_bh = num_heads * batch_size
         ring = 0
         for tile_id in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
@@ -221,10 +267,16 @@ if _GLUON:
             kv_head = head // group_size
             num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
             for j in range(num_tiles):
-                _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j, ring + j,
-                                 BLOCK_N, STAGES, True)
-                _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
-                                 BLOCK_N, STAGES, True)
+                if JOINT:
+                    _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, batch, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True)
+                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True, FP8, False)
+                else:
+                    _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True)
+                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True, FP8)
             ring += num_tiles
 
     @gluon.jit
@@ -245,12 +297,25 @@ if _GLUON:
             mbarrier.arrive(turn_bars.index(1 - WG))
 
     @gluon.jit
-    def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale,
-                      MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    def _tile_scales(k_scales, v_scales, j, scale_shift_k, qk_scale,
+                     BLOCK_N: gl.constexpr, FP8: gl.constexpr):
+        """(score scale, V's relative descale) of key tile j: e4m3 tiles carry K's descale into the
+        score scale (the query block's is in qk_scale already) and V's relative one into P."""
+        if FP8:
+            blk = (j * BLOCK_N) >> scale_shift_k
+            return qk_scale * gl.load(k_scales + blk), gl.load(v_scales + blk)
+        else:
+            return qk_scale, 1.0
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
+                      MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
         visible key so far gets alpha = 1 and p = exp2(-inf) = 0 rather than NaN.
+        FP8: p comes out times V's relative descale ``v_rel`` (in (0, 1], so P still fits e4m3), by
+        shifting the exponent; the running sum takes p without it.
         """
         if MASKED:
             keys = n0 + cols
@@ -260,64 +325,131 @@ if _GLUON:
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        l_new = l_i * alpha + gl.sum(p, 1)
+        if FP8:
+            # One FMA per score (LLVM left this one as a multiply and a subtract).
+            shift = gl.expand_dims(gl.log2(v_rel) - m_new, 1)
+            p = gl.exp2(gl.fma(s, qk_scale, shift))
+            l_new = l_i * alpha + gl.sum(p, 1) * (1.0 / v_rel)
+        else:
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+            l_new = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _kv_iteration(j, ring0, event0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                      turn_bars, k_desc, v_desc, batch, kv_head, num_tiles,
+    def _v_operand(v_bufs, slot, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr):
+        """V tile of a ring slot as the (keys, head dim) B operand of P V. e4m3 wgmma takes B
+        K-major only: e4m3 V arrives as V^T (head dim, keys) and is read through its transpose."""
+        if FP8:
+            return v_bufs.index(slot).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+        else:
+            return v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
+
+    @gluon.jit
+    def _stage_p(p, p_op, p_bufs, j, WG: gl.constexpr, FP8: gl.constexpr):
+        """P of key tile j as the A operand of its P V: 16-bit P stays in registers (returned in
+        the operand layout); e4m3 P goes to this consumer's shared-memory slot j % 2 of p_bufs (the
+        register-A wgmma's wait cannot keep 8-bit registers alive in Triton 3.6) and p_op is
+        passed on unchanged."""
+        if FP8 == 1 or FP8 == 3:
+            SLOTS: gl.constexpr = 2 if FP8 == 1 else 1
+            p_buf = p_bufs.index(SLOTS * WG + j % SLOTS).reshape(p.shape)
+            p_buf.store(p)
+            fence_async_shared()
+            return p_op
+        else:
+            return gl.convert_layout(p, p_op.type.layout)
+
+    @gluon.jit
+    def _pv_wait(o_tok, p_op, v_tile, FP8: gl.constexpr):
+        """Wait for the P V wgmma; returns O. e4m3 P in registers (FP8 == 2) cannot be a dependency
+        of the wait in Triton 3.6 (its lowering takes no 8-bit registers): every later value is a
+        new PTX register, and ptxas keeps a wgmma's register operands until its wait_group."""
+        if FP8 == 2:
+            o, _ = warpgroup_mma_wait(0, deps=(o_tok, v_tile))
+        else:
+            o, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_tile))
+        return o
+
+    @gluon.jit
+    def _p_operand(p_op, p_bufs, j, WG: gl.constexpr, FP8: gl.constexpr):
+        """The A operand holding P of key tile j (see _stage_p)."""
+        if FP8 == 1 or FP8 == 3:
+            SLOTS: gl.constexpr = 2 if FP8 == 1 else 1
+            return p_bufs.index(SLOTS * WG + j % SLOTS).reshape([p_bufs.shape[2], p_bufs.shape[3]])
+        else:
+            return p_op
+
+    @gluon.jit
+    def _kv_iteration(j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty,
+                      v_empty, turn_bars, k_desc, v_desc, batch, kv_head, num_tiles,
                       o, p_op, m_i, l_i, zero_s, rows_pos, cols, seqlen_k, qk_scale,
+                      k_scales, v_scales, scale_shift_k,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                      LOADS: gl.constexpr):
+                      LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
+        HEAD_DIM: gl.constexpr = q_tile.shape[1]
         ring = ring0 + j
         slot = ring % STAGES
         prev = (ring - 1) % STAGES
+        # e4m3: the tile's descales load now, under the two wgmmas.
+        tile_scale, v_rel = _tile_scales(k_scales, v_scales, j, scale_shift_k, qk_scale, BLOCK_N, FP8)
         _take_turn(turn_bars, event0 + j, WG, PINGPONG)
         mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
-        k_tile = k_bufs.index(slot).reshape([BLOCK_N, q_tile.shape[1]])
+        k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
-        v_tile = v_bufs.index(prev).reshape([BLOCK_N, q_tile.shape[1]])
-        o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+        v_tile = _v_operand(v_bufs, prev, BLOCK_N, HEAD_DIM, FP8)
+        p_prev = _p_operand(p_op, p_bufs, j - 1, WG, FP8)
+        o_tok = warpgroup_mma(p_prev, v_tile, o, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         # The older of the two groups (S_j) is done; P V keeps running through the softmax.
         s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
-        mbarrier.arrive(k_empty.index(slot))
+        if not JOINT:
+            mbarrier.arrive(k_empty.index(slot))
         if LOADS:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES,
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
-                                           qk_scale, MASKED, CAUSAL)
-        p_next = gl.convert_layout(p.to(q_tile.dtype), p_op.type.layout)
-        o, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_tile))
+                                           tile_scale, v_rel, MASKED, CAUSAL, FP8)
+        if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
+            o = _pv_wait(o_tok, p_prev, v_tile, FP8)
+            p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
+        else:
+            p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
+            o = _pv_wait(o_tok, p_prev, v_tile, FP8)
         mbarrier.arrive(v_empty.index(prev))
         if LOADS:
             _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
-                             ring - 1 + STAGES, BLOCK_N, STAGES, j - 1 + STAGES < num_tiles)
+                             ring - 1 + STAGES, BLOCK_N, STAGES, j - 1 + STAGES < num_tiles, FP8)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         return o, p_next, m_i, l_i
 
     @gluon.jit
-    def _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, q_phase, k_bufs, v_bufs,
+    def _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, o_smem, p_bufs, q_bar, q_phase, k_bufs,
+                      v_bufs,
                       k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
                       batch, head, kv_head, row0, seqlen_q, seqlen_k, num_tiles, num_full,
-                      ring0, event0, qk_scale,
+                      ring0, event0, qk_scale, q_scales, k_scales, v_scales, scale_shift_q,
+                      scale_shift_k, v_max_index,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                      LOADS: gl.constexpr):
+                      LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
-        [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE."""
+        [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
+        FP8: ``q_scales`` points at this (batch, head)'s query-block descales, ``k_scales`` and
+        ``v_scales`` at its KV head's key-block ones (V's relative to their largest, which sits at
+        ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * NUM_WARPS
-        s_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, BLOCK_N)
-        o_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, HEAD_DIM)
-        # P as the register A operand of P @ V: two 16-bit values per 32-bit register.
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        INSTR_K: gl.constexpr = 32 if FP8 else 16
+        s_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, BLOCK_N, INSTR_K)
+        o_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, HEAD_DIM, INSTR_K)
+        # P as the register A operand of P @ V: 32 bits of k per register (two 16-bit values, four e4m3).
+        K_WIDTH: gl.constexpr = 4 if FP8 else 2
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -327,7 +459,10 @@ if _GLUON:
                 _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, t, ring0 + t,
                                  BLOCK_N, STAGES, t < num_tiles)
                 _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, t, ring0 + t,
-                                 BLOCK_N, STAGES, t < num_tiles)
+                                 BLOCK_N, STAGES, t < num_tiles, FP8)
+        if FP8:  # the query block's descale joins the score scale
+            qk_scale = qk_scale * gl.load(q_scales + (row0 >> scale_shift_q))
+        tile_scale, v_rel = _tile_scales(k_scales, v_scales, 0, scale_shift_k, qk_scale, BLOCK_N, FP8)
         mbarrier.wait(q_bar, q_phase)
         q_tile = q_smem.reshape([ROWS, HEAD_DIM])
 
@@ -348,64 +483,76 @@ if _GLUON:
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
-        mbarrier.arrive(k_empty.index(slot))
+        if not JOINT:
+            mbarrier.arrive(k_empty.index(slot))
         if LOADS:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES,
                              ring0 + STAGES, BLOCK_N, STAGES, STAGES < num_tiles)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, qk_scale,
-                                           True, CAUSAL)
-        p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, tile_scale,
+                                           v_rel, True, CAUSAL, FP8)
+        if FP8 == 1 or FP8 == 3:  # p_op only rides along (P is in p_bufs)
+            p_op = gl.zeros([ROWS], gl.float32, row_layout)
+        else:
+            p_op = gl.zeros([ROWS, BLOCK_N], q_tile.dtype, p_layout)
+        p_op = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, 0, WG, FP8)
 
         # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
         for j in range(1, num_full):
             o, p_op, m_i, l_i = _kv_iteration(
-                j, ring0, event0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
-                rows_pos, cols, seqlen_k, qk_scale, BLOCK_N, STAGES, False, CAUSAL, WG, PINGPONG,
-                LOADS)
+                rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
+                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
-                j, ring0, event0, q_tile, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
-                rows_pos, cols, seqlen_k, qk_scale, BLOCK_N, STAGES, True, CAUSAL, WG, PINGPONG,
-                LOADS)
+                rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
+                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT)
 
         # The last P V.
         last = ring0 + num_tiles - 1
         slot = last % STAGES
         _take_turn(turn_bars, event0 + num_tiles, WG, PINGPONG)
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-        v_tile = v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        o_tok = warpgroup_mma(p_op, v_tile, o, is_async=True)
+        v_tile = _v_operand(v_bufs, slot, BLOCK_N, HEAD_DIM, FP8)
+        p_last = _p_operand(p_op, p_bufs, num_tiles - 1, WG, FP8)
+        o_tok = warpgroup_mma(p_last, v_tile, o, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
-        o, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_tile))
+        o = _pv_wait(o_tok, p_last, v_tile, FP8)
         mbarrier.arrive(v_empty.index(slot))
 
         # Normalize once; rows that saw no key: output 0 (o is 0 there) and LSE +inf.
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
-        inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
-        o = o * gl.expand_dims(inv_l, 1)
+        if FP8:  # P V summed V / V's largest descale
+            inv_l = gl.load(v_scales + v_max_index) / l_safe
+        else:
+            inv_l = 1.0 / l_safe
+        o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * _LN2, float("inf"))
 
-        # Q's tile is free now (its last reader, S of the last key tile, has retired): stage O
-        # there and let TMA write it, clipped at the sequence end. The wait keeps the next work
-        # tile's Q load from overwriting the tile before the store has read it.
-        out_tile = q_smem.reshape([ROWS, HEAD_DIM])
-        out_tile.store(o.to(q_tile.dtype))
+        # Stage O in shared memory and let TMA write it, clipped at the sequence end. Without FP8
+        # o_smem is Q's tile, free now (its last reader, S of the last key tile, has retired). The
+        # wait keeps the next work tile's Q load from overwriting the tile before the store read it.
+        out_tile = o_smem.reshape([ROWS, HEAD_DIM])
+        out_tile.store(o.to(o_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], q_smem)
+        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_smem)
         lse_ptrs = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, k_bufs, v_bufs,
+    def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, o_smem, p_bufs, q_bar, k_bufs, v_bufs,
                   k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
                   seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
+                  QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
+                  scale_shift_q, scale_shift_k, v_max_index,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                  PINGPONG: gl.constexpr, LOADS: gl.constexpr):
+                  PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
+                  JOINT: gl.constexpr):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition)."""
@@ -416,13 +563,18 @@ if _GLUON:
         q_phase = 0
         for tile_id in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
             pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+            kv_head = head // group_size
             m0 = pid_m * BLOCK_M
             num_tiles, num_full = _key_range(m0, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-            _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, q_bar, q_phase, k_bufs, v_bufs,
-                          k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
-                          batch, head, head // group_size, m0 + WG * ROWS, seqlen_q, seqlen_k,
-                          num_tiles, num_full, ring, event, qk_scale, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WG, PINGPONG, LOADS)
+            q_scales = QScale + batch.to(gl.int64) * stride_qsb + head.to(gl.int64) * stride_qsh
+            k_scales = KScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
+            v_scales = VScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
+            _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, o_smem, p_bufs, q_bar, q_phase, k_bufs,
+                          v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
+                          stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, seqlen_k,
+                          num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
+                          scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
+                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT)
             ring += num_tiles
             event += num_tiles + 1
             q_phase ^= 1
@@ -430,19 +582,28 @@ if _GLUON:
     # Integer arguments stay unspecialized (no divisibility or == 1 variants): one compile per
     # variant and dtype, which is also what compile_for_sm90 builds.
     @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "group_size",
-                                  "num_heads", "num_m_blocks", "batch_size"])
-    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
-                        seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
+                                  "num_heads", "num_m_blocks", "batch_size", "stride_qsb",
+                                  "stride_qsh", "stride_ksb", "stride_ksh", "scale_shift_q",
+                                  "scale_shift_k", "v_max_index"])
+    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, stride_lb,
+                        stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
+                        qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
+                        scale_shift_q, scale_shift_k, v_max_index,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-                        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
+                        JOINT_RELEASE: gl.constexpr):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them; CTA p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the
-        grid covers them all, persistent when the grid is the SM count)."""
+        grid covers them all, persistent when the grid is the SM count).
+
+        FP8: q, k e4m3 through their descriptors, v_desc over e4m3 V^T (B, Hk, D, Sk), o_desc
+        bf16; per-block descales at QScale (B, H, query blocks) and KScale / VScale (B, Hk, key
+        blocks + 1; V's relative to their largest, which follows them). Otherwise the scale
+        arguments are unused."""
         dtype: gl.constexpr = q_desc.dtype
-        kv_layout: gl.constexpr = k_desc.layout
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, kv_layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, kv_layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -450,6 +611,19 @@ if _GLUON:
         NUM_CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
         q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape,
                                            q_desc.layout)
+        ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+        if FP8:  # a bf16 output tile does not fit in e4m3 Q's place
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape,
+                                               o_desc.layout)
+        else:
+            o_smem = q_smem
+        if FP8 == 1 or FP8 == 3:  # P goes through shared memory, two slots per consumer (3: one)
+            P_SLOTS: gl.constexpr = 2 if FP8 == 1 else 1
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, ROWS, BLOCK_N], dtype)
+            p_smem = gl.allocate_shared_memory(dtype, [P_SLOTS * NUM_CONSUMERS, 1, ROWS, BLOCK_N],
+                                               p_layout)
+        else:  # never used
+            p_smem = q_smem
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -468,25 +642,32 @@ if _GLUON:
             SECOND: gl.constexpr = 1
             NO_LOADS: gl.constexpr = False
             gl.warp_specialize([
-                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(0), q_bars.index(0),
-                             k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                             Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads,
-                             num_m_blocks, batch_size, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, FIRST, PINGPONG, NO_LOADS)),
-                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(1), q_bars.index(1),
-                             k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                             Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads,
-                             num_m_blocks, batch_size, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, CAUSAL, SECOND, PINGPONG, NO_LOADS)),
+                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(0), o_smem.index(0), p_smem,
+                             q_bars.index(0), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                             turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
+                             num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale,
+                             stride_qsb, stride_qsh, stride_ksb, stride_ksh, scale_shift_q,
+                             scale_shift_k, v_max_index, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                             FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE)),
+                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(1), o_smem.index(1), p_smem,
+                             q_bars.index(1), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                             turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
+                             num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale,
+                             stride_qsb, stride_qsh, stride_ksb, stride_ksh, scale_shift_q,
+                             scale_shift_k, v_max_index, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                             SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
-            _consumer(q_desc, k_desc, v_desc, o_desc, q_smem.index(0), q_bars.index(0), k_bufs, v_bufs,
-                      k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
-                      seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0, False, True)
+            _consumer(q_desc, k_desc, v_desc, o_desc, q_smem.index(0), o_smem.index(0), p_smem,
+                      q_bars.index(0),
+                      k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
+                      stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
+                      qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb,
+                      stride_ksh, scale_shift_q, scale_shift_k, v_max_index, BLOCK_M, BLOCK_N,
+                      HEAD_DIM, STAGES, CAUSAL, 0, False, True, FP8, False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,9 +688,11 @@ def _launch_shape(variant: GluonVariant) -> dict:
     return {"num_warps": 8}
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
+
+
 def _smem_layout(block_shape, torch_dtype):
-    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.bfloat16 if torch_dtype == torch.bfloat16
-                                                else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for(block_shape, getattr(gl, _GL_DTYPES[torch_dtype]))
 
 
 def _kernel_constexprs(variant: GluonVariant) -> dict:
@@ -517,7 +700,9 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "STAGES": variant.stages, "CAUSAL": variant.causal,
             "WARP_SPECIALIZE": variant.warp_specialize,
             "PINGPONG": variant.pingpong and variant.warp_specialize,
-            "CONSUMER_REGS": variant.consumer_regs}
+            "CONSUMER_REGS": variant.consumer_regs,
+            "FP8": (2 if variant.p_in_registers else 3 if variant.p_slots == 1 else 1) if variant.fp8 else 0,
+            "JOINT_RELEASE": variant.joint_release and variant.warp_specialize}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -573,7 +758,7 @@ def shapes_supported(q, k, v, head_dims: tuple = HEAD_DIMS) -> bool:
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
         return False
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     batch, _, heads, head_dim = q.shape
     if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape != k.shape:
@@ -588,16 +773,48 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+def fp8_shapes_supported(q, k, v, scale_blocks: tuple[int, int], causal: bool = False,
+                         variant: GluonVariant | None = None) -> bool:
+    """Whether the e4m3 forward (``gluon_attention_forward`` with descales) takes these tensors:
+    q (B, Sq, H, D) and k (B, Sk, Hk, D) e4m3 with TMA-addressable rows, v e4m3 (B, Sk, Hk, D) stored
+    keys-contiguous (kernels.forward.keys_contiguous) with 16-byte aligned V^T rows, D in
+    FP8_HEAD_DIMS, and scale blocks (queries, keys) that are powers of two and multiples of 64
+    query rows (a consumer's) and of the key tile of ``variant`` (default: the shipped one for
+    ``causal``). Any device."""
+    tensors = (q, k, v)
+    e4m3 = torch.float8_e4m3fn
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == e4m3 for t in tensors):
+        return False
+    batch, _, heads, head_dim = q.shape
+    if head_dim not in FP8_HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
+        return False
+    if k.shape[0] != batch or k.shape[2] == 0 or heads % k.shape[2]:
+        return False
+    block_q, block_k = scale_blocks
+    block_n = (variant or default_variant(head_dim, "fp8", causal)).block_n
+    if any(b < 1 or b & (b - 1) for b in scale_blocks) or block_q % 64 or block_k % block_n:
+        return False
+    vt = v.permute(0, 2, 3, 1)  # (B, Hk, D, Sk): keys contiguous
+    return _tma_ok(q) and _tma_ok(k) and _tma_ok(vt)
+
+
 @functools.lru_cache(maxsize=None)  # shared-memory layouts cost microseconds to build, on every call
 def _layouts(block_m: int, block_n: int, head_dim: int, torch_dtype):
-    return (_smem_layout([1, block_m, 1, head_dim], torch_dtype),
-            _smem_layout([1, block_n, 1, head_dim], torch_dtype))
+    """Shared layouts of the (Q and output, K, V) tiles; e4m3: (Q, K, V^T, bf16 output)."""
+    if torch_dtype == torch.float8_e4m3fn:
+        return (_smem_layout([1, block_m, 1, head_dim], torch_dtype),
+                _smem_layout([1, block_n, 1, head_dim], torch_dtype),
+                _smem_layout([1, 1, head_dim, block_n], torch_dtype),
+                _smem_layout([1, block_m, 1, head_dim], torch.bfloat16))
+    q_layout = _smem_layout([1, block_m, 1, head_dim], torch_dtype)
+    kv_layout = _smem_layout([1, block_n, 1, head_dim], torch_dtype)
+    return q_layout, kv_layout, kv_layout, q_layout
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                             causal: bool, variant: GluonVariant | None = None,
-                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                            descales=None, scale_blocks: tuple[int, int] = (0, 0)):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -605,16 +822,27 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     overrides the shipped schedule for this head dim (benchmarks); its head dim, dtype and mask
     must match the call. ``out`` (like q, 16-byte aligned rows) and ``lse`` (B, H, Sq) float32
     with a contiguous last dim may be given to write into.
+
+    e4m3 (inputs ``fp8_shapes_supported`` accepts): ``descales`` = (q (B, H, query blocks), k and v
+    (B, Hk, key blocks + 1)) float32 as kernels.forward.attention_forward prepares them (K's padded,
+    V's relative to their largest, which follows them), one per ``scale_blocks`` = (queries, keys)
+    tokens; out is bfloat16.
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
+    fp8 = q.dtype == torch.float8_e4m3fn
+    out_dtype = torch.bfloat16 if fp8 else q.dtype
     if out is None:
-        out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=out_dtype, device=q.device)
     if lse is None:
         lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
-    if out.shape != q.shape or out.dtype != q.dtype or not _tma_ok(out) or lse.stride(-1) != 1:
-        raise ValueError("gluon_attention_forward: out must be like q with TMA-aligned rows and lse "
-                         "(B, H, Sq) float32 with a contiguous last dim")
+    if out.shape != q.shape or out.dtype != out_dtype or not _tma_ok(out) or lse.stride(-1) != 1:
+        raise ValueError("gluon_attention_forward: out must be like q (bf16 for e4m3 q) with TMA-aligned "
+                         "rows and lse (B, H, Sq) float32 with a contiguous last dim")
+    if fp8 and (descales is None
+                or not fp8_shapes_supported(q, k, v, scale_blocks, causal, variant)):
+        raise ValueError("gluon_attention_forward: e4m3 inputs need descales and the layout and "
+                         "scale blocks fp8_shapes_supported accepts")
     if batch == 0 or seqlen_q == 0 or heads == 0:
         return out, lse
     if seqlen_k == 0:  # nothing to attend to: flash_attn's empty-row convention
@@ -628,21 +856,34 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
 
     rows = _rows_per_consumer(variant)
-    q_layout, kv_layout = _layouts(rows, variant.block_n, head_dim, q.dtype)
+    q_layout, k_layout, v_layout, o_layout = _layouts(rows, variant.block_n, head_dim, q.dtype)
     q_block, kv_block = (1, rows, 1, head_dim), (1, variant.block_n, 1, head_dim)
+    if fp8:  # V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
+        vt = v.permute(0, 2, 3, 1)
+        v_descriptor = _Descriptor(vt, vt.shape, vt.stride(), (1, 1, head_dim, variant.block_n), v_layout)
+    else:
+        v_descriptor = _Descriptor(v, v.shape, v.stride(), kv_block, v_layout)
     descriptors = (_Descriptor(q, q.shape, q.stride(), q_block, q_layout),
-                   _Descriptor(k, k.shape, k.stride(), kv_block, kv_layout),
-                   _Descriptor(v, v.shape, v.stride(), kv_block, kv_layout),
-                   _Descriptor(out, out.shape, out.stride(), q_block, q_layout))
+                   _Descriptor(k, k.shape, k.stride(), kv_block, k_layout), v_descriptor,
+                   _Descriptor(out, out.shape, out.stride(), q_block, o_layout))
     num_m_blocks = -(-seqlen_q // variant.block_m)
     work_tiles = num_m_blocks * heads * batch
     grid = (min(work_tiles, _sm_count(q.device)) if variant.persistent else work_tiles,)
+    if fp8:
+        q_d, k_d, v_d = descales
+        scales = (q_d, k_d, v_d)
+        scale_scalars = (q_d.stride(0), q_d.stride(1), k_d.stride(0), k_d.stride(1),
+                         scale_blocks[0].bit_length() - 1, scale_blocks[1].bit_length() - 1,
+                         -(-seqlen_k // scale_blocks[1]))
+    else:  # never read
+        scales = (lse, lse, lse)
+        scale_scalars = (0, 0, 0, 0, 0, 0, 0)
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks,
-               batch, softmax_scale * LOG2E)
+               batch, softmax_scale * LOG2E, *scale_scalars)
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_fwd_gluon, grid, (lse,), scalars, _launch_options(variant), descriptors)
+        launch(_attn_fwd_gluon, grid, (lse, *scales), scalars, _launch_options(variant), descriptors)
     return out, lse
 
 
@@ -671,7 +912,8 @@ def _launch_options(variant: GluonVariant) -> dict:
 # Ahead-of-time compilation (no GPU needed)
 # --------------------------------------------------------------------------------------------
 
-_GL_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_GL_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+_SIGNATURE_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
 
 
 def compile_for_sm90(variant: GluonVariant):
@@ -684,25 +926,30 @@ def compile_for_sm90(variant: GluonVariant):
 
     torch_dtype = _GL_DTYPE_NAMES[variant.dtype]
     rows = _rows_per_consumer(variant)
-    q_layout, kv_layout = _layouts(rows, variant.block_n, variant.head_dim, torch_dtype)
-    d = variant.head_dim
+    q_layout, k_layout, v_layout, o_layout = _layouts(rows, variant.block_n, variant.head_dim,
+                                                      torch_dtype)
+    d, n = variant.head_dim, variant.block_n
+    dt = _SIGNATURE_DTYPES[variant.dtype]
+    out_dt = "bf16" if variant.fp8 else dt
 
-    def desc(block_rows, layout):
-        return f"tensordesc<{variant.dtype}[1, {block_rows}, 1, {d}],{layout!r}>"
+    def desc(dtype, block, layout):
+        return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
     fn = _attn_fwd_gluon
-    signature = {"q_desc": desc(rows, q_layout), "k_desc": desc(variant.block_n, kv_layout),
-                 "v_desc": desc(variant.block_n, kv_layout), "o_desc": desc(rows, q_layout),
-                 "Lse": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "seqlen_q": "i32",
-                 "seqlen_k": "i32", "group_size": "i32", "num_heads": "i32", "num_m_blocks": "i32",
-                 "batch_size": "i32", "qk_scale": "fp32"}
+    v_block = (1, 1, d, n) if variant.fp8 else (1, n, 1, d)
+    signature = {"q_desc": desc(dt, (1, rows, 1, d), q_layout), "k_desc": desc(dt, (1, n, 1, d), k_layout),
+                 "v_desc": desc(dt, v_block, v_layout), "o_desc": desc(out_dt, (1, rows, 1, d), o_layout),
+                 "Lse": "*fp32", "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32",
+                 "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name == "Lse":
+        elif name in ("Lse", "QScale", "KScale", "VScale"):
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name not in signature:
+            signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
     src = GluonASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_launch_shape(variant))
@@ -730,7 +977,7 @@ def resource_usage(compiled) -> dict:
 def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
     """One report line for a compiled variant, and whether it spills."""
     usage = resource_usage(compiled)
-    spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > 0
+    spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > variant.max_stack
     if variant.warp_specialize:
         regs = (f"{usage.get('reg', '?')} registers/thread at launch, partitions: 2 consumer "
                 f"warpgroups x {variant.consumer_regs}, producer 24")
