@@ -4,8 +4,8 @@
 #
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
-# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8-quick,
-# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode. Set STEP_LIMIT (seconds) to change
+# Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
+# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -32,6 +32,7 @@ command_for() {
         ring) echo "python -m flashtile bench ring --out $OUT" ;;
         fp8-accuracy) echo "python -m flashtile bench fp8-accuracy --out $OUT" ;;
         prefill-fp8-quick) echo "python -m flashtile bench prefill --dtype fp8 --quick --out $OUT" ;;
+        prefill-fp8) echo "python -m flashtile bench prefill --dtype fp8 --out $OUT" ;;
         tune-fp8) echo "python benchmarks/tune_fp8.py --out $OUT --dims 64,128,256" ;;
         tune-fp8-128) echo "python benchmarks/tune_fp8.py --out $OUT --dims 128 --seqlens 4096,16384" ;;
         tune-splits) echo "python benchmarks/tune_decode.py --out $OUT --workers 2 --points '16,12,2,4096,0;16,12,2,32768,0;16,32,8,1024,0;1,32,8,4096,0;1,32,8,32768,0;1,12,2,32768,16' --split-counts 2,4,6,8,12,16,24,32,48,64,66,128" ;;
@@ -41,10 +42,14 @@ command_for() {
         e2e) echo "python -m flashtile bench e2e --out $OUT" ;;
         sanitize-quick) echo "${SANITIZER[*]} python benchmarks/sanitize.py --quick" ;;
         sanitize-gluon) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only" ;;
+        sanitize-gluon-fp8) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only --only=fp8" ;;
         gluon-check) echo "python benchmarks/gluon_check.py --out $OUT" ;;
+        gluon-check-fp8) echo "python benchmarks/gluon_check.py --only fp8 --out $OUT" ;;
+        gluon-check-16bit) echo "python benchmarks/gluon_check.py --only 16- --out $OUT" ;;
         sanitize-decode) echo "${SANITIZER[*]} python benchmarks/sanitize.py --decode-only" ;;
         decode-host) echo "python benchmarks/decode_host.py --out $OUT" ;;
         ncu-decode) echo "python benchmarks/ncu_decode.py --all" ;;
+        ncu-gluon) echo "python benchmarks/ncu_gluon.py --all" ;;
         gluon-debug) echo "python benchmarks/gluon_debug.py --out $OUT" ;;
         decode-probe) echo "python benchmarks/decode_probe.py --out $OUT" ;;
         decode-probe-paged) echo "python benchmarks/decode_probe.py --mode paged --out $OUT" ;;

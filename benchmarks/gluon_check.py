@@ -17,6 +17,14 @@ protocol error waits forever) costs one phase and is reported instead of stallin
    (B, S) = (8, 2k), (4, 4k), (2, 8k), (1, 16k), 16 heads, d128, d256 and d64, causal and not.
    TFLOP/s = 4 * S^2 * D * H * B (halved for causal) / time.
 
+e4m3 variants (``-fp8-``): the inputs are quantized with flashtile.fp8.quantize_qkv (128 x 256
+blocks, Hadamard rotation); the reference is float64 attention of the dequantized tensors, and the
+budget is 2x the larger of the portable Triton e4m3 kernel's error on the same tensors (P rounds to
+e4m3 in both) and the textbook attention's in bf16; LSE as above. Their bench rows (d128) time
+the e4m3 variants, the portable e4m3 kernel, the bf16 default (flashtile's bf16 path) and SDPA.
+
+``--only SUBSTRING`` restricts both phases to the variants whose name contains it.
+
 Writes $OUT/gluon-check.json and prints a compact table last.
 """
 
@@ -33,7 +41,7 @@ import traceback
 
 # Seconds per phase; a check that times out is resumed once (without the variant that hung) for
 # what is left of its limit plus RESUME_LIMIT. The whole run must stay under 4 minutes.
-PHASE_LIMITS = {"check": 100, "bench": 90}
+PHASE_LIMITS = {"check": 150, "bench": 120}
 RESUME_LIMIT = 35
 SHAPES = [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]
 HEADS = 16
@@ -52,7 +60,8 @@ def _save(path, data):
 
 def _variants():
     from flashtile.kernels.gluon_forward import GLUON_VARIANTS
-    return GLUON_VARIANTS
+    only = os.environ.get("GLUON_CHECK_ONLY", "")
+    return [v for v in GLUON_VARIANTS if only in v.name]
 
 
 def _sample_rows(seqlen_q, device, count=160):
@@ -91,28 +100,83 @@ def _check_case(q, k, v, causal, variant):
                      device=q.device)
     gluon_attention_forward(q, k, v, softmax_scale=scale, causal=causal, variant=variant, out=out, lse=lse)
     torch.cuda.synchronize()
-    rec = {"nan_out": bool(torch.isnan(out).any()), "nan_lse": bool(torch.isnan(lse).any())}
     rows = _sample_rows(q.shape[1], q.device)
     ref, ref_lse = attention(q.double(), k.double(), v.double(), causal=causal, query_rows=rows)
     low, _ = attention(q, k, v, causal=causal, query_rows=rows)
+    return _judge({}, out, lse, rows, ref, ref_lse, 2 * (low.double() - ref).abs().max().item(),
+                  _score_terms(q, k, rows, scale))
+
+
+def _judge(rec, out, lse, rows, ref, ref_lse, budget, terms, lse_floor=0.0):
+    """Fill ``rec`` from the kernel's NaN-prefilled out/LSE against the float64 reference on
+    ``rows``: output within ``budget``, LSE within fp32 rounding of its terms (or ``lse_floor``),
+    +inf LSE and 0 output exactly on the rows that see no key, nothing left NaN."""
+    import torch
+    rec.update(nan_out=bool(torch.isnan(out).any()), nan_lse=bool(torch.isnan(lse).any()))
     got, got_lse = out[:, rows].double(), lse[:, :, rows].double()
     rec["err"] = (got - ref).abs().max().item()
-    rec["budget"] = 2 * (low.double() - ref).abs().max().item()
+    rec["budget"] = budget
     empty = torch.isinf(ref_lse)
     rec["empty_rows"] = int(empty.sum().item())
     rec["empty_ok"] = bool(torch.equal(torch.isinf(got_lse) & (got_lse > 0), empty)
                            and (got.transpose(1, 2)[empty] == 0).all().item())
     if (~empty).any():
         lse_err = (got_lse - ref_lse)[~empty].abs()
-        terms = _score_terms(q, k, rows, scale)[~empty]
-        tol = 1e-5 * torch.maximum(ref_lse[~empty].abs(), terms).clamp(min=1.0) + 1e-5
+        tol = 1e-5 * torch.maximum(ref_lse[~empty].abs(), terms[~empty]).clamp(min=1.0) + 1e-5
         rec["lse_err"] = lse_err.max().item()
-        rec["lse_ok"] = bool((lse_err <= tol).all().item())
+        rec["lse_ok"] = bool((lse_err <= torch.clamp(tol, min=lse_floor)).all().item())
     else:
         rec["lse_err"], rec["lse_ok"] = 0.0, True
     rec["ok"] = (not rec["nan_out"] and not rec["nan_lse"] and rec["err"] <= rec["budget"]
                  and rec["lse_ok"] and rec["empty_ok"])
     return rec
+
+
+def _check_case_fp8(q, k, v, causal, variant):
+    """e4m3 variant on quantized q, k, v (bf16 inputs here): NaN-filled out/LSE, sampled rows
+    against float64 attention of the dequantized tensors."""
+    import torch
+
+    from flashtile import fp8
+    from flashtile.kernels.forward import attention_forward, fp8_kernel_descales
+    from flashtile.kernels.gluon_forward import fp8_shapes_supported, gluon_attention_forward
+    from flashtile.reference import attention
+
+    z = fp8.quantize_qkv(q, k, v, block=(128, 256), hadamard=True, seed=3)
+    blocks = (z.block_q, z.block_k)
+    if not fp8_shapes_supported(z.q, z.k, z.v, blocks):
+        raise RuntimeError("fp8_shapes_supported() returned False for this case")
+    scale = q.shape[-1] ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32,
+                     device=q.device)
+    gluon_attention_forward(z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=variant, out=out,
+                            lse=lse, descales=fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale),
+                            scale_blocks=blocks)
+    torch.cuda.synchronize()
+    rows = _sample_rows(q.shape[1], q.device)
+    dq, dk, dv = (fp8.dequantize(t, d, b) for t, d, b in ((z.q, z.q_descale, z.block_q),
+                                                          (z.k, z.k_descale, z.block_k),
+                                                          (z.v, z.v_descale, z.block_k)))
+    ref, ref_lse = attention(dq.double(), dk.double(), dv.double(), causal=causal, query_rows=rows)
+    low, _ = attention(dq.bfloat16(), dk.bfloat16(), dv.bfloat16(), causal=causal, query_rows=rows)
+    # The portable e4m3 kernel on the same tensors (an explicit tile config keeps it off Gluon).
+    from flashtile.kernels.forward import pick_config
+    triton_out, triton_lse = attention_forward(z.q, z.k, z.v, softmax_scale=scale, window_left=-1,
+                                               window_right=0 if causal else -1,
+                                               diag_offset=k.shape[1] - q.shape[1],
+                                               descales=(z.q_descale, z.k_descale, z.v_descale),
+                                               scale_blocks=blocks,
+                                               config=pick_config(q.shape[-1], q.device, True))
+    seen = ~torch.isinf(ref_lse)
+    rec = {"triton_err": (triton_out[:, rows].double() - ref).abs().max().item(),
+           "triton_lse_err": ((triton_lse[:, :, rows].double() - ref_lse)[seen].abs().max().item()
+                              if seen.any() else 0.0)}
+    # P is e4m3 in both kernels; sm_90's e4m3 wgmma accumulates in reduced precision (Triton's
+    # default there), so the LSE gets 2x the portable kernel's error too.
+    budget = 2 * max(rec["triton_err"], (low.double() - ref).abs().max().item())
+    return _judge(rec, out, lse, rows, ref, ref_lse, budget, _score_terms(dq, dk, rows, scale),
+                  lse_floor=2 * rec["triton_lse_err"])
 
 
 def _inputs(batch, seqlen_q, seqlen_k, heads, heads_k, d, dtype, packed=False):
@@ -154,7 +218,7 @@ def phase_check(out_dir, resume=False):
         if status.get("state") == "running":
             status["state"] = "hung"
     torch.manual_seed(0)
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
     for variant in _variants():
         if variant.name in results["variants"]:
             continue
@@ -167,7 +231,8 @@ def phase_check(out_dir, resume=False):
             _save(path, results)  # a hang leaves this case marked "running"
             try:
                 q, k, v = _inputs(b, sq, sk, h, hk, variant.head_dim, dtypes[variant.dtype], packed)
-                rec.update(_check_case(q, k, v, variant.causal, variant))
+                check = _check_case_fp8 if variant.fp8 else _check_case
+                rec.update(check(q, k, v, variant.causal, variant))
                 rec["state"] = "done"
             except Exception as exc:
                 rec.update(state="error", ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
@@ -188,8 +253,10 @@ def _flops(b, s, h, d, causal):
     return 4 * b * h * s * s * d / (2 if causal else 1)
 
 
-def _bench_point(d, causal, batch, seqlen, variants):
-    """TFLOP/s of the Gluon variants and the baselines at one shape (bf16)."""
+def _bench_point(d, causal, batch, seqlen, variants, fp8_variants=()):
+    """TFLOP/s of the Gluon variants and the baselines at one shape (bf16), and of the e4m3
+    variants, the public e4m3 call (fp8.attention) and the portable e4m3 kernel on the same
+    inputs quantized once (kernel_blocks scales, Hadamard rotation)."""
     import torch
     import torch.nn.functional as F
     import triton
@@ -210,6 +277,25 @@ def _bench_point(d, causal, batch, seqlen, variants):
             q, k, v, softmax_scale=scale, causal=causal, variant=var))
     runs["flashtile-triton"] = lambda: attention_forward(
         q, k, v, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1, diag_offset=0)
+    if fp8_variants:
+        from flashtile import fp8
+        from flashtile.kernels.forward import fp8_kernel_descales, pick_config
+        z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(d, q.device), hadamard=True)
+        blocks = (z.block_q, z.block_k)
+        descales = fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
+        for var in fp8_variants:
+            runs[var.name] = (lambda var=var: gluon_attention_forward(
+                z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
+                scale_blocks=blocks))
+        runs["fp8.attention"] = lambda: fp8.attention(z, causal=causal)
+        from flashtile.kernels.forward import fp8_forward_kernel_name
+        point["fp8_attention_kernel"] = fp8_forward_kernel_name(z.q, z.k, z.v, causal=causal,
+                                                                scale_blocks=blocks)
+        cfg = pick_config(d, q.device, True)
+        runs["fp8-triton"] = lambda: attention_forward(
+            z.q, z.k, z.v, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1,
+            diag_offset=0, descales=(z.q_descale, z.k_descale, z.v_descale), scale_blocks=blocks,
+            config=cfg)
     for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
         def sdpa(backend=backend):
@@ -239,16 +325,25 @@ def phase_bench(out_dir, checked):
         for causal in (False, True):
             variants = [v for v in _variants() if v.head_dim == d and v.causal == causal
                         and v.dtype == "bf16" and checked.get(v.name) == "done"]
+            fp8_variants = [v for v in _variants() if v.head_dim == d and v.causal == causal
+                            and v.fp8 and checked.get(v.name) == "done"]
+            if fp8_variants:  # flashtile's bf16 path for the fp8 / bf16 ratio
+                from flashtile.kernels.gluon_forward import default_variant
+                variants = variants or [default_variant(d, "bf16", causal)]
+            if not variants and not fp8_variants:
+                continue
             for b, s in SHAPES:
                 if time.time() - t_start > budget:
                     print(f"[bench] time budget spent, skipping d{d} causal={causal} B={b} S={s}",
                           flush=True)
                     continue
-                point = _bench_point(d, causal, b, s, variants)
+                point = _bench_point(d, causal, b, s, variants, fp8_variants)
                 points.append(point)
                 _save(path, {"points": points})
                 print(f"[bench] d{d} causal={causal!s:5} B={b} S={s:5d} "
-                      + "  ".join(f"{n}={t:.0f}" for n, t in point["tflops"].items()), flush=True)
+                      + "  ".join(f"{n}={t:.0f}" for n, t in point["tflops"].items())
+                      + (f"  (fp8.attention ran {point['fp8_attention_kernel']})"
+                         if "fp8_attention_kernel" in point else ""), flush=True)
                 torch.cuda.empty_cache()
 
 
@@ -307,9 +402,14 @@ def _table(check, bench):
             for n in p["tflops"]:
                 if n not in names:
                     names.append(n)
-        gluon_names = [n for n in names if n in passed]  # the best is taken over accurate ones only
+        # The best is taken over accurate ones only (and unchecked ones: the bf16 default next to an
+        # --only fp8 run, checked in runs of its own).
+        checked_names = set(check.get("variants", {}))
+        gluon_names = [n for n in names if n in passed
+                       or (n.startswith("gluon") and n not in checked_names)]
         short = {n: n.replace("gluon-", "").replace("-bf16", "")
-                 + ("" if n in passed or not n.startswith("gluon") else " (FAILED CHECK)") for n in names}
+                 + ("" if n in gluon_names or not n.startswith("gluon") else " (FAILED CHECK)")
+                 for n in names}
         lines += ["", "TFLOP/s, bf16, 16 heads, 16k tokens (best checked gluon variant / cuDNN last):"]
         for d in (128, 256, 64):
             for causal in (False, True):
@@ -326,18 +426,28 @@ def _table(check, bench):
                     ratio = best / cudnn if cudnn and not math.isnan(cudnn) else float("nan")
                     vals = " ".join(f"[{i}]{t[n]:5.0f}" if n in t else f"[{i}]    -"
                                     for i, n in enumerate(cols))
-                    lines.append(f"    B={p['batch']} S={p['seqlen']:5d}: {vals}   best gluon / cudnn "
-                                 f"= {ratio:.2f}")
+                    fp8_best = max((t[n] for n in gluon_names if n in t and "-fp8-" in n),
+                                   default=float("nan"))
+                    bf16_best = max((t[n] for n in gluon_names if n in t and "-fp8-" not in n),
+                                    default=float("nan"))
+                    extra = (f", best fp8 / best bf16 gluon = {fp8_best / bf16_best:.2f}"
+                             if not math.isnan(fp8_best) else "")
+                    ratio = bf16_best / cudnn if cudnn and not math.isnan(cudnn) else float("nan")
+                    lines.append(f"    B={p['batch']} S={p['seqlen']:5d}: {vals}   best bf16 gluon / cudnn "
+                                 f"= {ratio:.2f}{extra}")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default="", help="substring of the variant names to check and time")
     ap.add_argument("--phase", choices=["check", "bench"], help=argparse.SUPPRESS)
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.only:  # the phase processes inherit it
+        os.environ["GLUON_CHECK_ONLY"] = args.only
     if args.phase == "check":
         phase_check(args.out, resume=args.resume)
         return
