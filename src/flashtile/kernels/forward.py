@@ -470,11 +470,12 @@ def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor)
 
 
 def gluon_fp8_applies(q, k, v, *, window_left, window_right, diag_offset, scale_blocks, softcap=0.0,
-                      alibi_slopes=None, config=None, cu_seqlens_q=None) -> bool:
+                      alibi_slopes=None, config=None, cu_seqlens_q=None, softmax_scale=1.0) -> bool:
     """Whether attention_forward hands an e4m3 call (v already keys-contiguous) to the Gluon kernel:
-    sm_90, full or bottom-right causal, no softcap, ALiBi, packed sequences or tile override, and
-    the tensors and scale blocks gluon_forward.fp8_shapes_supported takes."""
-    if not GLUON_ENABLED or _INTERPRET or not q.is_cuda or config is not None:
+    sm_90, full or bottom-right causal, a positive softmax scale (the running max assumes it), no
+    softcap, ALiBi, packed sequences or tile override, and the tensors and scale blocks
+    gluon_forward.fp8_shapes_supported takes."""
+    if not GLUON_ENABLED or _INTERPRET or not q.is_cuda or config is not None or not softmax_scale > 0:
         return False
     if cu_seqlens_q is not None or softcap or alibi_slopes is not None or window_left >= 0:
         return False
@@ -584,7 +585,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         descales = fp8_kernel_descales(*descales)
         if gluon_fp8_applies(q, k, v, window_left=window_left, window_right=window_right,
                              diag_offset=diag_offset, scale_blocks=scale_blocks, softcap=softcap,
-                             alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q):
+                             alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,
+                             softmax_scale=softmax_scale):
             from .gluon_forward import _tma_ok, gluon_attention_forward
             if _tma_ok(out) and lse.stride(-1) == 1:
                 gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
