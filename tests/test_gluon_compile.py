@@ -152,3 +152,13 @@ def test_fp8_dispatch_is_off_on_cpu():
     assert not gluon_fp8_applies(q, k, v, window_left=-1, window_right=-1, diag_offset=100,
                                  scale_blocks=(128, 256))
     assert fp8_forward_kernel_name(q, k, v, causal=True, scale_blocks=(128, 256)) == "triton"
+
+
+def test_fp8_forward_without_descales_or_with_wrong_blocks_is_refused_before_launch():
+    q, k, v = _fp8_qkv()
+    with pytest.raises(ValueError, match="descales"):
+        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=0.1, causal=False)
+    descales = (torch.ones(2, 4, 2), torch.ones(2, 2, 3), torch.ones(2, 2, 3))
+    with pytest.raises(ValueError, match="scale blocks"):  # 32-row query blocks: not a consumer's 64
+        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=0.1, causal=False,
+                                              descales=descales, scale_blocks=(32, 256))
