@@ -133,7 +133,7 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         # e4m3 at d128, causal: 128-key tiles, Q 2 x 8 KB, bf16 output staging 2 x 16 KB, P in two
         # slots per consumer 4 x 8 KB, K/V 3 x 32 KB (176 KB). Non-causal: 256-key tiles (half the
         # barrier rounds per key), two stages, one P slot per consumer (2 x 16 KB): 208 KB, with a
-        # few registers spilled (max_stack), 5-9% faster than 128-key tiles in
+        # few registers spilled (max_stack), 5-13% faster than 128-key tiles in
         # gluon-check-h200-20261130-fp8-c.json (whose 256-key rows failed their check only for
         # lack of 256-key scale blocks; -fp8-d checks them with such blocks). Ping-pong: within
         # run-to-run noise either way at e4m3 (-fp8-a, -fp8-b).
