@@ -544,18 +544,19 @@ if _GLUON:
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, o_smem, p_bufs, q_bar, k_bufs, v_bufs,
-                  k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb, stride_lh,
-                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, qk_scale,
-                  QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-                  scale_shift_q, scale_shift_k, v_max_index,
+    def _consumer(q_smem, o_smem, q_bar, shared,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
                   JOINT: gl.constexpr):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
-        ``LOADS``: issue the K/V loads itself (no producer partition)."""
+        ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
+        arguments every consumer takes alike (see _attn_fwd_gluon)."""
+        (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+         turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
+         batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
+         scale_shift_q, scale_shift_k, v_max_index) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         ring = 0
@@ -636,37 +637,30 @@ if _GLUON:
         for i in gl.static_range(2):
             mbarrier.init(turn_bars.index(i), count=1)
 
+        # Runtime arguments every consumer takes alike (constexprs stay separate: a tuple would
+        # turn them into values).
+        shared = (q_desc, k_desc, v_desc, o_desc, p_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+                  v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
+                  num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
+                  stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index)
         if WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
             FIRST: gl.constexpr = 0
             SECOND: gl.constexpr = 1
             NO_LOADS: gl.constexpr = False
             gl.warp_specialize([
-                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(0), o_smem.index(0), p_smem,
-                             q_bars.index(0), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                             turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
-                             num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale,
-                             stride_qsb, stride_qsh, stride_ksb, stride_ksh, scale_shift_q,
-                             scale_shift_k, v_max_index, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                             FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE)),
-                (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem.index(1), o_smem.index(1), p_smem,
-                             q_bars.index(1), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                             turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
-                             num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale,
-                             stride_qsb, stride_qsh, stride_ksb, stride_ksh, scale_shift_q,
-                             scale_shift_k, v_max_index, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                             SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE)),
+                (_consumer, (q_smem.index(0), o_smem.index(0), q_bars.index(0), shared, BLOCK_M,
+                             BLOCK_N, HEAD_DIM, STAGES, CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8,
+                             JOINT_RELEASE)),
+                (_consumer, (q_smem.index(1), o_smem.index(1), q_bars.index(1), shared, BLOCK_M,
+                             BLOCK_N, HEAD_DIM, STAGES, CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8,
+                             JOINT_RELEASE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
-            _consumer(q_desc, k_desc, v_desc, o_desc, q_smem.index(0), o_smem.index(0), p_smem,
-                      q_bars.index(0),
-                      k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
-                      stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                      qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb,
-                      stride_ksh, scale_shift_q, scale_shift_k, v_max_index, BLOCK_M, BLOCK_N,
+            _consumer(q_smem.index(0), o_smem.index(0), q_bars.index(0), shared, BLOCK_M, BLOCK_N,
                       HEAD_DIM, STAGES, CAUSAL, 0, False, True, FP8, False)
 
 
