@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
-# tune-fp8, tune-splits, tune-bwd-atomic, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -33,7 +33,6 @@ command_for() {
         fp8-accuracy) echo "python -m flashtile bench fp8-accuracy --out $OUT" ;;
         prefill-fp8-quick) echo "python -m flashtile bench prefill --dtype fp8 --quick --out $OUT" ;;
         prefill-fp8) echo "python -m flashtile bench prefill --dtype fp8 --out $OUT" ;;
-        tune-bwd-atomic) echo "python benchmarks/tune_backward.py --out $OUT --dims 128 --seqlens 4096,8192 --sweep atomic --workers 15" ;;
         tune-fp8) echo "python benchmarks/tune_fp8.py --out $OUT --dims 64,128,256" ;;
         tune-fp8-128) echo "python benchmarks/tune_fp8.py --out $OUT --dims 128 --seqlens 4096,16384" ;;
         tune-splits) echo "python benchmarks/tune_decode.py --out $OUT --workers 2 --points '16,12,2,4096,0;16,12,2,32768,0;16,32,8,1024,0;1,32,8,4096,0;1,32,8,32768,0;1,12,2,32768,16' --split-counts 2,4,6,8,12,16,24,32,48,64,66,128" ;;

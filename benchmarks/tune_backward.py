@@ -42,18 +42,10 @@ ATOMIC = {
     256: [(32, 64, 8, 2), (64, 64, 8, 1)],
 }
 TMA = (False, True)
-# --sweep atomic (head dim 128): atomic dQ with descriptor-fed Q/dO, each tile's dQ share added as a
-# TMA bulk reduction or (last field False) by atomics from registers, against the shipped dQ pass.
-ATOMIC_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 1), (64, 128, 8, 2), (64, 128, 8, 1), (32, 64, 4, 2),
-                (32, 128, 4, 2), (64, 32, 4, 2)]
 
 
-def candidates(d, sweep=""):
+def candidates(d):
     """(BackwardConfig fields, deterministic) for head dim d."""
-    if sweep == "atomic":
-        out = [((m, n, 64, 64, w, st, 0, 0, True, True, tdq), False) for m, n, w, st in ATOMIC_SWEEP
-               for tdq in ((True, False) if (m, n, w, st) == (64, 64, 4, 2) else (True,))]
-        return out + [((64, 64, 64, 64, 4, 2, 0, 0, False, True, True), True)]
     out = [((m, n, 64, 64, w, st, 0, 0, True, tma), False) for m, n, w, st in ATOMIC.get(d, [])
            for tma in TMA]
     for m1, n1, w1, s1 in DKDV.get(d, []):
@@ -149,10 +141,8 @@ def _sdpa_step(backend, qt, kt, vt, dout_t, causal):
 
 
 def _label(c):
-    m1, n1, m2, n2, w1, s1, w2, s2, _, tma, *tma_dq = c["cfg"]
+    m1, n1, m2, n2, w1, s1, w2, s2, _, tma = c["cfg"]
     t = "T" if tma else ""
-    if tma and not c["deterministic"] and tma_dq and not tma_dq[0]:
-        t += "r"  # dQ added by atomics from registers, not TMA reductions
     if not c["deterministic"]:
         return f"A{t}{m1},{n1},{w1},{s1}"
     return f"D{t}{m1},{n1}|{m2},{n2}|{w1},{s1}|{w2},{s2}"
@@ -166,7 +156,6 @@ def main():
     ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--dry", action="store_true", help="tiny shapes, no timing (CPU smoke run)")
-    ap.add_argument("--sweep", default="", choices=("", "atomic"))
     args = ap.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
     seqlens = [int(x) for x in args.seqlens.split(",")] if not args.dry else [64]
@@ -174,7 +163,7 @@ def main():
         for d in dims:  # the interpreter's tiles are small; one candidate per kind is enough
             ATOMIC[d], DKDV[d], DQ[d] = [(32, 32, 4, 1)], [(32, 32, 4, 1)], [(32, 32, 4, 1)]
 
-    jobs = [(d, cfg, det) for d in dims for cfg, det in candidates(d, args.sweep)]
+    jobs = [(d, cfg, det) for d in dims for cfg, det in candidates(d)]
     t0 = time.time()
     if args.dry:
         warm_errors = dict(_warm(j) for j in jobs)
@@ -214,7 +203,7 @@ def main():
                 out, lse = _fwd(q, k, v, causal)
                 fwd_ms = timer(lambda: _fwd(q, k, v, causal))
                 point["fwd_ms"] = fwd_ms
-                for cfg, det in candidates(d, args.sweep):
+                for cfg, det in candidates(d):
                     rec = {"cfg": list(cfg), "deterministic": det}
                     if warm_errors.get((d, cfg, det)):
                         rec["error"] = warm_errors[(d, cfg, det)]

@@ -39,9 +39,6 @@ class BackwardConfig:
     # pass. Fewer FLOPs, but on the H200 at head dim 128 the atomics cost more than they save.
     atomic_dq: bool = True
     use_tma: bool = False  # the streamed tiles (Q, dO in dK/dV; K, V in dQ) through tensor descriptors
-    # With use_tma and atomic dQ: each tile's dQ share as one TMA bulk reduction (cp.reduce.async.bulk,
-    # FlashAttention-3's way) instead of BLOCK_M x head_dim atomics from registers.
-    tma_dq: bool = True
 
 
 def backward_config_for_arch(head_dim: int, arch: int) -> BackwardConfig:
@@ -162,11 +159,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
         if ATOMIC_DQ:  # the order of the adds varies: dQ is not bitwise reproducible on this path
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * softmax_scale
-            if ATOMIC_DQ == 2:  # dq_base is a descriptor: one bulk TMA reduction per tile into L2
-                dq_base.atomic_add([blk * BLOCK_M, 0], dq)
-            else:
-                tl.atomic_add(dq_base + rows[:, None].to(tl.int64) * stride_dqs + offs_d[None, :],
-                              dq, mask=tile_ok, sem="relaxed")
+            tl.atomic_add(dq_base + rows[:, None].to(tl.int64) * stride_dqs + offs_d[None, :], dq,
+                          mask=tile_ok, sem="relaxed")
     return dk, dv
 
 
@@ -223,9 +217,6 @@ def _attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Alibi, CuSeqlensQ, CuS
         if USE_TMA:
             q_base = sequence_descriptor(q_base, Q, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
             do_base = sequence_descriptor(do_base, dOut, seqlen_q, stride_ds, HEAD_DIM, BLOCK_M,
-                                          HEAD_DIM_PAD)
-        if ATOMIC_DQ == 2:  # rows past the sequence fall outside the box: TMA drops their adds
-            dq_base = sequence_descriptor(dq_base, dQ, seqlen_q, stride_dqs, HEAD_DIM, BLOCK_M,
                                           HEAD_DIM_PAD)
         alibi_slope, rng_seed = head_terms(Alibi, stride_ab, DropoutSeed, batch, head,
                                            tl.num_programs(1) * group_size, ALIBI, DROPOUT)
@@ -452,10 +443,6 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = (
         (0, *t.stride()[1:]) if varlen else t.stride() for t in (q, k, v, dout, out, lse, dq, dk, dv))
     use_tma = cfg.use_tma and _tma_eligible((q, k, v, dout), (sq, sk, sv, sd))
-    # 2: TMA reductions into the fresh float32 dQ (16-byte rows and head offsets when 4 | head_dim);
-    # the interpreter has no descriptor reductions.
-    if atomic:
-        atomic = 2 if use_tma and cfg.tma_dq and head_dim % 4 == 0 and not interpreting() else 1
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
                  UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)

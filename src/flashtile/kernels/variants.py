@@ -210,9 +210,7 @@ def compile_backward(variant: Variant, arch: int) -> list:
     return [
         _compile(_attn_bwd_preprocess, pre, variant, arch, 4, 1),
         _compile(_attn_bwd_dkdv, {**flags, **tma, "BLOCK_M": cfg.dkdv_block_m,
-                                  "BLOCK_N": cfg.dkdv_block_n,
-                                  # TMA reductions of dQ where the launcher would use them
-                                  "ATOMIC_DQ": 2 if tma["USE_TMA"] and cfg.tma_dq else 1},
+                                  "BLOCK_N": cfg.dkdv_block_n, "ATOMIC_DQ": True},
                  variant, arch, cfg.num_warps, cfg.num_stages, {"dQ": "*fp32"}),
         _compile(_attn_bwd_dkdv, {**flags, **tma, "BLOCK_M": cfg.dkdv_block_m,
                                   "BLOCK_N": cfg.dkdv_block_n, "ATOMIC_DQ": False},
