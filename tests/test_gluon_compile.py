@@ -11,15 +11,19 @@ import sys
 import pytest
 import torch
 
-from flashtile.kernels import gluon_forward
+from flashtile.kernels import gluon_backward, gluon_forward
 
 
-def test_gluon_variants_compile_for_sm90():
+@pytest.mark.parametrize("module", ["gluon_forward", "gluon_backward"])
+def test_gluon_variants_compile_for_sm90(module):
+    """Also the opt-in dK/dV kernel (kernels.gluon_backward), within each variant's spill allowance."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "flashtile.kernels.gluon_forward"], env=env,
+    proc = subprocess.run([sys.executable, "-m", f"flashtile.kernels.{module}"], env=env,
                           capture_output=True, text=True, timeout=600)
     lines = proc.stdout.splitlines()
-    assert len(lines) == len(gluon_forward.GLUON_VARIANTS), proc.stdout + proc.stderr[-2000:]
+    variants = (gluon_forward.GLUON_VARIANTS if module == "gluon_forward"
+                else gluon_backward.GLUON_BACKWARD_VARIANTS)
+    assert len(lines) == len(variants), proc.stdout + proc.stderr[-2000:]
     failed = [line for line in lines if "FAILED" in line]
     assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]
     assert all(": ok," in line and "local 0 B" in line for line in lines)

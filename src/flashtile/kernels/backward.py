@@ -3,7 +3,8 @@
 Three launches, none with atomics, so every gradient is bitwise reproducible:
 1. preprocess: Delta = rowsum(dO * O) (minus dLSE when the LSE itself has a gradient);
 2. dK/dV: one program per key block and KV head, looping over the query heads of its group (GQA
-   gradients are summed in registers) and over the query blocks that can see the key block;
+   gradients are summed in registers) and over the query blocks that can see the key block
+   (FLASHTILE_GLUON_BWD=1 on sm_90: the Gluon kernel of gluon_backward, full or causal, d64/d128);
 3. dQ: one program per query block and head, looping over the key blocks it sees (as the forward).
 With P = exp(S - LSE) and dS = P * (dO V^T - Delta): dV = P^T dO, dK = scale * dS^T Q,
 dQ = scale * dS K; a softcap multiplies dS by 1 - tanh^2, ALiBi adds nothing.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ import triton.language as tl
 
 from .common import (dropout_keep, head_terms, key_blocks, load_tile, query_blocks,
                      sequence_descriptor, sequence_span, tanh, visible)
+from . import forward as _forward
 from .forward import (LOG2E, _arch, _descriptor_scratch, _tma_eligible, _triton_allocator,
                       head_dim_padded, interpreting)
 
@@ -420,7 +423,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                          softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
                          cfg, upcast, cu_seqlens_q, cu_seqlens_k,
-                         dropout_p if dropout_seed is not None else 0.0, dropout_seed, atomic)
+                         dropout_p if dropout_seed is not None else 0.0, dropout_seed, atomic,
+                         config is not None)
         grads = (dq.to(grad_dtype), dk, dv)
     if varlen:
         grads = tuple(g[0] for g in grads)
@@ -429,7 +433,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                      softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
-                     cfg, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed, atomic):
+                     cfg, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed, atomic,
+                     config_given=False):
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -446,6 +451,7 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
                  UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
+    gluon = gluon_dkdv_applies(q, k, v, dout, flags, diag_offset, window_right, config_given)
     # Our allocator only for these launches: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not interpreting() else None
     try:
@@ -453,15 +459,39 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
                         heads, heads_k, cfg, atomic, flags, (sq, sk, sv, sd, so, sl, sdq, sdk, sdv),
                         (seqlen_q, seqlen_k, heads // heads_k, diag_offset, max(window_left, 0),
                          max(window_right, 0), qk_scale, softcap_in, softmax_scale, dropout_p),
-                        alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k, dropout_seed)
+                        alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k, dropout_seed,
+                        gluon)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
 
 
+# The Gluon dK/dV kernel (kernels.gluon_backward) only when asked for with FLASHTILE_GLUON_BWD=1:
+# correct on the H200 but not faster than the portable kernel yet in fwd+bwd time (1.00-1.01x at
+# d128 full, 0.93-0.98x causal, 0.92-0.98x at d64: gluon-bwd-check-h200-20261130-{a,b}.json).
+# Benchmarks set it directly.
+GLUON_DKDV = os.environ.get("FLASHTILE_GLUON_BWD", "0") not in ("", "0")
+
+
+def gluon_dkdv_applies(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
+                       config_given: bool) -> bool:
+    """Whether the Gluon dK/dV kernel (kernels.gluon_backward, sm_90) replaces the portable one:
+    when enabled (GLUON_DKDV), for full or bottom-right causal attention without window, softcap,
+    ALiBi, dropout or packing, on tensors it supports, unless a tile config was asked for or
+    FLASHTILE_GLUON=0."""
+    if not (GLUON_DKDV and _forward.GLUON_ENABLED) or config_given or interpreting() or not q.is_cuda:
+        return False
+    if any(flags[name] for name in ("HAS_LEFT", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN", "UPCAST")):
+        return False
+    if flags["HAS_RIGHT"] and (window_right != 0 or diag_offset != k.shape[1] - q.shape[1]):
+        return False
+    from . import gluon_backward
+    return gluon_backward.supported(q, k, v, dout)
+
+
 def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, rows_q, rows_k, heads,
                     heads_k, cfg, atomic, flags, strides, common, alibi_slopes, alibi_stride_b,
-                    cu_seqlens_q, cu_seqlens_k, dropout_seed):
+                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=False):
     """The backward's three launches; ``common`` is the scalar arguments every kernel shares."""
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = strides
     seqlen_q, head_dim, d_pad = common[0], flags["HEAD_DIM"], flags["HEAD_DIM_PAD"]
@@ -471,12 +501,15 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
         out, dout, dlse, delta, cu_seqlens_q, so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0],
         sl[1], seqlen_q, BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         HAS_DLSE=dlse is not None, VARLEN=varlen)
-    _attn_bwd_dkdv[(-(-rows_k // cfg.dkdv_block_n), heads_k, batch)](
-        q, k, v, dout, lse, delta, dk, dv, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-        dropout_seed, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1],
-        sd[2], *sdk[:3], *sdv[:3], *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
-        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, ATOMIC_DQ=atomic,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+    if gluon_dkdv:
+        from .gluon_backward import gluon_dkdv as run_gluon_dkdv
+        run_gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=common[8],
+                       causal=flags["HAS_RIGHT"])
+        atomic = False  # dQ from its own pass
+    else:
+        _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, dq, batch, rows_k, heads_k, cfg, atomic, flags,
+                     strides, common, alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k,
+                     dropout_seed)
     if atomic:
         return
     _attn_bwd_dq[(-(-rows_q // cfg.dq_block_m), heads, batch)](
@@ -486,3 +519,15 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
         BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, LONGEST_FIRST=flags["HAS_RIGHT"],
         num_warps=cfg.dq_num_warps or cfg.num_warps, num_stages=cfg.dq_num_stages or cfg.num_stages,
         **flags)
+
+
+def _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, dq, batch, rows_k, heads_k, cfg, atomic, flags,
+                 strides, common, alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k,
+                 dropout_seed):
+    sq, sk, sv, sd, so, sl, sdq, sdk, sdv = strides
+    _attn_bwd_dkdv[(-(-rows_k // cfg.dkdv_block_n), heads_k, batch)](
+        q, k, v, dout, lse, delta, dk, dv, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+        dropout_seed, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1],
+        sd[2], *sdk[:3], *sdv[:3], *sdq[:3], sl[0], sl[1], alibi_stride_b, *common,
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, ATOMIC_DQ=atomic,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
