@@ -279,10 +279,8 @@ def _bench_point(d, causal, batch, seqlen, variants, fp8_variants=()):
         q, k, v, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1, diag_offset=0)
     if fp8_variants:
         from flashtile import fp8
-        from flashtile.kernels.forward import fp8_kernel_descales, pick_config
-        z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(d, q.device), hadamard=True)
-        blocks = (z.block_q, z.block_k)
-        descales = fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
+        from flashtile.kernels.forward import pick_config
+        z, blocks, descales = fp8_inputs(q, k, v)
         for var in fp8_variants:
             runs[var.name] = (lambda var=var: gluon_attention_forward(
                 z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
@@ -310,6 +308,15 @@ def _bench_point(d, causal, batch, seqlen, variants, fp8_variants=()):
             point["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"[bench] {name} failed: {point['errors'][name]}", flush=True)
     return point
+
+
+def fp8_inputs(q, k, v):
+    """q, k, v quantized as the benches run e4m3 (the kernel's scale blocks, Hadamard rotation):
+    (the quantized tensors, their scale blocks, the descales as the Gluon kernel reads them)."""
+    from flashtile import fp8
+    from flashtile.kernels.forward import fp8_kernel_descales
+    z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(q.shape[-1], q.device), hadamard=True)
+    return z, (z.block_q, z.block_k), fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
 
 
 def phase_bench(out_dir, checked):

@@ -94,6 +94,7 @@ class GluonVariant:
     p_slots: int = 2  # e4m3 through shared memory: P slots per consumer (1: P_j waits for P_{j-1} V)
     max_stack: int = 0  # stack bytes (register spills) the compile check accepts for this variant
     joint_release: bool = False  # free a ring slot's K and V together, after its P V (one arrive a tile)
+    prefetch_q: bool = False  # two Q buffers per consumer: the next work tile's Q loads during this one
 
     @property
     def block_m(self) -> int:
@@ -114,6 +115,8 @@ class GluonVariant:
             sched += "-p1"
         if self.joint_release:
             sched += "-joint"
+        if self.prefetch_q:
+            sched += "-pq"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -127,8 +130,13 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
     # d256: 64-key tiles, Q 64 KB + 2 x (K + V) 128 KB = 192 KB (three stages would not fit).
     # d64 non-causal: persistent measured 1-5% faster from 2k to 8k tokens on the H200
     # (gluon-check-h200-20261129-a.json); at d128 only causal gains from it.
+    # d128 non-causal: persistent CTAs that load the next work tile's Q during the current one
+    # (the Q buffers take 64 of 192 KB), +1-9% over one CTA per tile at 2k-16k as medians of five
+    # shuffled rounds (gluon-ab-h200-20261130.json), where the persistent grid alone gave +1-4%.
+    # Causal (either dtype) and d64: within run-to-run noise, not used; d256: no room.
     config = {"block_n": 64 if head_dim > 128 else 128, "stages": 3 if head_dim <= 64 else 2,
-              "persistent": causal or head_dim <= 64}
+              "persistent": causal or head_dim <= 128,
+              "prefetch_q": head_dim == 128 and not causal and dtype != "fp8"}
     if dtype == "fp8":
         # e4m3 at d128, causal: 128-key tiles, Q 2 x 8 KB, bf16 output staging 2 x 16 KB, P in two
         # slots per consumer 4 x 8 KB, K/V 3 x 32 KB (176 KB). Non-causal: 256-key tiles (half the
@@ -143,7 +151,8 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         if causal:
             config.update(block_n=128, stages=3, pingpong=False, joint_release=True)
         else:
-            config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128)
+            config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128,
+                          persistent=False)
     return config
 
 
@@ -156,10 +165,12 @@ def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
     """Other schedules at bf16, kept compiling so that a GPU run can compare them with the default:
     the other persistence mode, no ping-pong, and (d128) the non-specialized fallback."""
     base = default_variant(head_dim, "bf16", causal)
-    out = [dataclasses.replace(base, persistent=not base.persistent)]
+    out = [dataclasses.replace(base, persistent=not base.persistent, prefetch_q=False)]
+    if base.prefetch_q:  # and the persistent grid without the Q prefetch
+        out.append(dataclasses.replace(base, prefetch_q=False))
     if head_dim == 128:
         out += [dataclasses.replace(base, pingpong=False),
-                dataclasses.replace(base, warp_specialize=False, pingpong=False)]
+                dataclasses.replace(base, warp_specialize=False, pingpong=False, prefetch_q=False)]
     return out
 
 
@@ -180,7 +191,11 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                       {"block_n": 128, "stages": 3, "p_slots": 2, "pingpong": True},
                       {"block_n": 128, "stages": 3, "p_in_registers": True})]
                   + [dataclasses.replace(default_variant(128, "fp8", True), joint_release=False, **change)
-                     for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})])
+                     for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})]
+                  # persistent CTAs loading the next work tile's Q during the current one
+                  + [dataclasses.replace(default_variant(d, dt, c), persistent=True, prefetch_q=True)
+                     for d, dt, c in ((128, "bf16", True), (64, "bf16", False), (64, "bf16", True),
+                                      (128, "fp8", False), (128, "fp8", True))])
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,9 +451,12 @@ if _GLUON:
                       scale_shift_k, v_max_index,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                      LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr):
+                      LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
+                      Q_PREFETCHED: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
+        ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
+        store itself.
         FP8: ``q_scales`` points at this (batch, head)'s query-block descales, ``k_scales`` and
         ``v_scales`` at its KV head's key-block ones (V's relative to their largest, which sits at
         ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys."""
@@ -452,8 +470,9 @@ if _GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, row0, head, 0], q_bar, q_smem)
+        if not Q_PREFETCHED:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, row0, head, 0], q_bar, q_smem)
         if LOADS:  # fill the ring before waiting on anything
             for t in gl.static_range(STAGES):
                 _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, t, ring0 + t,
@@ -536,33 +555,66 @@ if _GLUON:
         # o_smem is Q's tile, free now (its last reader, S of the last key tile, has retired). The
         # wait keeps the next work tile's Q load from overwriting the tile before the store read it.
         out_tile = o_smem.reshape([ROWS, HEAD_DIM])
+        if Q_PREFETCHED and FP8:  # e4m3: one output buffer, the last work tile's store read it
+            tma.store_wait(0)
         out_tile.store(o.to(o_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_smem)
         lse_ptrs = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
-        tma.store_wait(0)
+        if not Q_PREFETCHED:
+            tma.store_wait(0)
 
     @gluon.jit
-    def _consumer(q_smem, o_smem, q_bar, shared,
+    def _load_q(q_desc, q_buf, q_bar, tile_id, num_heads, num_m_blocks, num_bh,
+                BLOCK_M: gl.constexpr, ROWS: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr):
+        """TMA this consumer's Q rows of work tile ``tile_id`` into ``q_buf``."""
+        pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, pid_m * BLOCK_M + WG * ROWS, head, 0], q_bar,
+                                        q_buf)
+
+    @gluon.jit
+    def _consumer(q_smem, o_smem, q_bars, shared,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
-                  JOINT: gl.constexpr):
+                  JOINT: gl.constexpr, Q_BUFS: gl.constexpr):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
-        arguments every consumer takes alike (see _attn_fwd_gluon)."""
+        arguments every consumer takes alike (see _attn_fwd_gluon). This consumer's Q buffers
+        are q_smem[WG * Q_BUFS + b] with barriers q_bars[WG * Q_BUFS + b]; with Q_BUFS = 2 the next
+        work tile's Q loads while this one runs (persistent CTAs), and the output is staged in the
+        Q buffer it came from (16-bit) or in o_smem[WG] (e4m3)."""
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
          scale_shift_q, scale_shift_k, v_max_index) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
+        total = num_m_blocks * num_bh
         ring = 0
         event = 0
-        q_phase = 0
-        for tile_id in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
+        t = 0  # work tiles done by this CTA
+        if Q_BUFS == 2:  # the first work tile's Q now, every later one during the tile before it
+            if gl.program_id(0) < total:
+                _load_q(q_desc, q_smem.index(WG * 2), q_bars.index(WG * 2), gl.program_id(0),
+                        num_heads, num_m_blocks, num_bh, BLOCK_M, ROWS, WG, CAUSAL)
+        for tile_id in range(gl.program_id(0), total, gl.num_programs(0)):
+            b = t % Q_BUFS
+            if Q_BUFS == 2:
+                if tile_id + gl.num_programs(0) < total:
+                    # The other buffer staged the previous tile's output: its store must have read it.
+                    tma.store_wait(0)
+                    _load_q(q_desc, q_smem.index(WG * 2 + 1 - b), q_bars.index(WG * 2 + 1 - b),
+                            tile_id + gl.num_programs(0), num_heads, num_m_blocks, num_bh, BLOCK_M,
+                            ROWS, WG, CAUSAL)
+            q_buf = q_smem.index(WG * Q_BUFS + b)
+            if FP8:
+                o_buf = o_smem.index(WG)
+            else:
+                o_buf = q_buf
             pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
@@ -570,15 +622,18 @@ if _GLUON:
             q_scales = QScale + batch.to(gl.int64) * stride_qsb + head.to(gl.int64) * stride_qsh
             k_scales = KScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
             v_scales = VScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
-            _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, o_smem, p_bufs, q_bar, q_phase, k_bufs,
+            _attend_block(q_desc, k_desc, v_desc, o_desc, q_buf, o_buf, p_bufs,
+                          q_bars.index(WG * Q_BUFS + b), (t // Q_BUFS) & 1, k_bufs,
                           v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
                           stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, seqlen_k,
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT)
+                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2)
             ring += num_tiles
             event += num_tiles + 1
-            q_phase ^= 1
+            t += 1
+        if Q_BUFS == 2:
+            tma.store_wait(0)
 
     # Integer arguments stay unspecialized (no divisibility or == 1 variants): one compile per
     # variant and dtype, which is also what compile_for_sm90 builds.
@@ -593,7 +648,7 @@ if _GLUON:
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
-                        JOINT_RELEASE: gl.constexpr):
+                        JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them; CTA p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the
         grid covers them all, persistent when the grid is the SM count).
@@ -610,7 +665,7 @@ if _GLUON:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         NUM_CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
-        q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + q_desc.block_type.shape,
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * Q_BUFS] + q_desc.block_type.shape,
                                            q_desc.layout)
         ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
         if FP8:  # a bf16 output tile does not fit in e4m3 Q's place
@@ -625,14 +680,15 @@ if _GLUON:
                                                p_layout)
         else:  # never used
             p_smem = q_smem
-        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS * Q_BUFS, 1],
+                                           mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
             mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-        for i in gl.static_range(NUM_CONSUMERS):
+        for i in gl.static_range(NUM_CONSUMERS * Q_BUFS):
             mbarrier.init(q_bars.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn_bars.index(i), count=1)
@@ -649,19 +705,17 @@ if _GLUON:
             SECOND: gl.constexpr = 1
             NO_LOADS: gl.constexpr = False
             gl.warp_specialize([
-                (_consumer, (q_smem.index(0), o_smem.index(0), q_bars.index(0), shared, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, STAGES, CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8,
-                             JOINT_RELEASE)),
-                (_consumer, (q_smem.index(1), o_smem.index(1), q_bars.index(1), shared, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, STAGES, CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8,
-                             JOINT_RELEASE)),
+                (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS)),
+                (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
-            _consumer(q_smem.index(0), o_smem.index(0), q_bars.index(0), shared, BLOCK_M, BLOCK_N,
-                      HEAD_DIM, STAGES, CAUSAL, 0, False, True, FP8, False)
+            _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
+                      False, True, FP8, False, Q_BUFS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -696,7 +750,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "PINGPONG": variant.pingpong and variant.warp_specialize,
             "CONSUMER_REGS": variant.consumer_regs,
             "FP8": (2 if variant.p_in_registers else 3 if variant.p_slots == 1 else 1) if variant.fp8 else 0,
-            "JOINT_RELEASE": variant.joint_release and variant.warp_specialize}
+            "JOINT_RELEASE": variant.joint_release and variant.warp_specialize,
+            "Q_BUFS": 2 if variant.prefetch_q else 1}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
