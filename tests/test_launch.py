@@ -36,3 +36,23 @@ def test_descriptor_stand_ins_become_real_descriptors_for_the_jit():
     assert isinstance(real, gluon_forward.TensorDescriptor) and same is plain
     assert real.base is q and real.shape == list(q.shape) and real.strides == list(q.stride())
     assert real.block_shape == [1, 64, 1, 128] and real.layout == layout and real.padding == "zero"
+
+
+def test_scalar_classes_are_at_least_as_fine_as_tritons_specialization():
+    """Two scalars launch one compiled kernel only if Triton would have compiled them alike: equal
+    classes must mean equal native specialization (type and the 1 / divisible-by-16 flags)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    values = [0, 1, 2, 15, 16, 17, 32, 48, 4096, 4097, -1, -16, -17, 2 ** 31 - 16, 2 ** 31 - 1,
+              2 ** 31, 2 ** 31 + 16, -2 ** 31, -2 ** 31 - 16, 2 ** 40, 2 ** 63 - 16, 0.0, 1.0, 0.125,
+              -3.5, True, False, None]
+    native = {repr(v): native_specialize_impl(BaseBackend, v, False, True, True) for v in values}
+    for a in values:
+        for b in values:
+            if launch.scalar_classes((a,)) == launch.scalar_classes((b,)):
+                assert native[repr(a)] == native[repr(b)], (a, b)
+    # and it does merge what Triton merges: lengths that differ but share a class
+    assert launch.scalar_classes((1000, 4096, 0.5)) == launch.scalar_classes((1002, 8192, 0.25))
+    assert launch.scalar_classes((16,)) != launch.scalar_classes((17,))
+    assert launch.scalar_classes((1,)) != launch.scalar_classes((2,))

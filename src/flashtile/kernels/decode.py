@@ -340,8 +340,14 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         FP8=2 if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
         Q_FP16=fp8_cache and dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=num_stages, **launch)
+    # One dict object per distinct content: ``launch`` keys options by identity, and plans of
+    # different capacities (a growing cache) with equal options must share its compiled kernels.
+    kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
     merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
     return splits, upcast, kernel, merge
+
+
+_OPTIONS: dict = {}
 
 
 class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attention call, cheaply

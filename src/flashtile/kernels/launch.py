@@ -5,9 +5,13 @@
 microseconds a decode launch cost on the H200's host, paid by every layer at every decode step.
 ``launch`` keys a call by what that specialization can depend on (each tensor's dtype and pointer
 alignment, None, each scalar's exact value, the constexprs and the grid) and, from the second
-call with a key on, hands the arguments straight to the kernel's launcher. The first call of a key goes
-through the JIT, which compiles and picks the kernel; the key is at least as fine as Triton's own, so
-the kernel found for it is the kernel the JIT would have launched.
+call with a key on, hands the arguments straight to the kernel's launcher. A call whose exact key is
+new but whose scalars fall in the same specialization classes as an earlier call's (Triton's: an int
+equal to 1, divisible by 16 or not, 32- or 64-bit; a float; a bool) launches that call's kernel
+directly too: lengths and strides that change from call to call (variable-length prefill, a KV
+cache that grows every step) no longer send every call through the JIT. Only the first call of a
+class key goes through the JIT, which compiles and picks the kernel; both keys are at least as fine
+as Triton's own, so the kernel found for them is the kernel the JIT would have launched.
 
 The JIT path is kept when kernels run in the interpreter, when Triton's launch hooks are set (a
 profiler such as proton needs them), with a Triton other than 3.6 and with ``FLASHTILE_DIRECT_LAUNCH=0``.
@@ -33,6 +37,32 @@ ENABLED = (os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") not in ("", "0")
 # each decode step new strides, hence new keys.
 _KERNELS: dict = {}
 _MAX_KERNELS = 4096
+# The same entries by class key (scalars by specialization class, no grid: the grid is a launch
+# argument, not part of what Triton compiles for).
+_BY_CLASS: dict = {}
+
+_I32 = (-2 ** 31, 2 ** 31)
+_I64 = (-2 ** 63, 2 ** 63)
+
+
+def scalar_classes(scalars: tuple) -> tuple:
+    """What Triton 3.6's specialization sees of each scalar argument (native_specialize_impl): an
+    int's value when it is 1 (a constant then), else its width and whether 16 divides it; a float
+    or bool by its type; None as itself."""
+    out = []
+    for x in scalars:
+        kind = type(x)
+        if kind is int:
+            if x == 1:
+                out.append(1)
+            else:
+                width = 32 if _I32[0] <= x < _I32[1] else 64 if _I64[0] <= x < _I64[1] else 65
+                out.append((width, x % 16 == 0))
+        elif kind is float or kind is bool or x is None:
+            out.append(kind)
+        else:  # anything else (numpy scalars, constexpr objects): by value, as before
+            out.append((kind, x))
+    return tuple(out)
 
 
 def _hooks_set() -> bool:
@@ -66,22 +96,29 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
         jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
     ptrs = [None if t is None else t.data_ptr() for t in tensors]
-    key = (jit, id(options), device, grid, scalars, *[d.base.dtype for d in descriptors],
-           *[None if t is None else (t.dtype, p % 16 == 0) for t, p in zip(tensors, ptrs)])
+    args = (*[d.base.dtype for d in descriptors],
+            *[None if t is None else (t.dtype, p % 16 == 0) for t, p in zip(tensors, ptrs)])
+    key = (jit, id(options), device, grid, scalars, *args)
     entry = _KERNELS.get(key)
     if entry is None:
-        descriptors = _jit_descriptors(descriptors)
-        kernel = jit[grid](*descriptors, *tensors, *scalars, **options)
-        if hasattr(kernel, "result"):  # an asynchronous compile's future
-            kernel = kernel.result()
-        binder = jit.device_caches[device][4]
-        bound, _, _ = binder(*descriptors, *tensors, *scalars, **options)
-        values = tuple(bound.values())
-        if len(_KERNELS) >= _MAX_KERNELS:
-            _KERNELS.clear()
-        # The entry holds ``options`` so that its id stays unique while the entry lives.
-        _KERNELS[key] = (kernel, values[len(descriptors) + len(tensors) + len(scalars):], options)
-        return
+        class_key = (jit, id(options), device, scalar_classes(scalars), *args)
+        entry = _BY_CLASS.get(class_key)
+        if entry is None:
+            descriptors = _jit_descriptors(descriptors)
+            kernel = jit[grid](*descriptors, *tensors, *scalars, **options)
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            binder = jit.device_caches[device][4]
+            bound, _, _ = binder(*descriptors, *tensors, *scalars, **options)
+            values = tuple(bound.values())
+            if len(_BY_CLASS) >= _MAX_KERNELS:
+                _BY_CLASS.clear()
+            # The entry holds ``options`` so that its id stays unique while the entry lives.
+            entry = (kernel, values[len(descriptors) + len(tensors) + len(scalars):], options)
+            _BY_CLASS[class_key] = entry
+            _remember(key, entry)
+            return
+        _remember(key, entry)
     kernel, tail, _ = entry
     g = grid + (1,) * (3 - len(grid))
     # Pointers as ints: given a tensor, the launcher calls its data_ptr() and asks the driver about
@@ -89,3 +126,9 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
     # have put every tensor on the first one's device, the current one.
     kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
                kernel.packed_metadata, None, None, None, *descriptors, *ptrs, *scalars, *tail)
+
+
+def _remember(key, entry) -> None:
+    if len(_KERNELS) >= _MAX_KERNELS:
+        _KERNELS.clear()
+    _KERNELS[key] = entry
