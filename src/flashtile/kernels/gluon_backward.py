@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gluon_forward import _GLUON, _Descriptor, _smem_layout, _tma_ok
+from .gluon_forward import _GLUON, _Descriptor, _smem_layout, _tma_ok, qkv_shapes_ok
 from .launch import launch
 
 if _GLUON:
@@ -269,12 +269,7 @@ def supported(q, k, v, dout, *, head_dims: tuple = HEAD_DIMS) -> bool:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    batch, _, heads, head_dim = q.shape
-    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape != k.shape or dout.shape != q.shape:
-        return False
-    if k.shape[0] != batch or k.shape[2] == 0 or heads % k.shape[2]:
-        return False
-    return all(_tma_ok(t) for t in tensors)
+    return dout.shape == q.shape and qkv_shapes_ok(q, k, v, head_dims) and all(_tma_ok(t) for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)

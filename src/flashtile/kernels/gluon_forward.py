@@ -802,6 +802,14 @@ def options_supported(*, softmax_scale: float | None = None, dropout_p: float = 
     return all(value in (None, 0, 0.0, False) for value in unsupported.values())
 
 
+def qkv_shapes_ok(q, k, v, head_dims: tuple) -> bool:
+    """q (B, Sq, H, D), k and v (B, Sk, Hk, D) alike, D in ``head_dims``, H a multiple of Hk > 0."""
+    batch, _, heads, head_dim = q.shape
+    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape != k.shape:
+        return False
+    return k.shape[0] == batch and k.shape[2] > 0 and heads % k.shape[2] == 0
+
+
 def shapes_supported(q, k, v, head_dims: tuple = HEAD_DIMS) -> bool:
     """The layout half of ``supported``: dtypes, shapes and TMA-addressable strides, on any device."""
     tensors = (q, k, v)
@@ -809,12 +817,7 @@ def shapes_supported(q, k, v, head_dims: tuple = HEAD_DIMS) -> bool:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    batch, _, heads, head_dim = q.shape
-    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape != k.shape:
-        return False
-    if k.shape[0] != batch or k.shape[2] == 0 or heads % k.shape[2]:
-        return False
-    return all(_tma_ok(t) for t in tensors)
+    return qkv_shapes_ok(q, k, v, head_dims) and all(_tma_ok(t) for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)
@@ -834,13 +837,10 @@ def fp8_shapes_supported(q, k, v, scale_blocks: tuple[int, int], causal: bool = 
     e4m3 = torch.float8_e4m3fn
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == e4m3 for t in tensors):
         return False
-    batch, _, heads, head_dim = q.shape
-    if head_dim not in FP8_HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
-        return False
-    if k.shape[0] != batch or k.shape[2] == 0 or heads % k.shape[2]:
+    if not qkv_shapes_ok(q, k, v, FP8_HEAD_DIMS):
         return False
     block_q, block_k = scale_blocks
-    block_n = (variant or default_variant(head_dim, "fp8", causal)).block_n
+    block_n = (variant or default_variant(q.shape[-1], "fp8", causal)).block_n
     if any(b < 1 or b & (b - 1) for b in scale_blocks) or block_q % 64 or block_k % block_n:
         return False
     vt = v.permute(0, 2, 3, 1)  # (B, Hk, D, Sk): keys contiguous
