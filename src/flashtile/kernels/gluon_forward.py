@@ -95,10 +95,13 @@ class GluonVariant:
     max_stack: int = 0  # stack bytes (register spills) the compile check accepts for this variant
     joint_release: bool = False  # free a ring slot's K and V together, after its P V (one arrive a tile)
     prefetch_q: bool = False  # two Q buffers per consumer: the next work tile's Q loads during this one
+    # Consumer warpgroups of 64 rows under warp specialization: 2, or 3 (FA3's layout at head dim 64,
+    # where the softmax dominates; no ping-pong then, and 160 registers each instead of 240).
+    consumers: int = 2
 
     @property
     def block_m(self) -> int:
-        return 128  # 2 warpgroups x 64 rows
+        return 64 * self.consumers if self.warp_specialize else 128
 
     @property
     def fp8(self) -> bool:
@@ -117,6 +120,8 @@ class GluonVariant:
             sched += "-joint"
         if self.prefetch_q:
             sched += "-pq"
+        if self.warp_specialize and self.consumers != 2:
+            sched += f"-c{self.consumers}"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -195,7 +200,12 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # persistent CTAs loading the next work tile's Q during the current one
                   + [dataclasses.replace(default_variant(d, dt, c), persistent=True, prefetch_q=True)
                      for d, dt, c in ((128, "bf16", True), (64, "bf16", False), (64, "bf16", True),
-                                      (128, "fp8", False), (128, "fp8", True))])
+                                      (128, "fp8", False), (128, "fp8", True))]
+                  # three consumer warpgroups (192-row blocks) at head dim 64
+                  # (causal: 24 stack bytes at 160 registers, the most 3 consumers can have)
+                  + [dataclasses.replace(default_variant(64, "bf16", c), consumers=3, pingpong=False,
+                                         consumer_regs=160, max_stack=32 if c else 0)
+                     for c in (False, True)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,7 +658,8 @@ if _GLUON:
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
-                        JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1):
+                        JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
+                        CONSUMERS: gl.constexpr = 2):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them; CTA p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the
         grid covers them all, persistent when the grid is the SM count).
@@ -664,7 +675,7 @@ if _GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        NUM_CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
+        NUM_CONSUMERS: gl.constexpr = CONSUMERS if WARP_SPECIALIZE else 1
         q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * Q_BUFS] + q_desc.block_type.shape,
                                            q_desc.layout)
         ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
@@ -699,7 +710,24 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index)
-        if WARP_SPECIALIZE:
+        if WARP_SPECIALIZE and CONSUMERS == 3:
+            FIRST3: gl.constexpr = 0
+            SECOND3: gl.constexpr = 1
+            THIRD3: gl.constexpr = 2
+            NO_LOADS3: gl.constexpr = False
+            NO_PINGPONG: gl.constexpr = False
+            gl.warp_specialize([
+                (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS)),
+                (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS)),
+                (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS)),
+                (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                             seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
             FIRST: gl.constexpr = 0
             SECOND: gl.constexpr = 1
@@ -728,11 +756,15 @@ def _launch_shape(variant: GluonVariant) -> dict:
     warps = 12 rounded; maxnreg 168 over 384 threads fills the 64K register file and the
     partitions' budgets redistribute it (240 + 240 + 24 per warpgroup at the default budget)."""
     if variant.warp_specialize:
-        total = 168 * 3 * 128
-        default_regs = (total - 128 * variant.consumer_regs - 128 * 24) // 128
-        if default_regs < 24:
+        # 3 consumers: 4 + 4 + 4 + 1 warps = 16 rounded, maxnreg 128 over 512 threads; the two
+        # worker consumers and the producer take theirs, the default partition the rest.
+        warpgroups = variant.consumers + 1
+        maxnreg = 65536 // (128 * warpgroups) // 8 * 8  # 168 for 2 consumers, 128 for 3
+        total = maxnreg * warpgroups * 128
+        default_regs = (total - 128 * variant.consumer_regs * (variant.consumers - 1) - 128 * 24) // 128
+        if default_regs < variant.consumer_regs:
             raise ValueError(f"{variant.name}: register budget does not fit")
-        return {"num_warps": 4, "maxnreg": 168}
+        return {"num_warps": 4, "maxnreg": maxnreg}
     return {"num_warps": 8}
 
 
@@ -751,11 +783,11 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "CONSUMER_REGS": variant.consumer_regs,
             "FP8": (2 if variant.p_in_registers else 3 if variant.p_slots == 1 else 1) if variant.fp8 else 0,
             "JOINT_RELEASE": variant.joint_release and variant.warp_specialize,
-            "Q_BUFS": 2 if variant.prefetch_q else 1}
+            "Q_BUFS": 2 if variant.prefetch_q else 1, "CONSUMERS": variant.consumers}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
-    return variant.block_m // 2 if variant.warp_specialize else variant.block_m
+    return 64 if variant.warp_specialize else variant.block_m
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -1028,8 +1060,8 @@ def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
     usage = resource_usage(compiled)
     spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > variant.max_stack
     if variant.warp_specialize:
-        regs = (f"{usage.get('reg', '?')} registers/thread at launch, partitions: 2 consumer "
-                f"warpgroups x {variant.consumer_regs}, producer 24")
+        regs = (f"{usage.get('reg', '?')} registers/thread at launch, partitions: {variant.consumers} "
+                f"consumer warpgroups x {variant.consumer_regs}, producer 24")
     else:
         regs = f"{usage.get('reg', '?')} registers/thread"
     return (f"{variant.name}: ok, shared memory {compiled.metadata.shared} B, {regs}, "
