@@ -710,6 +710,8 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index)
+        # Two partition lists, not one built up: a tuple holding a partition function does not
+        # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
             FIRST3: gl.constexpr = 0
             SECOND3: gl.constexpr = 1
