@@ -38,7 +38,7 @@ def _runs(variants, b, s):
     scale = d ** -0.5
     runs = {}
     if variants[0].fp8:
-        z, blocks, descales = fp8_inputs(q, k, v)
+        z, blocks, descales = fp8_inputs(q, k, v, variants)
         for var in variants:
             runs[var.name] = (lambda var=var: gluon_attention_forward(
                 z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,

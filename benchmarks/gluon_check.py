@@ -144,7 +144,7 @@ def _check_case_fp8(q, k, v, causal, variant):
 
     z = fp8.quantize_qkv(q, k, v, block=(128, 256), hadamard=True, seed=3)
     blocks = (z.block_q, z.block_k)
-    if not fp8_shapes_supported(z.q, z.k, z.v, blocks):
+    if not fp8_shapes_supported(z.q, z.k, z.v, blocks, causal, variant):
         raise RuntimeError("fp8_shapes_supported() returned False for this case")
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
@@ -280,7 +280,7 @@ def _bench_point(d, causal, batch, seqlen, variants, fp8_variants=()):
     if fp8_variants:
         from flashtile import fp8
         from flashtile.kernels.forward import pick_config
-        z, blocks, descales = fp8_inputs(q, k, v)
+        z, blocks, descales = fp8_inputs(q, k, v, fp8_variants)
         for var in fp8_variants:
             runs[var.name] = (lambda var=var: gluon_attention_forward(
                 z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
@@ -310,12 +310,15 @@ def _bench_point(d, causal, batch, seqlen, variants, fp8_variants=()):
     return point
 
 
-def fp8_inputs(q, k, v):
-    """q, k, v quantized as the benches run e4m3 (the kernel's scale blocks, Hadamard rotation):
-    (the quantized tensors, their scale blocks, the descales as the Gluon kernel reads them)."""
+def fp8_inputs(q, k, v, variants=()):
+    """q, k, v quantized as the benches run e4m3 (the kernel's scale blocks, made whole tiles of
+    ``variants`` too; Hadamard rotation): (the quantized tensors, their scale blocks, the descales
+    as the Gluon kernel reads them)."""
     from flashtile import fp8
     from flashtile.kernels.forward import fp8_kernel_descales
-    z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(q.shape[-1], q.device), hadamard=True)
+    block_q, block_k = fp8.kernel_blocks(q.shape[-1], q.device)
+    block_k = math.lcm(block_k, *(var.block_n for var in variants))
+    z = fp8.quantize_qkv(q, k, v, block=(math.lcm(block_q, 64), block_k), hadamard=True)
     return z, (z.block_q, z.block_k), fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
 
 

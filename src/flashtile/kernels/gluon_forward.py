@@ -158,6 +158,8 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         else:
             config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128,
                           persistent=False)
+        if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB)
+            config.update(block_n=64, stages=2)
     return config
 
 
@@ -201,6 +203,8 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [dataclasses.replace(default_variant(d, dt, c), persistent=True, prefetch_q=True)
                      for d, dt, c in ((128, "bf16", True), (64, "bf16", False), (64, "bf16", True),
                                       (128, "fp8", False), (128, "fp8", True))]
+                  # e4m3 at head dims 64 and 256, not dispatched (FP8_HEAD_DIMS) until checked on a GPU
+                  + [default_variant(d, "fp8", c) for d in (64, 256) for c in (False, True)]
                   # three consumer warpgroups (192-row blocks) at head dim 64
                   # (causal: 24 stack bytes at 160 registers, the most 3 consumers can have)
                   + [dataclasses.replace(default_variant(64, "bf16", c), consumers=3, pingpong=False,
@@ -871,7 +875,8 @@ def fp8_shapes_supported(q, k, v, scale_blocks: tuple[int, int], causal: bool = 
     e4m3 = torch.float8_e4m3fn
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == e4m3 for t in tensors):
         return False
-    if not qkv_shapes_ok(q, k, v, FP8_HEAD_DIMS):
+    # An explicit variant (a benchmark's) may be of any compiled head dim; dispatch: FP8_HEAD_DIMS.
+    if not qkv_shapes_ok(q, k, v, (variant.head_dim,) if variant is not None else FP8_HEAD_DIMS):
         return False
     block_q, block_k = scale_blocks
     block_n = (variant or default_variant(q.shape[-1], "fp8", causal)).block_n
