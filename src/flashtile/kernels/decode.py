@@ -170,13 +170,13 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, Ca
                  + head.to(tl.int64) * stride_lh + qi, tl.where(seen, lse, float("-inf")),
                  mask=row_ok)
         if MERGE_PAD > 0:
-            _merge_if_last(OutPart, LsePart, Out, Lse, Counters, split, batch, kv_head, num_splits,
+            _merge_if_last(OutPart, LsePart, Out, Lse, Counters, batch, kv_head, num_splits,
                            head, qi, row_ok, q_ok, offs_d, stride_os, stride_ob, stride_oq, stride_oh,
                            stride_ls, stride_lb, stride_lh, r_ptrs, lr_ptrs, MERGE_PAD, EMPTY_LSE)
 
 
 @triton.jit
-def _merge_if_last(OutPart, LsePart, Out, Lse, Counters, split, batch, kv_head, num_splits, head, qi,
+def _merge_if_last(OutPart, LsePart, Out, Lse, Counters, batch, kv_head, num_splits, head, qi,
                    row_ok, q_ok, offs_d, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
                    stride_lb, stride_lh, r_ptrs, lr_ptrs, SPLITS_PAD: tl.constexpr,
                    EMPTY_LSE: tl.constexpr):
