@@ -166,3 +166,14 @@ def test_fp8_forward_without_descales_or_with_wrong_blocks_is_refused_before_lau
     with pytest.raises(ValueError, match="scale blocks"):  # 32-row query blocks: not a consumer's 64
         gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=0.1, causal=False,
                                               descales=descales, scale_blocks=(32, 256))
+
+
+def test_fp8_explicit_variant_of_another_head_dim():
+    """A benchmark's explicit e4m3 variant may be of any compiled head dim; dispatch (no variant)
+    keeps to FP8_HEAD_DIMS until such a variant is checked on a GPU."""
+    q, k, v = _fp8_qkv(d=64)
+    variant = gluon_forward.default_variant(64, "fp8", False)
+    assert variant.name in {v.name for v in gluon_forward.GLUON_VARIANTS}
+    assert gluon_forward.fp8_shapes_supported(q, k, v, (64, 256), variant=variant)
+    assert not gluon_forward.fp8_shapes_supported(q, k, v, (64, 128), variant=variant)  # 256-key tiles
+    assert (64 in gluon_forward.FP8_HEAD_DIMS) == gluon_forward.fp8_shapes_supported(q, k, v, (64, 256))
