@@ -11,7 +11,6 @@ and is timed with do_bench (median) / L. Writes decode-probe.json under --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -145,29 +144,6 @@ def probe_trigger(point, _, device, ceiling):
     return {"point": point.__dict__, "layers": layers, "rows": rows}
 
 
-def probe_merge(point, _, device, ceiling):
-    """The split programs' partials merged by the combine kernel (the default) or by the last split
-    program of each (sequence, KV head) (DecodeConfig.merge_splits), alternated twice, with the
-    default tiles and split count."""
-    layers, caches, nbytes, q, lengths = _setup(point, device)
-    base = dec.decode_config(False, device, point.batch * point.heads_k)
-    rows = []
-    for merge in (False, True, False, True):
-        cfg = dataclasses.replace(base, merge_splits=8 if merge else 0)
-
-        def call(layer, cfg=cfg):
-            k, v = caches.nhd(layer)
-            return dec.decode_attention(q, k, v, lengths, softmax_scale=0.088, window_left=-1,
-                                        window_right=0, config=cfg, need_lse=False)[0]
-        us = time_layers(call, layers, device)
-        gbps = nbytes / us / 1e3
-        splits = dec.split_heuristic(point.batch, point.heads_k, point.context, device, cfg)
-        rows.append({"merge_in_kernel": merge, "splits": splits, "us_per_layer": us, "gbps": gbps})
-        print(f"  merge in kernel={merge} ({splits} splits): {us:.2f} us {gbps:.0f} GB/s "
-              f"{100 * gbps / ceiling:.1f}%", flush=True)
-    return {"point": point.__dict__, "layers": layers, "rows": rows}
-
-
 def probe_paged(point, page_sizes, device, ceiling):
     """Paged against contiguous with the same tile configs: shuffled block tables (as ``bench paged``)
     and identity tables (pages in memory order), to tell the gather's own cost from the cost of
@@ -239,8 +215,8 @@ def probe_point(point, page, device, ceiling):
         lsep = torch.empty(p.splits, *p.lse_shape, dtype=torch.float32, device=device)
         out = torch.empty(p.out_shape, dtype=p.dtype, device=device)
         lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
-        launch(dec._attn_decode, p.grid, (q, k, v, outp, lsep, out, lse, None, lengths, None, None,
-                                          table, None, None, None, None), p.scalars, p.kernel_options)
+        launch(dec._attn_decode, p.grid, (q, k, v, outp, lsep, out, lse, lengths, None, None, table,
+                                          None, None, None, None), p.scalars, p.kernel_options)
         return out
 
     if p.splits > 1:
@@ -292,7 +268,7 @@ def probe_point(point, page, device, ceiling):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
-    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger", "merge"), default="where")
+    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger"), default="where")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
@@ -306,13 +282,9 @@ def main():
         points = [(1, 32, 8, 32768, (16, 256, 1)), (16, 32, 8, 16384, (16,)), (1, 12, 2, 32768, (16,))]
     elif args.mode == "fp8":
         points = [(16, 32, 8, 32768, 0), (1, 32, 8, 32768, 0), (16, 32, 8, 4096, 0)]
-    elif args.mode == "merge":  # the points of at most 8 splits where flashtile trails cuDNN most
-        points = [(16, 32, 8, 1024, 0), (16, 32, 8, 4096, 0), (16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0),
-                  (64, 12, 2, 1024, 0), (1, 32, 8, 1024, 0)]
     else:
         points = [(16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0), (16, 12, 2, 32768, 0), (1, 32, 8, 4096, 0)]
-    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger,
-             "merge": probe_merge}[args.mode]
+    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger}[args.mode]
     for (batch, heads, heads_k, context, page) in points:
         point = Point("probe", batch, heads, heads_k, context)
         print(f"B{batch} {heads}/{heads_k} ctx{context} page{page}", flush=True)

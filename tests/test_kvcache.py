@@ -240,26 +240,3 @@ def test_split_heuristic_fills_the_last_wave(monkeypatch, batch, heads_k, contex
     per_sm = programs / 132
     if per_sm >= 1:  # full waves, or a last wave at least 90% full
         assert per_sm / math.ceil(per_sm) >= 0.9
-
-
-@pytest.mark.parametrize("splits", [2, 3, 8])
-@pytest.mark.parametrize("paged,seqlen_q", [(False, 1), (False, 3), (True, 2)], ids=["contig", "sq3", "paged"])
-def test_in_kernel_merge_matches_reference(monkeypatch, splits, paged, seqlen_q):
-    """DecodeConfig.merge_splits: the last split program of each (sequence, KV head) merges the
-    partials (no combine kernel): same result as the reference, including a sequence shorter than a
-    split (splits that see no key), and the counters are back to zero for the next launch."""
-    from flashtile.kernels import decode
-
-    def no_combine(*args):
-        raise AssertionError("the combine kernel ran")
-    monkeypatch.setattr(decode, "_launch_combine", no_combine)
-    q, k_cache, v_cache, lengths = cache_case(seqlen_q=seqlen_q, heads=12, heads_k=2, capacity=120)
-    cfg = decode.DecodeConfig(32, 4, 1, merge_splits=8)
-    kw = dict(softmax_scale=64 ** -0.5, window_left=-1, window_right=0, num_splits=splits, config=cfg)
-    if paged:
-        k_pool, v_pool, table = paged_cache(k_cache, v_cache, 16)
-        out, lse = decode.decode_attention(q, k_pool, v_pool, lengths, block_table=table, **kw)
-    else:
-        out, lse = decode.decode_attention(q, k_cache, v_cache, lengths, **kw)
-    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
-    assert not decode.split_counters(6, q.device)[:6].any()

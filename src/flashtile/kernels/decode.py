@@ -29,7 +29,7 @@ from .launch import launch
 
 
 @triton.jit
-def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, CacheBatchIdx,
+def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
                  CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, stride_dsb, stride_dss, stride_dsh,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
@@ -43,8 +43,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, Ca
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
-                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
-                 MERGE_PAD: tl.constexpr = 0):
+                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -169,48 +168,6 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, Counters, CacheSeqlens, Ca
         tl.store(LsePart + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
                  + head.to(tl.int64) * stride_lh + qi, tl.where(seen, lse, float("-inf")),
                  mask=row_ok)
-        if MERGE_PAD > 0:
-            _merge_if_last(OutPart, LsePart, Out, Lse, Counters, batch, kv_head, num_splits,
-                           head, qi, row_ok, q_ok, offs_d, stride_os, stride_ob, stride_oq, stride_oh,
-                           stride_ls, stride_lb, stride_lh, r_ptrs, lr_ptrs, MERGE_PAD, EMPTY_LSE)
-
-
-@triton.jit
-def _merge_if_last(OutPart, LsePart, Out, Lse, Counters, batch, kv_head, num_splits, head, qi,
-                   row_ok, q_ok, offs_d, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
-                   stride_lb, stride_lh, r_ptrs, lr_ptrs, SPLITS_PAD: tl.constexpr,
-                   EMPTY_LSE: tl.constexpr):
-    """The last split program of a (sequence, KV head) to finish merges every split's partials:
-    no combine kernel. Each program's stores come before its counter increment (the barrier, then
-    the increment's release); the last one's acquire makes them all visible to its loads, which go
-    to L2 (.cg) past any stale L1 line. All splits' partials load at once (SPLITS_PAD x rows x head
-    dim): the serial loop over splits of an earlier version cost up to 3x at batch 1. The last
-    program sets the counter back to 0 for the next launch (and CUDA graph replay)."""
-    tl.debug_barrier()
-    counter = Counters + batch * tl.num_programs(2) + kv_head
-    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if ticket == num_splits - 1:
-        s = tl.arange(0, SPLITS_PAD)
-        s_ok = s < num_splits
-        lse_all = tl.load(LsePart + s[:, None].to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
-                          + head[None, :].to(tl.int64) * stride_lh + qi[None, :],
-                          mask=s_ok[:, None] & row_ok[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-        m = tl.max(lse_all, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(lse_all - m_safe[None, :])  # each split's share of the row's softmax mass
-        total = tl.sum(w, 0)
-        some = total > 0
-        w = w / tl.where(some, total, 1.0)[None, :]
-        o_all = tl.load(OutPart + s[:, None, None].to(tl.int64) * stride_os
-                        + batch.to(tl.int64) * stride_ob + qi[None, :, None].to(tl.int64) * stride_oq
-                        + head[None, :, None].to(tl.int64) * stride_oh + offs_d[None, None, :],
-                        mask=s_ok[:, None, None] & q_ok[None, :, :], other=0.0, cache_modifier=".cg")
-        merged = tl.sum(w[:, :, None] * o_all, 0)
-        tl.store(r_ptrs, merged.to(Out.dtype.element_ty), mask=q_ok)
-        tl.store(lr_ptrs, tl.where(some, m_safe + tl.log(tl.where(some, total, 1.0)), EMPTY_LSE),
-                 mask=row_ok)
-        tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
@@ -294,10 +251,6 @@ class DecodeConfig:
     # stream finishes, and waits (griddepcontrol.wait) before touching memory.
     pdl: bool = False
     page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
-    # Up to this many splits, the last split program of a (sequence, KV head) merges the partials
-    # itself instead of a combine kernel (0: never). Off until measured on the H200
-    # (benchmarks/decode_probe.py --mode merge).
-    merge_splits: int = 0
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1) -> DecodeConfig:
@@ -391,13 +344,6 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
     merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
-    # In-kernel merge: all splits' partials of a program's rows in registers at once, so only for
-    # few splits (at most 16K floats: 8 splits x 16 rows x 128 dims).
-    merge_pad = max(2, _next_power_of_2(splits))
-    if 1 < splits <= cfg.merge_splits and merge_pad * kernel["ROWS"] * kernel["HEAD_DIM_PAD"] <= 16384:
-        kernel = _OPTIONS.setdefault(tuple(sorted({**kernel, "MERGE_PAD": merge_pad}.items())),
-                                     {**kernel, "MERGE_PAD": merge_pad})
-        merge = None
     return splits, upcast, kernel, merge
 
 
@@ -491,32 +437,13 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
         lse_partial = torch.empty(p.splits, *p.lse_shape, dtype=torch.float32, device=p.device)
     else:
         out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
-    merge_in_kernel = p.splits > 1 and p.combine_options is None
-    counters = split_counters(p.grid[1] * p.grid[2], p.device) if merge_in_kernel else None
     tensors = (q, k_cache, v_cache, out_partial, lse_partial, out, out if lse is None else lse,
-               counters, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-               k_descale, v_descale)
+               cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale,
+               v_descale)
     launch(_attn_decode, p.grid, tensors, p.scalars, p.kernel_options)
-    if p.splits > 1 and not merge_in_kernel:
+    if p.splits > 1:
         _launch_combine(out_partial, lse_partial, out, lse, p.combine_options)
     return (out.to(p.dtype) if p.upcast else out), lse
-
-
-_COUNTERS: dict = {}
-
-
-def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """int32 zeros, at least ``n``, in which the in-kernel merge counts finished splits per (sequence,
-    KV head); the last split sets its counter back to 0, so the buffer is zero between launches. One
-    buffer per (device, stream): launches on one stream run in order and never share a counter at
-    the same time; a CUDA graph captures on a stream of its own."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -145,13 +145,6 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
-        elif name == "Counters":  # the in-kernel merge's counters (decode with MERGE_PAD)
-            if values.get("MERGE_PAD"):
-                signature[name] = "*i32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                signature[name] = "constexpr"
-                constexprs[name] = None
         elif name == "dLse":
             signature[name] = "constexpr"  # the common case: no gradient on the LSE
             constexprs[name] = None
@@ -242,8 +235,7 @@ def decode_variants() -> list[Variant]:
 def compile_decode(variant: Variant, arch: int) -> list:
     """Compile the split-KV decode kernel (8 query heads per KV head, one query) writing partials
     and writing the output directly (one split; its LSE on the paged variants only, as a call
-    without return_softmax_lse), the combine kernel that merges partials and, at head dim 128,
-    the split kernel that merges them itself (up to 8 splits)."""
+    without return_softmax_lse), and the combine kernel that merges partials."""
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
@@ -251,22 +243,16 @@ def compile_decode(variant: Variant, arch: int) -> list:
     decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "BLOCK_N": 64,
               "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
-              "FP8": 2 if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
-              "MERGE_PAD": 0}
+              "FP8": 2 if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16"}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     stages = 3 if variant.paged else 2
-    kernels = [_compile(_attn_decode, {**decode, "SPLIT": True, "WRITE_LSE": True}, variant, arch, 4,
-                        stages, cache),
-               _compile(_attn_decode, {**decode, "SPLIT": False, "WRITE_LSE": variant.paged}, variant,
-                        arch, 4, stages, cache),
-               _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch,
-                        4, 1)]
-    if variant.head_dim == 128 and not variant.fp8_cache:  # the in-kernel merge (DecodeConfig.merge_splits)
-        kernels.append(_compile(_attn_decode, {**decode, "SPLIT": True, "WRITE_LSE": True, "MERGE_PAD": 8},
-                                variant, arch, 4, stages, cache))
-    return kernels
+    return [_compile(_attn_decode, {**decode, "SPLIT": True, "WRITE_LSE": True}, variant, arch, 4,
+                     stages, cache),
+            _compile(_attn_decode, {**decode, "SPLIT": False, "WRITE_LSE": variant.paged}, variant, arch,
+                     4, stages, cache),
+            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1)]
 
 
 def rotary_variants() -> list[Variant]:
