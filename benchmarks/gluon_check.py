@@ -23,7 +23,8 @@ budget is 2x the larger of the portable Triton e4m3 kernel's error on the same t
 e4m3 in both) and the textbook attention's in bf16; LSE as above. Their bench rows (d128) time
 the e4m3 variants, the portable e4m3 kernel, the bf16 default (flashtile's bf16 path) and SDPA.
 
-``--only SUBSTRING`` restricts both phases to the variants whose name contains it.
+``--only A,B`` restricts both phases to the variants whose name contains A or B; ``--check-limit``
+raises the check phase's time limit (a phase that runs out marks its running variant as hung).
 
 Writes $OUT/gluon-check.json and prints a compact table last.
 """
@@ -60,8 +61,8 @@ def _save(path, data):
 
 def _variants():
     from flashtile.kernels.gluon_forward import GLUON_VARIANTS
-    only = os.environ.get("GLUON_CHECK_ONLY", "")
-    return [v for v in GLUON_VARIANTS if only in v.name]
+    only = os.environ.get("GLUON_CHECK_ONLY", "").split(",")
+    return [v for v in GLUON_VARIANTS if any(part in v.name for part in only)]
 
 
 def _sample_rows(seqlen_q, device, count=160):
@@ -218,6 +219,7 @@ def phase_check(out_dir, resume=False):
         if status.get("state") == "running":
             status["state"] = "hung"
     torch.manual_seed(0)
+    phase_t0 = time.time()
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
     for variant in _variants():
         if variant.name in results["variants"]:
@@ -226,7 +228,9 @@ def phase_check(out_dir, resume=False):
         results["variants"][variant.name] = status
         t0 = time.time()
         for label, b, sq, sk, h, hk, packed in _check_cases(variant):
-            rec = {"variant": variant.name, "case": label, "state": "running"}
+            # Seconds into this phase process: says whether a case left running had time to hang.
+            rec = {"variant": variant.name, "case": label, "state": "running",
+                   "started_s": round(time.time() - phase_t0, 1)}
             results["cases"].append(rec)
             _save(path, results)  # a hang leaves this case marked "running"
             try:
@@ -397,7 +401,8 @@ def _table(check, bench):
     for name, status in check.get("variants", {}).items():
         cases = [c for c in check.get("cases", []) if c["variant"] == name]
         bad = [c["case"] for c in cases if not c.get("ok")]
-        hung = [c["case"] for c in cases if c.get("state") == "running"]
+        hung = [f"{c['case']} (started {c.get('started_s', '?')} s into its phase)" for c in cases
+                if c.get("state") == "running"]
         if hung or status.get("state") in ("hung", "running"):
             verdict = "HUNG (or out of time) in " + (", ".join(hung) or "?")
         else:
@@ -451,7 +456,10 @@ def _table(check, bench):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="", help="substring of the variant names to check and time")
+    ap.add_argument("--only", default="",
+                    help="substrings (comma-separated) of the variant names to check and time")
+    ap.add_argument("--check-limit", type=float, default=PHASE_LIMITS["check"],
+                    help="seconds for the check phase (the whole list takes longer than the default)")
     ap.add_argument("--phase", choices=["check", "bench"], help=argparse.SUPPRESS)
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -468,7 +476,7 @@ def main():
         return
 
     t0 = time.time()
-    states = {"check": _run_phase("check", args.out, PHASE_LIMITS["check"])}
+    states = {"check": _run_phase("check", args.out, args.check_limit)}
     if states["check"].startswith("TIMEOUT"):
         check_path = os.path.join(args.out, "gluon-check-check.json")
         if any(s.get("state") == "running" for s in _load(check_path, {}).get("variants", {}).values()):

@@ -101,13 +101,14 @@ def test_variant_names_are_distinct_and_describe_the_schedule():
     assert sync.name.endswith("-sync")
 
 
-def test_fp8_variants_cover_both_masks_at_every_fp8_head_dim():
+def test_fp8_variants_cover_both_masks_at_every_head_dim():
     names = {v.name for v in gluon_forward.GLUON_VARIANTS}
-    for d in gluon_forward.FP8_HEAD_DIMS:
+    for d in (64, 128, 256):
         for causal in (False, True):
             variant = gluon_forward.default_variant(d, "fp8", causal)
             assert variant.fp8 and variant.name in names
-            assert variant.block_n in (128, 256)
+            assert variant.block_n in (64, 128, 256)
+    assert {d for d, _ in gluon_forward.FP8_DISPATCH} == set(gluon_forward.FP8_HEAD_DIMS)
 
 
 def _fp8_qkv(seqlen_k=300, d=128, heads=4, heads_k=2):
@@ -170,10 +171,11 @@ def test_fp8_forward_without_descales_or_with_wrong_blocks_is_refused_before_lau
 
 def test_fp8_explicit_variant_of_another_head_dim():
     """A benchmark's explicit e4m3 variant may be of any compiled head dim; dispatch (no variant)
-    keeps to FP8_HEAD_DIMS until such a variant is checked on a GPU."""
+    keeps to FP8_DISPATCH, the pairs checked on a GPU."""
     q, k, v = _fp8_qkv(d=64)
     variant = gluon_forward.default_variant(64, "fp8", False)
     assert variant.name in {v.name for v in gluon_forward.GLUON_VARIANTS}
     assert gluon_forward.fp8_shapes_supported(q, k, v, (64, 256), variant=variant)
     assert not gluon_forward.fp8_shapes_supported(q, k, v, (64, 128), variant=variant)  # 256-key tiles
-    assert (64 in gluon_forward.FP8_HEAD_DIMS) == gluon_forward.fp8_shapes_supported(q, k, v, (64, 256))
+    assert ((64, False) in gluon_forward.FP8_DISPATCH) == gluon_forward.fp8_shapes_supported(
+        q, k, v, (64, 256))

@@ -187,7 +187,8 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Ten
 def kernel_blocks(head_dim: int, device) -> tuple[int, int]:
     """The finest (query, key) scale blocks with which ``attention`` runs the fastest forward for
     this head dim on ``device`` (any multiple of them works too): the portable kernel's tile, and on
-    an sm_90 GPU also the Gluon kernel's (64 query rows per consumer, 256-key tiles at d128 non-causal).
+    an sm_90 GPU also the Gluon kernel's where it runs (64 query rows per consumer, 256-key tiles at
+    d128 non-causal).
     Finer blocks that are still whole portable tiles are accepted and take the portable kernel."""
     from .kernels import gluon_forward
     from .kernels.forward import GLUON_ENABLED, pick_config
@@ -197,7 +198,8 @@ def kernel_blocks(head_dim: int, device) -> tuple[int, int]:
     if (GLUON_ENABLED and gluon_forward._GLUON and device.type == "cuda" and not interpreting()
             and head_dim in gluon_forward.FP8_HEAD_DIMS
             and torch.cuda.get_device_capability(device) == (9, 0)):
-        gluon_n = max(gluon_forward.default_variant(head_dim, "fp8", c).block_n for c in (False, True))
+        gluon_n = max(gluon_forward.default_variant(head_dim, "fp8", c).block_n
+                      for c in (False, True) if (head_dim, c) in gluon_forward.FP8_DISPATCH)
         block_q, block_k = math.lcm(block_q, 64), math.lcm(block_k, gluon_n)
     return block_q, block_k
 

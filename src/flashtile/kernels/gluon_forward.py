@@ -142,6 +142,12 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
     config = {"block_n": 64 if head_dim > 128 else 128, "stages": 3 if head_dim <= 64 else 2,
               "persistent": causal or head_dim <= 128,
               "prefetch_q": head_dim == 128 and not causal and dtype != "fp8"}
+    if head_dim <= 64 and dtype != "fp8":
+        # d64: three consumer warpgroups (192-row blocks, FA3's layout where the softmax dominates),
+        # 160 registers each, no ping-pong: +8-10% non-causal at 2k-16k, causal -1% at 2k, +0-7%
+        # from 4k, as medians of five shuffled rounds (gluon-ab-d64-h200-20261130.json).
+        # (Causal spills 24 bytes of stack at 160 registers, the most three consumers can have.)
+        config.update(consumers=3, pingpong=False, consumer_regs=160, max_stack=32 if causal else 0)
     if dtype == "fp8":
         # e4m3 at d128, causal: 128-key tiles, Q 2 x 8 KB, bf16 output staging 2 x 16 KB, P in two
         # slots per consumer 4 x 8 KB, K/V 3 x 32 KB (176 KB). Non-causal: 256-key tiles (half the
@@ -159,7 +165,7 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
             config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128,
                           persistent=False)
         if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB)
-            config.update(block_n=64, stages=2)
+            config.update(block_n=64, stages=2, joint_release=False)
     return config
 
 
@@ -168,10 +174,17 @@ def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
     return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal, dtype))
 
 
+def _two_consumers(variant: GluonVariant) -> GluonVariant:
+    return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0)
+
+
 def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
     """Other schedules at bf16, kept compiling so that a GPU run can compare them with the default:
     the other persistence mode, no ping-pong, and (d128) the non-specialized fallback."""
     base = default_variant(head_dim, "bf16", causal)
+    if base.consumers != 2:  # d64: the two-consumer ping-pong schedule, persistent or not
+        two = _two_consumers(base)
+        return [two, dataclasses.replace(two, persistent=False)]
     out = [dataclasses.replace(base, persistent=not base.persistent, prefetch_q=False)]
     if base.prefetch_q:  # and the persistent grid without the Q prefetch
         out.append(dataclasses.replace(base, prefetch_q=False))
@@ -184,15 +197,19 @@ def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
 # The head dims ``supported`` hands to the Gluon kernel; gluon_check.py checks every shipped
 # variant on an H200 (head dim 256 too, whether dispatched or not).
 HEAD_DIMS = (64, 128, 256)
-# e4m3 (FP8 forward through fp8_supported): head dim 128 only so far.
-FP8_HEAD_DIMS = (128,)
+# e4m3 (FP8 forward through fp8_supported): the (head dim, causal) pairs the Gluon kernel runs,
+# each checked on an H200 and faster there than the portable e4m3 kernel. d256 non-causal: 853-925
+# vs 743-878 TFLOP/s at 2k-16k (gluon-check-h200-20261130-f.json); d64: within +-1% of the portable
+# kernel, not dispatched; d256 causal: its joint-release schedule hung there (now frees K early).
+FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False)})
+FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
 # runs), then the alternates. The compile test covers all of them.
 GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in ("bf16", "fp16")
                    for c in (False, True)]
                   + [alt for d in (128, 64) for c in (False, True) for alt in _alternates(d, c)]
-                  + [default_variant(d, "fp8", c) for d in FP8_HEAD_DIMS for c in (False, True)]
+                  + [default_variant(d, "fp8", c) for d in (128, 256, 64) for c in (False, True)]
                   + [dataclasses.replace(default_variant(128, "fp8", False), **change) for change in (
                       {"block_n": 128, "stages": 2, "p_slots": 2},
                       {"block_n": 128, "stages": 3, "p_slots": 2, "pingpong": True},
@@ -201,15 +218,9 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                      for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})]
                   # persistent CTAs loading the next work tile's Q during the current one
                   + [dataclasses.replace(default_variant(d, dt, c), persistent=True, prefetch_q=True)
-                     for d, dt, c in ((128, "bf16", True), (64, "bf16", False), (64, "bf16", True),
-                                      (128, "fp8", False), (128, "fp8", True))]
-                  # e4m3 at head dims 64 and 256, not dispatched (FP8_HEAD_DIMS) until checked on a GPU
-                  + [default_variant(d, "fp8", c) for d in (64, 256) for c in (False, True)]
-                  # three consumer warpgroups (192-row blocks) at head dim 64
-                  # (causal: 24 stack bytes at 160 registers, the most 3 consumers can have)
-                  + [dataclasses.replace(default_variant(64, "bf16", c), consumers=3, pingpong=False,
-                                         consumer_regs=160, max_stack=32 if c else 0)
-                     for c in (False, True)])
+                     for d, dt, c in ((128, "bf16", True), (128, "fp8", False), (128, "fp8", True))]
+                  + [dataclasses.replace(_two_consumers(default_variant(64, "bf16", c)), persistent=True,
+                                         prefetch_q=True) for c in (False, True)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -868,14 +879,16 @@ def fp8_shapes_supported(q, k, v, scale_blocks: tuple[int, int], causal: bool = 
     """Whether the e4m3 forward (``gluon_attention_forward`` with descales) takes these tensors:
     q (B, Sq, H, D) and k (B, Sk, Hk, D) e4m3 with TMA-addressable rows, v e4m3 (B, Sk, Hk, D) stored
     keys-contiguous (kernels.forward.keys_contiguous) with 16-byte aligned V^T rows, D in
-    FP8_HEAD_DIMS, and scale blocks (queries, keys) that are powers of two and multiples of 64
+    FP8_DISPATCH with ``causal``, and scale blocks (queries, keys) that are powers of two and multiples of 64
     query rows (a consumer's) and of the key tile of ``variant`` (default: the shipped one for
     ``causal``). Any device."""
     tensors = (q, k, v)
     e4m3 = torch.float8_e4m3fn
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype == e4m3 for t in tensors):
         return False
-    # An explicit variant (a benchmark's) may be of any compiled head dim; dispatch: FP8_HEAD_DIMS.
+    # An explicit variant (a benchmark's) may be of any compiled head dim; dispatch: FP8_DISPATCH.
+    if variant is None and (q.shape[-1], causal) not in FP8_DISPATCH:
+        return False
     if not qkv_shapes_ok(q, k, v, (variant.head_dim,) if variant is not None else FP8_HEAD_DIMS):
         return False
     block_q, block_k = scale_blocks
