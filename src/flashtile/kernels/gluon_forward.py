@@ -200,7 +200,9 @@ HEAD_DIMS = (64, 128, 256)
 # e4m3 (FP8 forward through fp8_supported): the (head dim, causal) pairs the Gluon kernel runs,
 # each checked on an H200 and faster there than the portable e4m3 kernel. d256 non-causal: 853-925
 # vs 743-878 TFLOP/s at 2k-16k (gluon-check-h200-20261130-f.json); d64: within +-1% of the portable
-# kernel, not dispatched; d256 causal: its joint-release schedule hung there (now frees K early).
+# kernel, not dispatched; d256 causal (K freed early: a check with joint release ran out of its
+# phase's time, undecided whether it hangs): +4-15% below 8k, -3-5% from it, not dispatched
+# (gluon-check-h200-20261130-fp8-g.json).
 FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False)})
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 
