@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
-# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -48,6 +48,7 @@ command_for() {
         sanitize-gluon-pq) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only --only=pq" ;;
         gluon-ab) echo "python benchmarks/gluon_ab.py --out $OUT --group gluon-d128-bf16-full-n128-s2-ws-pingpong,gluon-d128-bf16-full-n128-s2-ws-pingpong-persistent,gluon-d128-bf16-full-n128-s2-ws-pingpong-persistent-pq --group gluon-d128-fp8-causal-n128-s3-ws-persistent-joint,gluon-d128-fp8-causal-n128-s3-ws-persistent,gluon-d128-fp8-causal-n128-s2-ws-persistent,gluon-d128-fp8-causal-n128-s3-ws-persistent-joint-pq --group gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent,gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent-pq --group gluon-d128-fp8-full-n256-s2-ws-p1,gluon-d128-fp8-full-n256-s2-ws-persistent-p1-pq" ;;
         gluon-ab-d64) echo "python benchmarks/gluon_ab.py --out $OUT --group gluon-d64-bf16-full-n128-s3-ws-pingpong-persistent,gluon-d64-bf16-full-n128-s3-ws-persistent-c3 --group gluon-d64-bf16-causal-n128-s3-ws-pingpong-persistent,gluon-d64-bf16-causal-n128-s3-ws-persistent-c3" ;;
+        gluon-ab-d256) echo "python benchmarks/gluon_ab.py --out $OUT --group gluon-d256-bf16-full-n64-s2-ws-pingpong,gluon-d256-bf16-full-n64-s2-ws-pingpong-persistent --group gluon-d256-bf16-causal-n64-s2-ws-pingpong-persistent,gluon-d256-bf16-causal-n64-s2-ws-pingpong --group gluon-d256-fp8-causal-n64-s2-ws-persistent" ;;
         launch-check) echo "python benchmarks/launch_check.py --out $OUT" ;;
         gluon-check) echo "python benchmarks/gluon_check.py --out $OUT" ;;
         gluon-check-fp8) echo "python benchmarks/gluon_check.py --only fp8 --out $OUT" ;;

@@ -5,7 +5,8 @@ does not decide a default. SDPA cuDNN is timed in every round as the anchor.
     PYTHONPATH=src python benchmarks/gluon_ab.py --out $OUT --group NAME[,NAME...] [--rounds 5]
 
 ``--group`` names comma-separated variant names of one head dim, mask and dtype family (bf16 or
-fp8; fp8 variants run on quantized inputs as gluon_check.py prepares them); several --group
+fp8; fp8 variants run on quantized inputs as gluon_check.py prepares them, next to the portable
+e4m3 kernel on the same tensors); several --group
 options run one after another. Shapes: gluon_check.SHAPES (16 heads, 16k tokens). Writes
 $OUT/gluon-ab.json; prints medians and each variant's ratio to the first of its group.
 """
@@ -43,6 +44,13 @@ def _runs(variants, b, s):
             runs[var.name] = (lambda var=var: gluon_attention_forward(
                 z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
                 scale_blocks=blocks))
+        # The portable e4m3 kernel on the same tensors: what dispatch runs where Gluon does not.
+        from flashtile.kernels.forward import attention_forward, pick_config
+        cfg = pick_config(d, q.device, True)
+        runs["fp8-triton"] = lambda: attention_forward(
+            z.q, z.k, z.v, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1,
+            diag_offset=0, descales=(z.q_descale, z.k_descale, z.v_descale), scale_blocks=blocks,
+            config=cfg)
     else:
         for var in variants:
             runs[var.name] = (lambda var=var: gluon_attention_forward(

@@ -179,3 +179,16 @@ def test_fp8_explicit_variant_of_another_head_dim():
     assert not gluon_forward.fp8_shapes_supported(q, k, v, (64, 128), variant=variant)  # 256-key tiles
     assert ((64, False) in gluon_forward.FP8_DISPATCH) == gluon_forward.fp8_shapes_supported(
         q, k, v, (64, 256))
+
+
+def test_dispatch_runs_only_compiled_variants_and_long_causal_d256_is_not_persistent():
+    shipped = set(gluon_forward.GLUON_VARIANTS)
+    assert gluon_forward.DISPATCHED <= shipped
+    for dtype in ("bf16", "fp16"):
+        long = gluon_forward.dispatch_variant(256, dtype, True, True)
+        assert not long.persistent and long in gluon_forward.DISPATCHED
+        assert gluon_forward.dispatch_variant(256, dtype, True, False).persistent
+        # elsewhere the length changes nothing
+        for d, causal in ((64, True), (128, True), (256, False)):
+            assert (gluon_forward.dispatch_variant(d, dtype, causal, True)
+                    == gluon_forward.default_variant(d, dtype, causal))

@@ -139,8 +139,10 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
     # (the Q buffers take 64 of 192 KB), +1-9% over one CTA per tile at 2k-16k as medians of five
     # shuffled rounds (gluon-ab-h200-20261130.json), where the persistent grid alone gave +1-4%.
     # Causal (either dtype) and d64: within run-to-run noise, not used; d256: no room.
+    # d256 non-causal: persistent +1-5% at 2k/4k, within 1% at 8k/16k as shuffled medians in two runs
+    # (gluon-ab-d256-h200-20261130-a/-b.json).
     config = {"block_n": 64 if head_dim > 128 else 128, "stages": 3 if head_dim <= 64 else 2,
-              "persistent": causal or head_dim <= 128,
+              "persistent": True,
               "prefetch_q": head_dim == 128 and not causal and dtype != "fp8"}
     if head_dim <= 64 and dtype != "fp8":
         # d64: three consumer warpgroups (192-row blocks, FA3's layout where the softmax dominates),
@@ -174,6 +176,22 @@ def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
     return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal, dtype))
 
 
+# d256 causal from 8k query rows: one CTA per work tile instead of the persistent grid, +4-13% at
+# 8k/16k but -2-4% at 2k as medians of five shuffled rounds in two runs (gluon-ab-d256-h200-20261130
+# -a/-b.json).
+LONG_CAUSAL_ROWS = 8192
+
+
+@functools.lru_cache(maxsize=None)
+def dispatch_variant(head_dim: int, dtype: str, causal: bool, long_rows: bool = False) -> GluonVariant:
+    """The variant a call runs: the default, or at d256 causal with ``long_rows`` (seqlen_q >=
+    LONG_CAUSAL_ROWS) its non-persistent form."""
+    variant = default_variant(head_dim, dtype, causal)
+    if long_rows and causal and head_dim > 128 and not variant.fp8:
+        variant = dataclasses.replace(variant, persistent=False)
+    return variant
+
+
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0)
 
@@ -201,16 +219,17 @@ HEAD_DIMS = (64, 128, 256)
 # each checked on an H200 and faster there than the portable e4m3 kernel. d256 non-causal: 853-925
 # vs 743-878 TFLOP/s at 2k-16k (gluon-check-h200-20261130-f.json); d64: within +-1% of the portable
 # kernel, not dispatched; d256 causal (K freed early: a check with joint release ran out of its
-# phase's time, undecided whether it hangs): +4-15% below 8k, -3-5% from it, not dispatched
-# (gluon-check-h200-20261130-fp8-g.json).
-FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False)})
+# phase's time, undecided whether it hangs): 1.04-1.23x the portable kernel at 2k-16k as shuffled
+# medians in two runs (gluon-ab-d256-h200-20261130-a/-b.json; a single pass, -fp8-g, had it -3-5%
+# from 8k).
+FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False), (256, True)})
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
 # runs), then the alternates. The compile test covers all of them.
 GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in ("bf16", "fp16")
                    for c in (False, True)]
-                  + [alt for d in (128, 64) for c in (False, True) for alt in _alternates(d, c)]
+                  + [alt for d in (128, 64, 256) for c in (False, True) for alt in _alternates(d, c)]
                   + [default_variant(d, "fp8", c) for d in (128, 256, 64) for c in (False, True)]
                   + [dataclasses.replace(default_variant(128, "fp8", False), **change) for change in (
                       {"block_n": 128, "stages": 2, "p_slots": 2},
@@ -222,7 +241,12 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [dataclasses.replace(default_variant(d, dt, c), persistent=True, prefetch_q=True)
                      for d, dt, c in ((128, "bf16", True), (128, "fp8", False), (128, "fp8", True))]
                   + [dataclasses.replace(_two_consumers(default_variant(64, "bf16", c)), persistent=True,
-                                         prefetch_q=True) for c in (False, True)])
+                                         prefetch_q=True) for c in (False, True)]
+                  + [dispatch_variant(256, "fp16", True, True)])  # bf16's is an alternate above
+# Everything dispatch can run (gluon_check gives these its full case list).
+DISPATCHED = frozenset([dispatch_variant(d, dt, c, long) for d in HEAD_DIMS for dt in ("bf16", "fp16")
+                        for c in (False, True) for long in (False, True)]
+                       + [default_variant(d, "fp8", c) for d, c in FP8_DISPATCH])
 
 
 # --------------------------------------------------------------------------------------------
@@ -954,7 +978,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return out, lse
     dtype = _DTYPES[q.dtype]
     if variant is None:
-        variant = default_variant(head_dim, dtype, causal)
+        variant = dispatch_variant(head_dim, dtype, causal, seqlen_q >= LONG_CAUSAL_ROWS)
     elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
 
