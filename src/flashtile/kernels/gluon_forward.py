@@ -166,7 +166,8 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         else:
             config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128,
                           persistent=False)
-        if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB)
+        if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB); causal
+            # frees K early (its joint-release form never finished a check: see FP8_DISPATCH)
             config.update(block_n=64, stages=2, joint_release=False)
     return config
 
