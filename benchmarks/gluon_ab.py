@@ -7,7 +7,8 @@ does not decide a default. SDPA cuDNN is timed in every round as the anchor.
 ``--group`` names comma-separated variant names of one head dim, mask and dtype family (bf16 or
 fp8; fp8 variants run on quantized inputs as gluon_check.py prepares them, next to the portable
 e4m3 kernel on the same tensors); several --group
-options run one after another. Shapes: gluon_check.SHAPES (16 heads, 16k tokens). Writes
+options run one after another. A name may end in ``@heads`` or ``@blocks``: the causal work
+tiles in (batch, head)-major or query-block-major order instead of what dispatch picks. Shapes: gluon_check.SHAPES or --seqlens (16k tokens), --heads (16). Writes
 $OUT/gluon-ab.json; prints medians and each variant's ratio to the first of its group.
 """
 
@@ -27,23 +28,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_check import SHAPES, fp8_inputs  # noqa: E402
 
 
-def _runs(variants, b, s):
+ORDERS = {"": None, "heads": True, "blocks": False}
+
+
+def _parse(entry, by_name):
+    """(variant, heads_outer) of a --group entry ``name[@heads|@blocks]``."""
+    name, _, order = entry.partition("@")
+    return by_name[name], ORDERS[order]
+
+
+def _runs(entries, b, s, by_name, h=16):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashtile.kernels.gluon_forward import gluon_attention_forward
 
+    parsed = {entry: _parse(entry, by_name) for entry in entries}
+    variants = [var for var, _ in parsed.values()]
     d, causal = variants[0].head_dim, variants[0].causal
-    h = 16
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = d ** -0.5
     runs = {}
     if variants[0].fp8:
         z, blocks, descales = fp8_inputs(q, k, v, variants)
-        for var in variants:
-            runs[var.name] = (lambda var=var: gluon_attention_forward(
+        for entry, (var, order) in parsed.items():
+            runs[entry] = (lambda var=var, order=order: gluon_attention_forward(
                 z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
-                scale_blocks=blocks))
+                scale_blocks=blocks, heads_outer=order))
         # The portable e4m3 kernel on the same tensors: what dispatch runs where Gluon does not.
         from flashtile.kernels.forward import attention_forward, pick_config
         cfg = pick_config(d, q.device, True)
@@ -52,9 +63,9 @@ def _runs(variants, b, s):
             diag_offset=0, descales=(z.q_descale, z.k_descale, z.v_descale), scale_blocks=blocks,
             config=cfg)
     else:
-        for var in variants:
-            runs[var.name] = (lambda var=var: gluon_attention_forward(
-                q, k, v, softmax_scale=scale, causal=causal, variant=var))
+        for entry, (var, order) in parsed.items():
+            runs[entry] = (lambda var=var, order=order: gluon_attention_forward(
+                q, k, v, softmax_scale=scale, causal=causal, variant=var, heads_outer=order))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
     def cudnn():
@@ -73,15 +84,20 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--group", action="append", required=True)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seqlens", default="", help="comma list of lengths (batch = 16k tokens / "
+                    "length); default: gluon_check.SHAPES")
     args = ap.parse_args()
     by_name = {v.name: v for v in GLUON_VARIANTS}
     rng = random.Random(0)
     results = []
     for group in args.group:
-        variants = [by_name[n] for n in group.split(",")]
-        for b, s in SHAPES:
+        entries = group.split(",")
+        shapes = ([(max(1, 16384 // int(n)), int(n)) for n in args.seqlens.split(",")]
+                  if args.seqlens else SHAPES)
+        for b, s in shapes:
             torch.manual_seed(0)
-            runs, flops = _runs(variants, b, s)
+            runs, flops = _runs(entries, b, s, by_name, args.heads)
             times = {name: [] for name in runs}
             for _ in range(args.rounds):
                 order = list(runs)
@@ -91,9 +107,10 @@ def main():
                                                                return_mode="median"))
             tflops = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
             spread = {n: (max(t) - min(t)) / statistics.median(t) for n, t in times.items()}
-            rec = {"group": group, "batch": b, "seqlen": s, "tflops": tflops, "spread": spread}
+            rec = {"group": group, "batch": b, "seqlen": s, "heads": args.heads, "tflops": tflops,
+                   "spread": spread}
             results.append(rec)
-            first = variants[0].name
+            first = entries[0]
             print(f"B={b} S={s:5d} " + "  ".join(
                 f"{n.replace('gluon-', '')}={v:.0f} ({v / tflops[first]:.3f}, spread {spread[n]:.0%})"
                 for n, v in tflops.items()), flush=True)

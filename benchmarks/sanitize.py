@@ -262,8 +262,13 @@ def gluon_cases(dev) -> int:
         dtype = {"bf16": BF16, "fp16": F16, "fp8": BF16}[variant.dtype]
         # The last has more work tiles (144 at d128) than an H200 has SMs: persistent CTAs take a
         # second one (and prefetch its Q).
-        for batch, sq, sk, heads, heads_k in ((2, 33, 200, 4, 2), (2, 200, 33, 4, 1), (1, 300, 300, 8, 8),
-                                              (1, 129, 1000, 4, 4), (2, 1100, 1100, 8, 2)):
+        # Causal persistent variants run the last two again query-block-major (dispatch picks
+        # (batch, head)-major at these lengths).
+        shapes = [(2, 33, 200, 4, 2, None), (2, 200, 33, 4, 1, None), (1, 300, 300, 8, 8, None),
+                  (1, 129, 1000, 4, 4, None), (2, 1100, 1100, 8, 2, None)]
+        if variant.causal and variant.persistent:
+            shapes += [(1, 129, 1000, 4, 4, False), (2, 1100, 1100, 8, 2, False)]
+        for batch, sq, sk, heads, heads_k, heads_outer in shapes:
             q = torch.randn(batch, sq, heads, variant.head_dim, device=dev, dtype=dtype)
             k = torch.randn(batch, sk, heads_k, variant.head_dim, device=dev, dtype=dtype)
             v = torch.randn(batch, sk, heads_k, variant.head_dim, device=dev, dtype=dtype)
@@ -278,7 +283,7 @@ def gluon_cases(dev) -> int:
                     z.q, z.k, z.v, softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
                     variant=variant, out=out, lse=lse,
                     descales=fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale),
-                    scale_blocks=blocks)
+                    scale_blocks=blocks, heads_outer=heads_outer)
                 from flashtile.kernels.forward import attention_forward, pick_config
                 portable, portable_lse = attention_forward(
                     z.q, z.k, z.v, softmax_scale=variant.head_dim ** -0.5, window_left=-1,
@@ -291,7 +296,7 @@ def gluon_cases(dev) -> int:
             else:
                 gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=variant.head_dim ** -0.5,
                                                       causal=variant.causal, variant=variant, out=out,
-                                                      lse=lse)
+                                                      lse=lse, heads_outer=heads_outer)
             ref, ref_lse = attention(q.double(), k.double(), v.double(), causal=variant.causal)
             low, _ = attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=variant.causal)
             err = (out.double() - ref).abs().max().item()

@@ -181,14 +181,24 @@ def test_fp8_explicit_variant_of_another_head_dim():
         q, k, v, (64, 256))
 
 
-def test_dispatch_runs_only_compiled_variants_and_long_causal_d256_is_not_persistent():
+def test_dispatch_runs_only_compiled_variants_and_causal_deals_snake_rows():
     shipped = set(gluon_forward.GLUON_VARIANTS)
     assert gluon_forward.DISPATCHED <= shipped
-    for dtype in ("bf16", "fp16"):
-        long = gluon_forward.dispatch_variant(256, dtype, True, True)
-        assert not long.persistent and long in gluon_forward.DISPATCHED
-        assert gluon_forward.dispatch_variant(256, dtype, True, False).persistent
-        # elsewhere the length changes nothing
-        for d, causal in ((64, True), (128, True), (256, False)):
-            assert (gluon_forward.dispatch_variant(d, dtype, causal, True)
-                    == gluon_forward.default_variant(d, dtype, causal))
+    for variant in gluon_forward.DISPATCHED:
+        assert variant.snake == (variant.causal and variant.persistent)
+    with pytest.raises(ValueError, match="snake"):
+        gluon_forward.GluonVariant(128, causal=True, persistent=False, snake=True)
+
+
+@pytest.mark.parametrize("head_dim, heads, seqlen, expected", [
+    (128, 16, 1024, True), (128, 16, 2048, True), (128, 16, 8192, True),  # many heads, short
+    (128, 16, 16384, False), (256, 16, 16384, False),  # 128 query blocks a head: long tiles would end it
+    (128, 12, 4096, False),  # 12 heads at batch 1: too few tiles to deal evenly head by head
+    (64, 16, 2048, False),  # three consumers: never
+])
+def test_heads_outer_order_where_the_model_balances_it(head_dim, heads, seqlen, expected):
+    batch = max(1, 16384 // seqlen) if heads == 16 else 1
+    variant = gluon_forward.default_variant(head_dim, "bf16", True)
+    assert gluon_forward.heads_outer_order(variant, seqlen, seqlen, batch * heads, 132) == expected
+    full = gluon_forward.default_variant(head_dim, "bf16", False)
+    assert not gluon_forward.heads_outer_order(full, seqlen, seqlen, batch * heads, 132)

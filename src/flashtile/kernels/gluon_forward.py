@@ -98,6 +98,20 @@ class GluonVariant:
     # Consumer warpgroups of 64 rows under warp specialization: 2, or 3 (FA3's layout at head dim 64,
     # where the softmax dominates; no ping-pong then, and 160 registers each instead of 240).
     consumers: int = 2
+    # Persistent CTAs deal the longest-first work tiles out in rows of one tile per CTA, every other
+    # row in reverse ("snake"), instead of CTA p taking tiles p, p + grid, ...: the sorted order
+    # hands the first CTAs the longest tile of every row (a model of causal work tiles puts the
+    # busiest CTA ~6% over the mean at 4k-32k tokens, the snake within 0.2%).
+    snake: bool = False
+    # Causal: each consumer warpgroup stops at the last key tile its own 64 rows see (and only
+    # releases the block's later tiles), instead of every consumer running the whole block's range.
+    own_range: bool = False
+
+    def __post_init__(self):
+        if self.snake and not self.persistent:
+            raise ValueError("snake order needs persistent CTAs")
+        if self.own_range and (self.pingpong or not self.causal or not self.warp_specialize):
+            raise ValueError("own key ranges need causal consumers without ping-pong")
 
     @property
     def block_m(self) -> int:
@@ -112,6 +126,10 @@ class GluonVariant:
         sched = ("ws-pingpong" if self.pingpong else "ws") if self.warp_specialize else "sync"
         if self.persistent:
             sched += "-persistent"
+        if self.snake:
+            sched += "-snake"
+        if self.own_range:
+            sched += "-own"
         if self.fp8 and self.p_in_registers:
             sched += "-preg"
         elif self.fp8 and self.p_slots == 1:
@@ -143,13 +161,14 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
     # (gluon-ab-d256-h200-20261130-a/-b.json).
     config = {"block_n": 64 if head_dim > 128 else 128, "stages": 3 if head_dim <= 64 else 2,
               "persistent": True,
-              "prefetch_q": head_dim == 128 and not causal and dtype != "fp8"}
+              "prefetch_q": head_dim == 128 and not causal and dtype != "fp8", "snake": causal}
     if head_dim <= 64 and dtype != "fp8":
         # d64: three consumer warpgroups (192-row blocks, FA3's layout where the softmax dominates),
         # 160 registers each, no ping-pong: +8-10% non-causal at 2k-16k, causal -1% at 2k, +0-7%
         # from 4k, as medians of five shuffled rounds (gluon-ab-d64-h200-20261130.json).
         # (Causal spills 24 bytes of stack at 160 registers, the most three consumers can have.)
-        config.update(consumers=3, pingpong=False, consumer_regs=160, max_stack=32 if causal else 0)
+        config.update(consumers=3, pingpong=False, consumer_regs=160, max_stack=32 if causal else 0,
+                      own_range=causal)
     if dtype == "fp8":
         # e4m3 at d128, causal: 128-key tiles, Q 2 x 8 KB, bf16 output staging 2 x 16 KB, P in two
         # slots per consumer 4 x 8 KB, K/V 3 x 32 KB (176 KB). Non-causal: 256-key tiles (half the
@@ -168,7 +187,10 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
                           persistent=False)
         if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB); causal
             # frees K early (its joint-release form never finished a check: see FP8_DISPATCH)
-            config.update(block_n=64, stages=2, joint_release=False)
+            # (causal: 32 stack bytes since the work-tile order became a runtime choice; it passed
+            # its checks with them, gluon-check-h200-20261130-i.json)
+            config.update(block_n=64, stages=2, joint_release=False,
+                          max_stack=32 if causal else config.get("max_stack", 0))
     return config
 
 
@@ -177,24 +199,9 @@ def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
     return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal, dtype))
 
 
-# d256 causal from 8k query rows: one CTA per work tile instead of the persistent grid, +4-13% at
-# 8k/16k but -2-4% at 2k as medians of five shuffled rounds in two runs (gluon-ab-d256-h200-20261130
-# -a/-b.json).
-LONG_CAUSAL_ROWS = 8192
-
-
-@functools.lru_cache(maxsize=None)
-def dispatch_variant(head_dim: int, dtype: str, causal: bool, long_rows: bool = False) -> GluonVariant:
-    """The variant a call runs: the default, or at d256 causal with ``long_rows`` (seqlen_q >=
-    LONG_CAUSAL_ROWS) its non-persistent form."""
-    variant = default_variant(head_dim, dtype, causal)
-    if long_rows and causal and head_dim > 128 and not variant.fp8:
-        variant = dataclasses.replace(variant, persistent=False)
-    return variant
-
-
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
-    return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0)
+    return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0,
+                               own_range=False)
 
 
 def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
@@ -203,8 +210,9 @@ def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
     base = default_variant(head_dim, "bf16", causal)
     if base.consumers != 2:  # d64: the two-consumer ping-pong schedule, persistent or not
         two = _two_consumers(base)
-        return [two, dataclasses.replace(two, persistent=False)]
-    out = [dataclasses.replace(base, persistent=not base.persistent, prefetch_q=False)]
+        return [two, dataclasses.replace(two, persistent=False, snake=False)]
+    out = [dataclasses.replace(base, persistent=not base.persistent, prefetch_q=False,
+                               snake=causal and not base.persistent)]
     if base.prefetch_q:  # and the persistent grid without the Q prefetch
         out.append(dataclasses.replace(base, prefetch_q=False))
     if head_dim == 128:
@@ -238,15 +246,20 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                       {"block_n": 128, "stages": 3, "p_in_registers": True})]
                   + [dataclasses.replace(default_variant(128, "fp8", True), joint_release=False, **change)
                      for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})]
-                  # persistent CTAs loading the next work tile's Q during the current one
-                  + [dataclasses.replace(default_variant(d, dt, c), persistent=True, prefetch_q=True)
-                     for d, dt, c in ((128, "bf16", True), (128, "fp8", False), (128, "fp8", True))]
+                  # persistent CTAs loading the next work tile's Q during the current one (the causal
+                  # ones, within noise in gluon-ab-h200-20261130.json, were dropped with the snake order)
+                  + [dataclasses.replace(default_variant(128, "fp8", False), persistent=True,
+                                         prefetch_q=True)]
                   + [dataclasses.replace(_two_consumers(default_variant(64, "bf16", c)), persistent=True,
                                          prefetch_q=True) for c in (False, True)]
-                  + [dispatch_variant(256, "fp16", True, True)])  # bf16's is an alternate above
+                  # causal work tiles dealt in sorted order (the order before the snake)
+                  + [dataclasses.replace(default_variant(d, "bf16", True), snake=False)
+                     for d in (128, 64, 256)]
+                  # every consumer over the whole block's key range
+                  + [dataclasses.replace(default_variant(64, "bf16", True), own_range=False)])
 # Everything dispatch can run (gluon_check gives these its full case list).
-DISPATCHED = frozenset([dispatch_variant(d, dt, c, long) for d in HEAD_DIMS for dt in ("bf16", "fp16")
-                        for c in (False, True) for long in (False, True)]
+DISPATCHED = frozenset([default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
+                        for c in (False, True)]
                        + [default_variant(d, "fp8", c) for d, c in FP8_DISPATCH])
 
 
@@ -264,20 +277,48 @@ if _GLUON:
                                          instr_shape=[16, instr_n, instr_k])
 
     @gluon.jit
-    def _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL: gl.constexpr):
+    def _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer, CAUSAL: gl.constexpr):
         """(query block, head, batch) of a linear work-tile id.
 
-        Causal: the query block is the slowest index, from the last (most keys) down, so the
-        longest tiles start first and the short ones fill the end. Otherwise the query block is
-        the fastest index: CTAs running at the same time share a head and its K/V stay in L2.
+        Causal: query blocks from the last (most keys) down. With ``heads_outer`` == 0 the query
+        block is the slowest index, so the longest tiles start first and the short ones fill the
+        end; otherwise (batch, head) is, and CTAs running at the same time share a few heads' K/V
+        in L2. Not causal: the query block is the fastest index (same-head K/V in L2).
         """
         if CAUSAL:
-            pid_m = num_m_blocks - 1 - tile_id // num_bh
-            rest = tile_id % num_bh
+            if heads_outer != 0:
+                pid_m = num_m_blocks - 1 - tile_id % num_m_blocks
+                rest = tile_id // num_m_blocks
+            else:
+                pid_m = num_m_blocks - 1 - tile_id // num_bh
+                rest = tile_id % num_bh
         else:
             pid_m = tile_id % num_m_blocks
             rest = tile_id // num_m_blocks
         return pid_m, rest % num_heads, rest // num_heads
+
+    @gluon.jit
+    def _work_tile_count(total, SNAKE: gl.constexpr):
+        """How many work tiles this CTA takes: tiles are dealt in rows of one per CTA (grid =
+        num_programs), every row in order or, with ``SNAKE``, every odd row in reverse; only the
+        last row can be short."""
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        rows = total // grid
+        position = pid
+        if SNAKE:
+            position = pid + (rows & 1) * (grid - 1 - 2 * pid)
+        return rows + (position < total % grid).to(gl.int32)
+
+    @gluon.jit
+    def _work_tile(k, SNAKE: gl.constexpr):
+        """The id of this CTA's k-th work tile (see _work_tile_count)."""
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        if SNAKE:
+            return k * grid + pid + (k & 1) * (grid - 1 - 2 * pid)
+        else:
+            return k * grid + pid
 
     @gluon.jit
     def _key_range(m0, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -320,17 +361,19 @@ if _GLUON:
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
+                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, heads_outer,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr):
+                  CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
         consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
         (on v_empty, once P V of the tile has retired), one barrier round per tile instead of two."""
         num_bh = num_heads * batch_size
         ring = 0
-        for tile_id in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
-            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+        for k in range(_work_tile_count(num_m_blocks * num_bh, SNAKE)):
+            tile_id = _work_tile(k, SNAKE)
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer,
+                                              CAUSAL)
             kv_head = head // group_size
             num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
             for j in range(num_tiles):
@@ -504,11 +547,12 @@ if _GLUON:
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
-                      Q_PREFETCHED: gl.constexpr = False):
+                      Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
-        store itself.
+        store itself. ``OWN_RANGE``: run only the key tiles these rows see (a causal block's first
+        consumers see fewer than its last), then release the block's remaining tiles unread.
         FP8: ``q_scales`` points at this (batch, head)'s query-block descales, ``k_scales`` and
         ``v_scales`` at its KV head's key-block ones (V's relative to their largest, which sits at
         ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys."""
@@ -546,7 +590,8 @@ if _GLUON:
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
         # Key tile 0 on its own (it has no P V to overlap with); always masked, which also makes
-        # rows that see no key at all (causal, Sq > Sk) come out with p = 0 everywhere.
+        # rows that see no key at all (causal, Sq > Sk) come out with p = 0 everywhere. (Unmasked
+        # where every row sees all of it: within noise at d64, gluon-ab-own2-h200-20261130.json.)
         slot = ring0 % STAGES
         _take_turn(turn_bars, event0, WG, PINGPONG)
         mbarrier.wait(k_ready.index(slot), (ring0 // STAGES) & 1)
@@ -567,6 +612,10 @@ if _GLUON:
             p_op = gl.zeros([ROWS, BLOCK_N], q_tile.dtype, p_layout)
         p_op = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, 0, WG, FP8)
 
+        block_tiles = num_tiles
+        if OWN_RANGE:
+            num_tiles, num_full = _key_range(row0, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+            num_tiles = gl.minimum(num_tiles, block_tiles)
         # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
         for j in range(1, num_full):
             o, p_op, m_i, l_i = _kv_iteration(
@@ -592,6 +641,16 @@ if _GLUON:
         _pass_turn(turn_bars, WG, PINGPONG)
         o = _pv_wait(o_tok, p_last, v_tile, FP8)
         mbarrier.arrive(v_empty.index(slot))
+        if OWN_RANGE:
+            # The block's tiles past these rows' diagonal: release each once it has landed (its
+            # ready phase is the proof that the slot's previous occupant is released by everyone).
+            for j in range(num_tiles, block_tiles):
+                pos = ring0 + j
+                mbarrier.wait(k_ready.index(pos % STAGES), (pos // STAGES) & 1)
+                mbarrier.wait(v_ready.index(pos % STAGES), (pos // STAGES) & 1)
+                if not JOINT:
+                    mbarrier.arrive(k_empty.index(pos % STAGES))
+                mbarrier.arrive(v_empty.index(pos % STAGES))
 
         # Normalize once; rows that saw no key: output 0 (o is 0 there) and LSE +inf.
         seen = l_i > 0.0
@@ -618,10 +677,10 @@ if _GLUON:
             tma.store_wait(0)
 
     @gluon.jit
-    def _load_q(q_desc, q_buf, q_bar, tile_id, num_heads, num_m_blocks, num_bh,
+    def _load_q(q_desc, q_buf, q_bar, tile_id, num_heads, num_m_blocks, num_bh, heads_outer,
                 BLOCK_M: gl.constexpr, ROWS: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr):
         """TMA this consumer's Q rows of work tile ``tile_id`` into ``q_buf``."""
-        pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+        pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer, CAUSAL)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, pid_m * BLOCK_M + WG * ROWS, head, 0], q_bar,
                                         q_buf)
@@ -631,7 +690,8 @@ if _GLUON:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
-                  JOINT: gl.constexpr, Q_BUFS: gl.constexpr):
+                  JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
+                  OWN_RANGE: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -642,32 +702,33 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index) = shared
+         scale_shift_q, scale_shift_k, v_max_index, heads_outer) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
-        total = num_m_blocks * num_bh
+        count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
         ring = 0
         event = 0
-        t = 0  # work tiles done by this CTA
         if Q_BUFS == 2:  # the first work tile's Q now, every later one during the tile before it
-            if gl.program_id(0) < total:
-                _load_q(q_desc, q_smem.index(WG * 2), q_bars.index(WG * 2), gl.program_id(0),
-                        num_heads, num_m_blocks, num_bh, BLOCK_M, ROWS, WG, CAUSAL)
-        for tile_id in range(gl.program_id(0), total, gl.num_programs(0)):
+            if count > 0:
+                _load_q(q_desc, q_smem.index(WG * 2), q_bars.index(WG * 2), _work_tile(0, SNAKE),
+                        num_heads, num_m_blocks, num_bh, heads_outer, BLOCK_M, ROWS, WG, CAUSAL)
+        for t in range(count):  # t: work tiles done by this CTA before this one
+            tile_id = _work_tile(t, SNAKE)
             b = t % Q_BUFS
             if Q_BUFS == 2:
-                if tile_id + gl.num_programs(0) < total:
+                if t + 1 < count:
                     # The other buffer staged the previous tile's output: its store must have read it.
                     tma.store_wait(0)
                     _load_q(q_desc, q_smem.index(WG * 2 + 1 - b), q_bars.index(WG * 2 + 1 - b),
-                            tile_id + gl.num_programs(0), num_heads, num_m_blocks, num_bh, BLOCK_M,
-                            ROWS, WG, CAUSAL)
+                            _work_tile(t + 1, SNAKE), num_heads, num_m_blocks, num_bh, heads_outer,
+                            BLOCK_M, ROWS, WG, CAUSAL)
             q_buf = q_smem.index(WG * Q_BUFS + b)
             if FP8:
                 o_buf = o_smem.index(WG)
             else:
                 o_buf = q_buf
-            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, CAUSAL)
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer,
+                                              CAUSAL)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
             num_tiles, num_full = _key_range(m0, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
@@ -680,10 +741,9 @@ if _GLUON:
                           stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, seqlen_k,
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2)
+                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE)
             ring += num_tiles
             event += num_tiles + 1
-            t += 1
         if Q_BUFS == 2:
             tma.store_wait(0)
 
@@ -692,19 +752,21 @@ if _GLUON:
     @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "group_size",
                                   "num_heads", "num_m_blocks", "batch_size", "stride_qsb",
                                   "stride_qsh", "stride_ksb", "stride_ksh", "scale_shift_q",
-                                  "scale_shift_k", "v_max_index"])
+                                  "scale_shift_k", "v_max_index", "heads_outer"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-                        scale_shift_q, scale_shift_k, v_max_index,
+                        scale_shift_q, scale_shift_k, v_max_index, heads_outer,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
-                        CONSUMERS: gl.constexpr = 2):
+                        CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
+                        OWN_RANGE: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
-        batch_size of them; CTA p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the
-        grid covers them all, persistent when the grid is the SM count).
+        batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
+        with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
+        is the SM count. ``heads_outer``: causal tiles ordered (batch, head)-major (see _tile_coords).
 
         FP8: q, k e4m3 through their descriptors, v_desc over e4m3 V^T (B, Hk, D, Sk), o_desc
         bf16; per-block descales at QScale (B, H, query blocks) and KScale / VScale (B, Hk, key
@@ -751,7 +813,8 @@ if _GLUON:
         shared = (q_desc, k_desc, v_desc, o_desc, p_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty,
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
-                  stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index)
+                  stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
+                  heads_outer)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -762,14 +825,18 @@ if _GLUON:
             NO_PINGPONG: gl.constexpr = False
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS)),
+                             CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
+                             OWN_RANGE)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS)),
+                             CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
+                             OWN_RANGE)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS)),
+                             CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
+                             OWN_RANGE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE)),
+                             heads_outer,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
@@ -778,16 +845,17 @@ if _GLUON:
             NO_LOADS: gl.constexpr = False
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS)),
+                             CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS)),
+                             CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE)),
+                             heads_outer,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
-                      False, True, FP8, False, Q_BUFS)
+                      False, True, FP8, False, Q_BUFS, SNAKE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -827,7 +895,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "CONSUMER_REGS": variant.consumer_regs,
             "FP8": (2 if variant.p_in_registers else 3 if variant.p_slots == 1 else 1) if variant.fp8 else 0,
             "JOINT_RELEASE": variant.joint_release and variant.warp_specialize,
-            "Q_BUFS": 2 if variant.prefetch_q else 1, "CONSUMERS": variant.consumers}
+            "Q_BUFS": 2 if variant.prefetch_q else 1, "CONSUMERS": variant.consumers,
+            "SNAKE": variant.snake, "OWN_RANGE": variant.own_range}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -942,7 +1011,8 @@ def _layouts(block_m: int, block_n: int, head_dim: int, torch_dtype):
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                             causal: bool, variant: GluonVariant | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                            descales=None, scale_blocks: tuple[int, int] = (0, 0)):
+                            descales=None, scale_blocks: tuple[int, int] = (0, 0),
+                            heads_outer: bool | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -955,6 +1025,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     (B, Hk, key blocks + 1)) float32 as kernels.forward.attention_forward prepares them (K's padded,
     V's relative to their largest, which follows them), one per ``scale_blocks`` = (queries, keys)
     tokens; out is bfloat16.
+
+    ``heads_outer`` (causal): order the work tiles (batch, head)-major instead of query-block-major
+    (None: ``heads_outer_order`` decides).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -979,7 +1052,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return out, lse
     dtype = _DTYPES[q.dtype]
     if variant is None:
-        variant = dispatch_variant(head_dim, dtype, causal, seqlen_q >= LONG_CAUSAL_ROWS)
+        variant = default_variant(head_dim, dtype, causal)
     elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
 
@@ -996,7 +1069,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                    _Descriptor(out, out.shape, out.stride(), q_block, o_layout))
     num_m_blocks = -(-seqlen_q // variant.block_m)
     work_tiles = num_m_blocks * heads * batch
-    grid = (min(work_tiles, _sm_count(q.device)) if variant.persistent else work_tiles,)
+    sm_count = _sm_count(q.device)
+    grid = (min(work_tiles, sm_count) if variant.persistent else work_tiles,)
+    if heads_outer is None:
+        heads_outer = heads_outer_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
     if fp8:
         q_d, k_d, v_d = descales
         scales = (q_d, k_d, v_d)
@@ -1007,12 +1083,57 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         scales = (lse, lse, lse)
         scale_scalars = (0, 0, 0, 0, 0, 0, 0)
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks,
-               batch, softmax_scale * LOG2E, *scale_scalars)
+               batch, softmax_scale * LOG2E, *scale_scalars, int(causal and heads_outer))
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         launch(_attn_fwd_gluon, grid, (lse, *scales), scalars, _launch_options(variant), descriptors)
     return out, lse
+
+
+# How much worse (busiest CTA over the mean) the modelled balance of the (batch, head)-major order
+# may be than the query-block-major one's and still be picked: at d128 and d256, 4k tokens, the
+# model has them at 1.031 and 1.002 while (batch, head)-major ran 4-8% faster.
+HEADS_OUTER_SLACK = 0.035
+
+
+def heads_outer_order(variant: GluonVariant, seqlen_q: int, seqlen_k: int, num_bh: int,
+                      sm_count: int) -> bool:
+    """Whether a causal call orders its work tiles (batch, head)-major.
+
+    Query-block-major (the longest tiles of every head first) runs one query block of each of
+    up to sm_count heads at once: their K/V stream from DRAM rather than L2, at short lengths
+    with many heads the bound (+13% at d128 1k-2k, +4-8% at 4k-8k and +16-25% at d256 1k-2k for
+    (batch, head)-major, medians of 5 shuffled rounds, gluon-ab-order-h200-20261130.json). But
+    (batch, head)-major puts long tiles last, so it is taken only where a model of the persistent
+    deal (tile cost = key tiles + 1, snake rows over sm_count CTAs) balances it nearly as well;
+    never with three consumers (d64), where it measured 8-35% slower at every length.
+    """
+    if not (variant.causal and variant.persistent and variant.consumers == 2):
+        return False
+    return _modelled_balance(variant.block_m, variant.block_n, seqlen_q, seqlen_k, num_bh, sm_count)
+
+
+@functools.lru_cache(maxsize=4096)
+def _modelled_balance(block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, num_bh: int,
+                      sm_count: int) -> bool:
+    """(batch, head)-major is modelled within HEADS_OUTER_SLACK of query-block-major (see
+    heads_outer_order); the key tiles per query block follow _key_range."""
+    num_m = -(-seqlen_q // block_m)
+    m0 = torch.arange(num_m) * block_m
+    key_end = (m0 + block_m + seqlen_k - seqlen_q).clamp(max=seqlen_k)
+    cost = ((key_end + block_n - 1) // block_n).clamp(min=1).double() + 1.0
+    tiles = torch.arange(num_m * num_bh)
+    row, pos = tiles // sm_count, tiles % sm_count
+    cta = torch.where(row % 2 == 1, sm_count - 1 - pos, pos)  # the snake deal
+    mean = cost.sum().item() * num_bh / min(sm_count, len(tiles))
+
+    def busiest(m_index):
+        loads = torch.zeros(sm_count, dtype=torch.float64).index_add_(0, cta, cost[m_index])
+        return loads.max().item() / mean
+    blocks_major = busiest(num_m - 1 - tiles // num_bh)
+    heads_major = busiest(num_m - 1 - tiles % num_m)
+    return heads_major <= blocks_major + HEADS_OUTER_SLACK
 
 
 class _Descriptor(NamedTuple):
