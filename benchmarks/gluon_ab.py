@@ -8,7 +8,8 @@ does not decide a default. SDPA cuDNN is timed in every round as the anchor.
 fp8; fp8 variants run on quantized inputs as gluon_check.py prepares them, next to the portable
 e4m3 kernel on the same tensors); several --group
 options run one after another. A name may end in ``@heads`` or ``@blocks``: the causal work
-tiles in (batch, head)-major or query-block-major order instead of what dispatch picks. Shapes: gluon_check.SHAPES or --seqlens (16k tokens), --heads (16). Writes
+tiles in (batch, head)-major or query-block-major order instead of what dispatch picks; ``@gN``:
+in groups of N (batch, head) pairs, each group query-block-major. Shapes: gluon_check.SHAPES or --seqlens (16k tokens), --heads (16). Writes
 $OUT/gluon-ab.json; prints medians and each variant's ratio to the first of its group.
 """
 
@@ -32,9 +33,12 @@ ORDERS = {"": None, "heads": True, "blocks": False}
 
 
 def _parse(entry, by_name):
-    """(variant, heads_outer) of a --group entry ``name[@heads|@blocks]``."""
+    """(variant, order keywords) of a --group entry ``name[@heads|@blocks|@gN]`` (@gN: causal
+    work tiles in groups of N (batch, head) pairs)."""
     name, _, order = entry.partition("@")
-    return by_name[name], ORDERS[order]
+    if order.startswith("g"):
+        return by_name[name], {"head_group": int(order[1:])}
+    return by_name[name], {"heads_outer": ORDERS[order]}
 
 
 def _runs(entries, b, s, by_name, h=16):
@@ -54,7 +58,7 @@ def _runs(entries, b, s, by_name, h=16):
         for entry, (var, order) in parsed.items():
             runs[entry] = (lambda var=var, order=order: gluon_attention_forward(
                 z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
-                scale_blocks=blocks, heads_outer=order))
+                scale_blocks=blocks, **order))
         # The portable e4m3 kernel on the same tensors: what dispatch runs where Gluon does not.
         from flashtile.kernels.forward import attention_forward, pick_config
         cfg = pick_config(d, q.device, True)
@@ -65,7 +69,7 @@ def _runs(entries, b, s, by_name, h=16):
     else:
         for entry, (var, order) in parsed.items():
             runs[entry] = (lambda var=var, order=order: gluon_attention_forward(
-                q, k, v, softmax_scale=scale, causal=causal, variant=var, heads_outer=order))
+                q, k, v, softmax_scale=scale, causal=causal, variant=var, **order))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
     def cudnn():

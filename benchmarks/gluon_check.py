@@ -85,7 +85,7 @@ def _score_terms(q, k, rows, scale):
     return torch.einsum("bqhd,bkhd->bhqk", q[:, rows].abs().double(), kk).amax(-1) * scale
 
 
-def _check_case(q, k, v, causal, variant, heads_outer=None):
+def _check_case(q, k, v, causal, variant, order=None):
     """Run the kernel into NaN-filled buffers and compare sampled rows with the float64 reference."""
     import torch
 
@@ -100,7 +100,7 @@ def _check_case(q, k, v, causal, variant, heads_outer=None):
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32,
                      device=q.device)
     gluon_attention_forward(q, k, v, softmax_scale=scale, causal=causal, variant=variant, out=out, lse=lse,
-                            heads_outer=heads_outer)
+                            **(order or {}))
     torch.cuda.synchronize()
     rows = _sample_rows(q.shape[1], q.device)
     ref, ref_lse = attention(q.double(), k.double(), v.double(), causal=causal, query_rows=rows)
@@ -134,7 +134,7 @@ def _judge(rec, out, lse, rows, ref, ref_lse, budget, terms, lse_floor=0.0):
     return rec
 
 
-def _check_case_fp8(q, k, v, causal, variant, heads_outer=None):
+def _check_case_fp8(q, k, v, causal, variant, order=None):
     """e4m3 variant on quantized q, k, v (bf16 inputs here): NaN-filled out/LSE, sampled rows
     against float64 attention of the dequantized tensors."""
     import torch
@@ -154,7 +154,7 @@ def _check_case_fp8(q, k, v, causal, variant, heads_outer=None):
                      device=q.device)
     gluon_attention_forward(z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=variant, out=out,
                             lse=lse, descales=fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale),
-                            scale_blocks=blocks, heads_outer=heads_outer)
+                            scale_blocks=blocks, **(order or {}))
     torch.cuda.synchronize()
     rows = _sample_rows(q.shape[1], q.device)
     dq, dk, dv = (fp8.dequantize(t, d, b) for t, d, b in ((z.q, z.q_descale, z.block_q),
@@ -193,9 +193,10 @@ def _inputs(batch, seqlen_q, seqlen_k, heads, heads_k, d, dtype, packed=False):
 
 
 def _check_cases(variant):
-    """(label, batch, Sq, Sk, H, Hk, packed, heads_outer) for one variant: the ones dispatch runs
-    get the full list, the alternates a representative subset. Causal persistent variants also run
-    two cases in the work-tile order dispatch would not pick for them (heads_outer None: its pick)."""
+    """(label, batch, Sq, Sk, H, Hk, packed, order) for one variant: the ones dispatch runs get the
+    full list, the alternates a representative subset. Causal persistent variants also run three
+    cases in work-tile orders dispatch would not pick for them (order: gluon_attention_forward's
+    heads_outer / head_group keywords; None: dispatch's pick)."""
     from flashtile.kernels.gluon_forward import DISPATCHED
     full = variant in DISPATCHED
     cases = [("Sq=Sk=4096", 2, 4096, 4096, 16, 16, False, None),
@@ -209,8 +210,9 @@ def _check_cases(variant):
                   ("17x200", 3, 17, 200, 4, 2, False, None),
                   ("packed qkv 777", 2, 777, 777, 8, 8, True, None)]
     if variant.causal and variant.persistent:
-        cases += [("4096 heads-outer", 2, 4096, 4096, 16, 16, False, True),
-                  ("GQA blocks-outer", 2, 2048, 2048, 32, 8, False, False)]
+        cases += [("4096 heads-outer", 2, 4096, 4096, 16, 16, False, {"heads_outer": True}),
+                  ("GQA blocks-outer", 2, 2048, 2048, 32, 8, False, {"heads_outer": False}),
+                  ("GQA groups of 5", 2, 2048, 2048, 32, 8, False, {"head_group": 5})]
     return cases
 
 
@@ -232,7 +234,7 @@ def phase_check(out_dir, resume=False):
         status = {"state": "running", "failures": 0}
         results["variants"][variant.name] = status
         t0 = time.time()
-        for label, b, sq, sk, h, hk, packed, heads_outer in _check_cases(variant):
+        for label, b, sq, sk, h, hk, packed, order in _check_cases(variant):
             # Seconds into this phase process: says whether a case left running had time to hang.
             rec = {"variant": variant.name, "case": label, "state": "running",
                    "started_s": round(time.time() - phase_t0, 1)}
@@ -241,7 +243,7 @@ def phase_check(out_dir, resume=False):
             try:
                 q, k, v = _inputs(b, sq, sk, h, hk, variant.head_dim, dtypes[variant.dtype], packed)
                 check = _check_case_fp8 if variant.fp8 else _check_case
-                rec.update(check(q, k, v, variant.causal, variant, heads_outer))
+                rec.update(check(q, k, v, variant.causal, variant, order))
                 rec["state"] = "done"
             except Exception as exc:
                 rec.update(state="error", ok=False, error=f"{type(exc).__name__}: {exc}"[:400])

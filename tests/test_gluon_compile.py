@@ -202,3 +202,15 @@ def test_heads_outer_order_where_the_model_balances_it(head_dim, heads, seqlen, 
     assert gluon_forward.heads_outer_order(variant, seqlen, seqlen, batch * heads, 132) == expected
     full = gluon_forward.default_variant(head_dim, "bf16", False)
     assert not gluon_forward.heads_outer_order(full, seqlen, seqlen, batch * heads, 132)
+
+
+def test_three_consumer_groups_follow_the_model():
+    """d64 causal (three consumers): groups of ~sm_count / k heads where the model balances them,
+    never (batch, head)-major; query-block-major (num_bh) otherwise."""
+    variant = gluon_forward.default_variant(64, "bf16", True)
+    assert gluon_forward.head_group_order(variant, 4096, 4096, 4 * 32, 132) == 22
+    assert gluon_forward.head_group_order(variant, 8192, 8192, 2 * 32, 132) == 64
+    for n in (1024, 2048, 4096, 8192, 16384):
+        assert not gluon_forward.heads_outer_order(variant, n, n, 16384 // n * 32, 132)
+    full = gluon_forward.default_variant(64, "bf16", False)
+    assert gluon_forward.head_group_order(full, 4096, 4096, 128, 132) == 128

@@ -277,21 +277,23 @@ if _GLUON:
                                          instr_shape=[16, instr_n, instr_k])
 
     @gluon.jit
-    def _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer, CAUSAL: gl.constexpr):
+    def _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group, CAUSAL: gl.constexpr):
         """(query block, head, batch) of a linear work-tile id.
 
-        Causal: query blocks from the last (most keys) down. With ``heads_outer`` == 0 the query
-        block is the slowest index, so the longest tiles start first and the short ones fill the
-        end; otherwise (batch, head) is, and CTAs running at the same time share a few heads' K/V
-        in L2. Not causal: the query block is the fastest index (same-head K/V in L2).
+        Causal: (batch, head) pairs in groups of ``head_group``, one group after another; in a
+        group the query blocks from the last (most keys) down, and the group's heads fastest.
+        head_group >= num_bh: the query block is the slowest index, so the longest tiles start
+        first and the short ones fill the end; head_group == 1: (batch, head)-major, so CTAs
+        running at the same time share a few heads' K/V in L2. Not causal: the query block is
+        the fastest index (same-head K/V in L2).
         """
         if CAUSAL:
-            if heads_outer != 0:
-                pid_m = num_m_blocks - 1 - tile_id % num_m_blocks
-                rest = tile_id // num_m_blocks
-            else:
-                pid_m = num_m_blocks - 1 - tile_id // num_bh
-                rest = tile_id % num_bh
+            group_tiles = head_group * num_m_blocks
+            group = tile_id // group_tiles
+            within = tile_id - group * group_tiles
+            size = gl.minimum(head_group, num_bh - group * head_group)
+            pid_m = num_m_blocks - 1 - within // size
+            rest = group * head_group + within % size
         else:
             pid_m = tile_id % num_m_blocks
             rest = tile_id // num_m_blocks
@@ -361,7 +363,7 @@ if _GLUON:
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, heads_outer,
+                  seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, head_group,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
@@ -372,7 +374,7 @@ if _GLUON:
         ring = 0
         for k in range(_work_tile_count(num_m_blocks * num_bh, SNAKE)):
             tile_id = _work_tile(k, SNAKE)
-            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer,
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group,
                                               CAUSAL)
             kv_head = head // group_size
             num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
@@ -677,10 +679,10 @@ if _GLUON:
             tma.store_wait(0)
 
     @gluon.jit
-    def _load_q(q_desc, q_buf, q_bar, tile_id, num_heads, num_m_blocks, num_bh, heads_outer,
+    def _load_q(q_desc, q_buf, q_bar, tile_id, num_heads, num_m_blocks, num_bh, head_group,
                 BLOCK_M: gl.constexpr, ROWS: gl.constexpr, WG: gl.constexpr, CAUSAL: gl.constexpr):
         """TMA this consumer's Q rows of work tile ``tile_id`` into ``q_buf``."""
-        pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer, CAUSAL)
+        pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group, CAUSAL)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, pid_m * BLOCK_M + WG * ROWS, head, 0], q_bar,
                                         q_buf)
@@ -702,7 +704,7 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index, heads_outer) = shared
+         scale_shift_q, scale_shift_k, v_max_index, head_group) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
@@ -711,7 +713,7 @@ if _GLUON:
         if Q_BUFS == 2:  # the first work tile's Q now, every later one during the tile before it
             if count > 0:
                 _load_q(q_desc, q_smem.index(WG * 2), q_bars.index(WG * 2), _work_tile(0, SNAKE),
-                        num_heads, num_m_blocks, num_bh, heads_outer, BLOCK_M, ROWS, WG, CAUSAL)
+                        num_heads, num_m_blocks, num_bh, head_group, BLOCK_M, ROWS, WG, CAUSAL)
         for t in range(count):  # t: work tiles done by this CTA before this one
             tile_id = _work_tile(t, SNAKE)
             b = t % Q_BUFS
@@ -720,14 +722,14 @@ if _GLUON:
                     # The other buffer staged the previous tile's output: its store must have read it.
                     tma.store_wait(0)
                     _load_q(q_desc, q_smem.index(WG * 2 + 1 - b), q_bars.index(WG * 2 + 1 - b),
-                            _work_tile(t + 1, SNAKE), num_heads, num_m_blocks, num_bh, heads_outer,
+                            _work_tile(t + 1, SNAKE), num_heads, num_m_blocks, num_bh, head_group,
                             BLOCK_M, ROWS, WG, CAUSAL)
             q_buf = q_smem.index(WG * Q_BUFS + b)
             if FP8:
                 o_buf = o_smem.index(WG)
             else:
                 o_buf = q_buf
-            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, heads_outer,
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group,
                                               CAUSAL)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
@@ -752,11 +754,11 @@ if _GLUON:
     @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "group_size",
                                   "num_heads", "num_m_blocks", "batch_size", "stride_qsb",
                                   "stride_qsh", "stride_ksb", "stride_ksh", "scale_shift_q",
-                                  "scale_shift_k", "v_max_index", "heads_outer"])
+                                  "scale_shift_k", "v_max_index", "head_group"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-                        scale_shift_q, scale_shift_k, v_max_index, heads_outer,
+                        scale_shift_q, scale_shift_k, v_max_index, head_group,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
@@ -766,7 +768,7 @@ if _GLUON:
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
-        is the SM count. ``heads_outer``: causal tiles ordered (batch, head)-major (see _tile_coords).
+        is the SM count. ``head_group``: causal tiles' (batch, head) grouping (see _tile_coords).
 
         FP8: q, k e4m3 through their descriptors, v_desc over e4m3 V^T (B, Hk, D, Sk), o_desc
         bf16; per-block descales at QScale (B, H, query blocks) and KScale / VScale (B, Hk, key
@@ -814,7 +816,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  heads_outer)
+                  head_group)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -835,7 +837,7 @@ if _GLUON:
                              OWN_RANGE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             heads_outer,
+                             head_group,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
@@ -850,7 +852,7 @@ if _GLUON:
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             heads_outer,
+                             head_group,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
@@ -1012,7 +1014,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             causal: bool, variant: GluonVariant | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
-                            heads_outer: bool | None = None):
+                            heads_outer: bool | None = None, head_group: int | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -1026,8 +1028,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     V's relative to their largest, which follows them), one per ``scale_blocks`` = (queries, keys)
     tokens; out is bfloat16.
 
-    ``heads_outer`` (causal): order the work tiles (batch, head)-major instead of query-block-major
-    (None: ``heads_outer_order`` decides).
+    ``heads_outer`` (causal): order the work tiles (batch, head)-major or query-block-major (None:
+    ``head_group_order`` decides); ``head_group`` (benchmarks) overrides both with groups of that
+    many (batch, head) pairs, each group query-block-major.
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -1071,8 +1074,13 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     work_tiles = num_m_blocks * heads * batch
     sm_count = _sm_count(q.device)
     grid = (min(work_tiles, sm_count) if variant.persistent else work_tiles,)
-    if heads_outer is None:
-        heads_outer = heads_outer_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
+    if head_group is None:
+        if heads_outer is None:
+            head_group = head_group_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
+        else:
+            head_group = 1 if heads_outer else heads * batch
+    elif head_group < 1:
+        raise ValueError("head_group must be >= 1")
     if fp8:
         q_d, k_d, v_d = descales
         scales = (q_d, k_d, v_d)
@@ -1083,7 +1091,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         scales = (lse, lse, lse)
         scale_scalars = (0, 0, 0, 0, 0, 0, 0)
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks,
-               batch, softmax_scale * LOG2E, *scale_scalars, int(causal and heads_outer))
+               batch, softmax_scale * LOG2E, *scale_scalars, min(head_group, heads * batch))
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
@@ -1091,34 +1099,52 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return out, lse
 
 
-# How much worse (busiest CTA over the mean) the modelled balance of the (batch, head)-major order
-# may be than the query-block-major one's and still be picked: at d128 and d256, 4k tokens, the
-# model has them at 1.031 and 1.002 while (batch, head)-major ran 4-8% faster.
+# How much worse (busiest CTA over the mean) the modelled balance of a grouped order may be than the
+# query-block-major one's and still be picked: (batch, head)-major (groups of one) at d128 and d256,
+# 4k tokens, is modelled at 1.031 against 1.002 and ran 4-8% faster; the three-consumer groups of
+# 22-66 heads gain less, so they must model (almost) no worse.
 HEADS_OUTER_SLACK = 0.035
+GROUP_SLACK = 0.005
 
 
-def heads_outer_order(variant: GluonVariant, seqlen_q: int, seqlen_k: int, num_bh: int,
-                      sm_count: int) -> bool:
-    """Whether a causal call orders its work tiles (batch, head)-major.
+def head_group_order(variant: GluonVariant, seqlen_q: int, seqlen_k: int, num_bh: int,
+                     sm_count: int) -> int:
+    """How many (batch, head) pairs a causal call's work tiles are grouped by (see _tile_coords):
+    num_bh means query-block-major over all heads, 1 (batch, head)-major.
 
     Query-block-major (the longest tiles of every head first) runs one query block of each of
     up to sm_count heads at once: their K/V stream from DRAM rather than L2, at short lengths
     with many heads the bound (+13% at d128 1k-2k, +4-8% at 4k-8k and +16-25% at d256 1k-2k for
     (batch, head)-major, medians of 5 shuffled rounds, gluon-ab-order-h200-20261130.json). But
-    (batch, head)-major puts long tiles last, so it is taken only where a model of the persistent
-    deal (tile cost = key tiles + 1, snake rows over sm_count CTAs) balances it nearly as well;
-    never with three consumers (d64), where it measured 8-35% slower at every length.
+    smaller groups put long tiles later, so a grouping is taken only where a model of the
+    persistent deal (tile cost = key tiles + 1, snake rows over sm_count CTAs) balances it nearly
+    as well. Two consumers: groups of one, or none. Three (d64), where (batch, head)-major measured
+    8-35% slower at every length: the smallest of sm_count / 6, / 4, / 3, / 2 heads the model puts
+    within GROUP_SLACK (+4-6% for 22 or 32 at 2k-4k with 32 heads, gluon-ab-group-h200-20261130.json).
     """
-    if not (variant.causal and variant.persistent and variant.consumers == 2):
-        return False
-    return _modelled_balance(variant.block_m, variant.block_n, seqlen_q, seqlen_k, num_bh, sm_count)
+    if not (variant.causal and variant.persistent):
+        return num_bh
+    key = (variant.block_m, variant.block_n, seqlen_q, seqlen_k, num_bh, sm_count)
+    blocks_major = _modelled_balance(*key, num_bh)
+    if variant.consumers == 2:
+        return 1 if _modelled_balance(*key, 1) <= blocks_major + HEADS_OUTER_SLACK else num_bh
+    for group in sorted({-(-sm_count // k) for k in (6, 4, 3, 2)}):
+        if group < num_bh and _modelled_balance(*key, group) <= blocks_major + GROUP_SLACK:
+            return group
+    return num_bh
+
+
+def heads_outer_order(variant: GluonVariant, seqlen_q: int, seqlen_k: int, num_bh: int,
+                      sm_count: int) -> bool:
+    """Whether dispatch orders a call's work tiles (batch, head)-major (head_group_order == 1)."""
+    return head_group_order(variant, seqlen_q, seqlen_k, num_bh, sm_count) == 1 < num_bh
 
 
 @functools.lru_cache(maxsize=4096)
 def _modelled_balance(block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, num_bh: int,
-                      sm_count: int) -> bool:
-    """(batch, head)-major is modelled within HEADS_OUTER_SLACK of query-block-major (see
-    heads_outer_order); the key tiles per query block follow _key_range."""
+                      sm_count: int, group: int) -> float:
+    """Busiest CTA over the mean for the snake deal of causal work tiles grouped by ``group``
+    (batch, head) pairs (see _tile_coords); the key tiles per query block follow _key_range."""
     num_m = -(-seqlen_q // block_m)
     m0 = torch.arange(num_m) * block_m
     key_end = (m0 + block_m + seqlen_k - seqlen_q).clamp(max=seqlen_k)
@@ -1126,14 +1152,11 @@ def _modelled_balance(block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, 
     tiles = torch.arange(num_m * num_bh)
     row, pos = tiles // sm_count, tiles % sm_count
     cta = torch.where(row % 2 == 1, sm_count - 1 - pos, pos)  # the snake deal
-    mean = cost.sum().item() * num_bh / min(sm_count, len(tiles))
-
-    def busiest(m_index):
-        loads = torch.zeros(sm_count, dtype=torch.float64).index_add_(0, cta, cost[m_index])
-        return loads.max().item() / mean
-    blocks_major = busiest(num_m - 1 - tiles // num_bh)
-    heads_major = busiest(num_m - 1 - tiles % num_m)
-    return heads_major <= blocks_major + HEADS_OUTER_SLACK
+    within = tiles % (group * num_m)
+    size = (num_bh - tiles // (group * num_m) * group).clamp(max=group)
+    m_index = num_m - 1 - within // size
+    loads = torch.zeros(sm_count, dtype=torch.float64).index_add_(0, cta, cost[m_index])
+    return loads.max().item() / (cost.sum().item() * num_bh / min(sm_count, len(tiles)))
 
 
 class _Descriptor(NamedTuple):
