@@ -187,10 +187,7 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
                           persistent=False)
         if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB); causal
             # frees K early (its joint-release form never finished a check: see FP8_DISPATCH)
-            # (causal: 32 stack bytes since the work-tile order became a runtime choice; it passed
-            # its checks with them, gluon-check-h200-20261130-i.json)
-            config.update(block_n=64, stages=2, joint_release=False,
-                          max_stack=32 if causal else config.get("max_stack", 0))
+            config.update(block_n=64, stages=2, joint_release=False)
     return config
 
 
