@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_check import SHAPES, fp8_inputs  # noqa: E402
 
 
-ORDERS = {"": None, "heads": True, "blocks": False}
+ORDERS = {"": None, "heads": 1, "blocks": 0}
 
 
 def _parse(entry, by_name):
@@ -38,7 +38,7 @@ def _parse(entry, by_name):
     name, _, order = entry.partition("@")
     if order.startswith("g"):
         return by_name[name], {"head_group": int(order[1:])}
-    return by_name[name], {"heads_outer": ORDERS[order]}
+    return by_name[name], {"head_group": ORDERS[order]}
 
 
 def _runs(entries, b, s, by_name, h=16):

@@ -196,7 +196,7 @@ def _check_cases(variant):
     """(label, batch, Sq, Sk, H, Hk, packed, order) for one variant: the ones dispatch runs get the
     full list, the alternates a representative subset. Causal persistent variants also run three
     cases in work-tile orders dispatch would not pick for them (order: gluon_attention_forward's
-    heads_outer / head_group keywords; None: dispatch's pick)."""
+    head_group keyword; None: dispatch's pick)."""
     from flashtile.kernels.gluon_forward import DISPATCHED
     full = variant in DISPATCHED
     cases = [("Sq=Sk=4096", 2, 4096, 4096, 16, 16, False, None),
@@ -210,8 +210,8 @@ def _check_cases(variant):
                   ("17x200", 3, 17, 200, 4, 2, False, None),
                   ("packed qkv 777", 2, 777, 777, 8, 8, True, None)]
     if variant.causal and variant.persistent:
-        cases += [("4096 heads-outer", 2, 4096, 4096, 16, 16, False, {"heads_outer": True}),
-                  ("GQA blocks-outer", 2, 2048, 2048, 32, 8, False, {"heads_outer": False}),
+        cases += [("4096 heads-outer", 2, 4096, 4096, 16, 16, False, {"head_group": 1}),
+                  ("GQA blocks-outer", 2, 2048, 2048, 32, 8, False, {"head_group": 0}),
                   ("GQA groups of 5", 2, 2048, 2048, 32, 8, False, {"head_group": 5})]
     return cases
 

@@ -267,8 +267,8 @@ def gluon_cases(dev) -> int:
         shapes = [(2, 33, 200, 4, 2, None), (2, 200, 33, 4, 1, None), (1, 300, 300, 8, 8, None),
                   (1, 129, 1000, 4, 4, None), (2, 1100, 1100, 8, 2, None)]
         if variant.causal and variant.persistent:
-            shapes += [(1, 129, 1000, 4, 4, False), (2, 1100, 1100, 8, 2, False)]
-        for batch, sq, sk, heads, heads_k, heads_outer in shapes:
+            shapes += [(1, 129, 1000, 4, 4, 0), (2, 1100, 1100, 8, 2, 0)]
+        for batch, sq, sk, heads, heads_k, head_group in shapes:
             q = torch.randn(batch, sq, heads, variant.head_dim, device=dev, dtype=dtype)
             k = torch.randn(batch, sk, heads_k, variant.head_dim, device=dev, dtype=dtype)
             v = torch.randn(batch, sk, heads_k, variant.head_dim, device=dev, dtype=dtype)
@@ -283,7 +283,7 @@ def gluon_cases(dev) -> int:
                     z.q, z.k, z.v, softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
                     variant=variant, out=out, lse=lse,
                     descales=fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale),
-                    scale_blocks=blocks, heads_outer=heads_outer)
+                    scale_blocks=blocks, head_group=head_group)
                 from flashtile.kernels.forward import attention_forward, pick_config
                 portable, portable_lse = attention_forward(
                     z.q, z.k, z.v, softmax_scale=variant.head_dim ** -0.5, window_left=-1,
@@ -296,7 +296,7 @@ def gluon_cases(dev) -> int:
             else:
                 gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=variant.head_dim ** -0.5,
                                                       causal=variant.causal, variant=variant, out=out,
-                                                      lse=lse, heads_outer=heads_outer)
+                                                      lse=lse, head_group=head_group)
             ref, ref_lse = attention(q.double(), k.double(), v.double(), causal=variant.causal)
             low, _ = attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=variant.causal)
             err = (out.double() - ref).abs().max().item()

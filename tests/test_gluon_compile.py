@@ -196,12 +196,13 @@ def test_dispatch_runs_only_compiled_variants_and_causal_deals_snake_rows():
     (128, 12, 4096, False),  # 12 heads at batch 1: too few tiles to deal evenly head by head
     (64, 16, 2048, False),  # three consumers: never
 ])
-def test_heads_outer_order_where_the_model_balances_it(head_dim, heads, seqlen, expected):
+def test_heads_major_order_where_the_model_balances_it(head_dim, heads, seqlen, expected):
     batch = max(1, 16384 // seqlen) if heads == 16 else 1
     variant = gluon_forward.default_variant(head_dim, "bf16", True)
-    assert gluon_forward.heads_outer_order(variant, seqlen, seqlen, batch * heads, 132) == expected
+    group = gluon_forward.head_group_order(variant, seqlen, seqlen, batch * heads, 132)
+    assert (group == 1) == expected
     full = gluon_forward.default_variant(head_dim, "bf16", False)
-    assert not gluon_forward.heads_outer_order(full, seqlen, seqlen, batch * heads, 132)
+    assert gluon_forward.head_group_order(full, seqlen, seqlen, batch * heads, 132) == batch * heads
 
 
 def test_three_consumer_groups_follow_the_model():
@@ -211,6 +212,6 @@ def test_three_consumer_groups_follow_the_model():
     assert gluon_forward.head_group_order(variant, 4096, 4096, 4 * 32, 132) == 22
     assert gluon_forward.head_group_order(variant, 8192, 8192, 2 * 32, 132) == 64
     for n in (1024, 2048, 4096, 8192, 16384):
-        assert not gluon_forward.heads_outer_order(variant, n, n, 16384 // n * 32, 132)
+        assert gluon_forward.head_group_order(variant, n, n, 16384 // n * 32, 132) > 1
     full = gluon_forward.default_variant(64, "bf16", False)
     assert gluon_forward.head_group_order(full, 4096, 4096, 128, 132) == 128

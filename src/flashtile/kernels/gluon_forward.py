@@ -1011,7 +1011,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             causal: bool, variant: GluonVariant | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
-                            heads_outer: bool | None = None, head_group: int | None = None):
+                            head_group: int | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -1025,9 +1025,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     V's relative to their largest, which follows them), one per ``scale_blocks`` = (queries, keys)
     tokens; out is bfloat16.
 
-    ``heads_outer`` (causal): order the work tiles (batch, head)-major or query-block-major (None:
-    ``head_group_order`` decides); ``head_group`` (benchmarks) overrides both with groups of that
-    many (batch, head) pairs, each group query-block-major.
+    ``head_group`` (causal): the work tiles in groups of that many (batch, head) pairs, each group
+    query-block-major: 1 is (batch, head)-major, 0 (or >= B * H) query-block-major over all of
+    them; None: ``head_group_order`` decides.
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -1072,12 +1072,11 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     sm_count = _sm_count(q.device)
     grid = (min(work_tiles, sm_count) if variant.persistent else work_tiles,)
     if head_group is None:
-        if heads_outer is None:
-            head_group = head_group_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
-        else:
-            head_group = 1 if heads_outer else heads * batch
-    elif head_group < 1:
-        raise ValueError("head_group must be >= 1")
+        head_group = head_group_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
+    elif head_group < 0:
+        raise ValueError("head_group must be >= 0")
+    elif head_group == 0:
+        head_group = heads * batch
     if fp8:
         q_d, k_d, v_d = descales
         scales = (q_d, k_d, v_d)
@@ -1129,12 +1128,6 @@ def head_group_order(variant: GluonVariant, seqlen_q: int, seqlen_k: int, num_bh
         if group < num_bh and _modelled_balance(*key, group) <= blocks_major + GROUP_SLACK:
             return group
     return num_bh
-
-
-def heads_outer_order(variant: GluonVariant, seqlen_q: int, seqlen_k: int, num_bh: int,
-                      sm_count: int) -> bool:
-    """Whether dispatch orders a call's work tiles (batch, head)-major (head_group_order == 1)."""
-    return head_group_order(variant, seqlen_q, seqlen_k, num_bh, sm_count) == 1 < num_bh
 
 
 @functools.lru_cache(maxsize=4096)
