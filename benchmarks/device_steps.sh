@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
-# tune-fp8, tune-splits, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -36,6 +36,9 @@ command_for() {
         tune-fp8) echo "python benchmarks/tune_fp8.py --out $OUT --dims 64,128,256" ;;
         tune-fp8-128) echo "python benchmarks/tune_fp8.py --out $OUT --dims 128 --seqlens 4096,16384" ;;
         tune-splits) echo "python benchmarks/tune_decode.py --out $OUT --workers 2 --points '16,12,2,4096,0;16,12,2,32768,0;16,32,8,1024,0;1,32,8,4096,0;1,32,8,32768,0;1,12,2,32768,16' --split-counts 2,4,6,8,12,16,24,32,48,64,66,128" ;;
+        tune-decode-small) echo "python benchmarks/tune_decode.py --out $OUT --workers 8 --points '16,32,8,1024,0;16,32,8,4096,0;16,12,2,1024,0;16,12,2,4096,0;1,32,8,4096,0;1,32,8,32768,0' --split-counts 1,2,4,8,16,32 --configs '64,4,4,1;64,4,3,1;128,4,2,1;32,4,6,1'" ;;
+        tune-decode-unsplit) echo "python benchmarks/tune_decode.py --out $OUT --workers 8 --points '16,32,8,1024,0;16,32,8,4096,0;16,32,8,16384,0;64,32,8,1024,0;64,32,8,4096,0;64,12,2,1024,0;64,12,2,4096,0;64,12,2,32768,0' --split-counts 1,2 --configs '64,4,4,1;64,4,5,1;64,8,4,1;128,4,3,1;128,8,3,1;64,4,4,0'" ;;
+        gluon-check-fp8-d256c) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 280 --only d256-fp8-causal-n64-s2-ws-persistent-snake" ;;
         prefill) echo "python -m flashtile bench prefill --out $OUT" ;;
         prefill-quick) echo "python -m flashtile bench prefill --quick --out $OUT" ;;
         e2e-quick) echo "python -m flashtile bench e2e --quick --out $OUT" ;;
@@ -56,7 +59,7 @@ command_for() {
         gluon-ab-group) echo "python benchmarks/gluon_ab.py --out $OUT --heads 32 --seqlens 2048,4096,8192 --group gluon-d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3@blocks,gluon-d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3@g16,gluon-d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3@g22,gluon-d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3@g32,gluon-d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3@g64 --group gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent-snake@blocks,gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent-snake@heads,gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent-snake@g8,gluon-d128-bf16-causal-n128-s2-ws-pingpong-persistent-snake@g16" ;;
         gluon-check-group) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 200 --only d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3,d128-bf16-causal-n128-s2-ws-pingpong-persistent-snake" ;;
         gluon-check-d64) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 200 --only d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3,d64-fp16-causal-n128-s3-ws-persistent-snake-own-c3" ;;
-        gluon-check-fp8-causal) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 100 --only d128-fp8-causal-n128-s3-ws-persistent-snake-joint,d256-fp8-causal-n64-s2-ws-persistent-snake" ;;
+        gluon-check-fp8-causal) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 300 --only d128-fp8-causal-n128-s3-ws-persistent-snake-joint,d256-fp8-causal-n64-s2-ws-persistent-snake" ;;
         gluon-check-own) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 200 --only d64-bf16-causal-n128-s3-ws-persistent-snake-own-c3,d64-fp16-causal-n128-s3-ws-persistent-snake-own-c3" ;;
         sanitize-gluon-own) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only --only=snake-own-c3" ;;
         gluon-check-snake) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 290 --only d128-bf16-causal-n128-s2-ws-pingpong-persistent-snake,d64-bf16-causal-n128-s3-ws-persistent-snake-c3,d256-bf16-causal-n64-s2-ws-pingpong-persistent-snake,d128-fp8-causal-n128-s3-ws-persistent-snake-joint,d256-fp8-causal-n64-s2-ws-persistent-snake" ;;

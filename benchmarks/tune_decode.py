@@ -97,7 +97,14 @@ def main():
     ap.add_argument("--split-counts", default=None,
                     help="comma-separated split counts: time the default kernel config with each (and the "
                          "heuristic's, as 0) instead of the config sweep")
+    ap.add_argument("--configs", default=None,
+                    help="with --split-counts: kernel configs as block_n,warps,stages,pdl;... to time with "
+                         "each split count instead of the default config alone")
     args = ap.parse_args()
+    chosen = None
+    if args.configs:
+        chosen = [tuple(int(x) for x in item.split(",")) for item in args.configs.split(";")]
+        chosen = [(b, w, st, bool(pdl), True) for b, w, st, pdl in chosen]
     points = [p for p in POINTS if p[4] or not args.paged_only]
     if args.points:
         points = [tuple(int(x) for x in item.split(",")) for item in args.points.split(";")]
@@ -114,6 +121,8 @@ def main():
     jobs = [(kc, False) for kc in kernel_configs] + [(kc, True) for kc in PAGED_CONFIGS]
     if split_counts:
         jobs = [(_default(0)[:5], False), (_default(16)[:5], True)]
+        if chosen:
+            jobs += [(kc, False) for kc in chosen if kc != _default(0)[:5]]
     t0 = time.time()
     if args.dry:
         errors = dict(_warm(j) for j in jobs)
@@ -154,10 +163,16 @@ def main():
                "ceiling_gbps": ceiling, "results": []}
 
         def measure(kernel, split, num_splits=0):
-            cfg = _cfg(kernel, split)
+            cfg = None if kernel == "plan" else _cfg(kernel, split)
+            if kernel == "plan":  # what decode_attention picks for this shape by itself
+                from flashtile.kernels import decode as dec
+                c = dec.decode_config(bool(page_size), dev, batch * heads_k)
+                kernel = (c.block_n, c.num_warps, c.num_stages, c.pdl, c.page_prefetch)
+                split = (c.waves, c.min_split_keys)
             entry = {"block_n": kernel[0], "warps": kernel[1], "stages": kernel[2],
                      "pdl": kernel[3], "page_prefetch": kernel[4], "waves": split[0],
                      "min_split_keys": split[1], "num_splits": num_splits}
+            entry["plan"] = cfg is None
             if errors.get((kernel, bool(page_size))):
                 entry["error"] = errors[(kernel, bool(page_size))]
                 return entry
@@ -191,8 +206,12 @@ def main():
                 rec["sdpa_cudnn_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if split_counts:
             default = _default(page_size)
-            for count in split_counts:
-                rec["results"].append(measure(default[:5], default[5:], count))
+            kernels = [default[:5]] + ([kc for kc in chosen if kc != default[:5]]
+                                       if chosen and not page_size else [])
+            rec["results"].append(measure("plan", None))
+            for kernel in kernels:
+                for count in split_counts:
+                    rec["results"].append(measure(kernel, default[5:], count))
             ranked = []
         for kernel in ((PAGED_CONFIGS if page_size else kernel_configs) if not split_counts else ()):
             rec["results"].append(measure(kernel, split_targets[0]))
@@ -209,7 +228,9 @@ def main():
             torch.cuda.empty_cache()
         top = sorted((r for r in rec["results"] if "gbps" in r), key=lambda r: -r["gbps"])[:3]
         if split_counts:
-            top = [(r["num_splits"], round(r.get("gbps", 0)), r.get("error")) for r in rec["results"]]
+            top = [("plan" if r["plan"] else (r["block_n"], r["warps"], r["stages"], r["pdl"]),
+                    r["num_splits"],
+                    round(r.get("gbps", 0)), r.get("error")) for r in rec["results"]]
         print(json.dumps({k: v for k, v in rec.items() if k != "results"}), json.dumps(top), flush=True)
 
     import triton
@@ -221,6 +242,7 @@ def main():
     for r in rows:
         ok = sorted((x for x in r["results"] if "gbps" in x), key=lambda x: -x["gbps"])
         best = "  ".join(f"({x['block_n']},{x['warps']},{x['stages']},{'P' if x['pdl'] else '-'},"
+                         f"s{x.get('num_splits', 0)},"
                          f"{'F' if x['page_prefetch'] else '-'},"
                          f"{x['waves']},{x['min_split_keys']})"
                          f"={x['gbps']:.0f}{'' if x['err_over_budget'] <= 1 else '!BAD'}" for x in ok[:3])

@@ -240,3 +240,22 @@ def test_split_heuristic_fills_the_last_wave(monkeypatch, batch, heads_k, contex
     per_sm = programs / 132
     if per_sm >= 1:  # full waves, or a last wave at least 90% full
         assert per_sm / math.ceil(per_sm) >= 0.9
+
+
+def test_pairs_near_the_sm_count_run_unsplit(monkeypatch):
+    # 99..132 (sequence, KV head) pairs on 132 SMs: one unsplit program each with 64-key steps
+    # (tune-decode-unsplit-h200-20261130.json); fewer or more pairs, or an e4m3 cache: split as before.
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setitem(decode._SM_COUNTS, 0, 132)
+    dev = torch.device("cuda", 0)
+    for pairs in (99, 128, 132):
+        cfg = decode.decode_config(False, dev, pairs)
+        assert (cfg.block_n, cfg.num_stages, cfg.max_splits) == (64, 4, 1)
+        assert decode.split_heuristic(pairs, 1, 131072, dev, cfg) == 1
+    for pairs in (98, 133, 512):
+        cfg = decode.decode_config(False, dev, pairs)
+        assert (cfg.block_n, cfg.max_splits) == (32, 128)
+    assert decode.decode_config(False, dev, 128, fp8_cache=True).max_splits == 128
+    assert decode.planned_splits(16, 8, 32768, dev) == 1
+    assert decode.planned_splits(16, 2, 32768, dev) == 8

@@ -245,7 +245,7 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
               block_tables: dict) -> Step:
     """q (B, 1, H, D); lengths int32 (B,) on the device; block_tables: page size -> table."""
     import flashtile
-    from ..kernels.decode import decode_config, split_heuristic
+    from ..kernels.decode import planned_splits
 
     point = caches.point
     if name == CONTIGUOUS:
@@ -253,8 +253,7 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
             k, v = caches.nhd(layer)
             return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
 
-        splits = split_heuristic(point.batch, point.heads_k, point.context, q.device,
-                                 decode_config(False, q.device))
+        splits = planned_splits(point.batch, point.heads_k, point.context, q.device)
         return Step(call, info={"layout": "(B, S, Hk, D) contiguous, S = context",
                                 "num_splits": splits})
     page_size = page_size_of(name)
@@ -266,8 +265,8 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
             return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
                                                      causal=True)
 
-        splits = split_heuristic(point.batch, point.heads_k, table.shape[1] * page_size, q.device,
-                                 decode_config(True, q.device, point.batch * point.heads_k))
+        splits = planned_splits(point.batch, point.heads_k, table.shape[1] * page_size, q.device,
+                                paged=True)
         return Step(call, info={"layout": f"pages ({point.batch * point.context // page_size}, "
                                           f"{page_size}, Hk, D), shuffled block table",
                                 "page_size": page_size, "num_splits": splits})
@@ -996,10 +995,9 @@ def _run_on_gpu(args, device: torch.device, command: str) -> int:
     print(f"Read ceiling after the sweep: {after['sum_gbps']:.0f} GB/s; using {ceiling['gbps']:.0f} GB/s")
 
     splits = {}
-    from ..kernels.decode import decode_config, split_heuristic
+    from ..kernels.decode import planned_splits
     for r in records:
-        splits[_point_of(r).label()] = split_heuristic(r["batch"], r["heads_k"], r["context"], device,
-                                                       decode_config(False, device))
+        splits[_point_of(r).label()] = planned_splits(r["batch"], r["heads_k"], r["context"], device)
     payload = {"benchmark": command, **env, "dtype": DTYPE_NAME, "quick": args.quick,
                "layers_override": args.layers, "command": " ".join(sys.argv),
                "timing": {"function": "triton.testing.do_bench", "warmup_ms": WARMUP_MS,

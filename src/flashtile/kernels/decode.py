@@ -251,19 +251,27 @@ class DecodeConfig:
     # stream finishes, and waits (griddepcontrol.wait) before touching memory.
     pdl: bool = False
     page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
+    max_splits: int = 128
 
 
-def decode_config(paged: bool, device: torch.device, programs: int = 1) -> DecodeConfig:
+def decode_config(paged: bool, device: torch.device, programs: int = 1,
+                  fp8_cache: bool = False) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
     pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 64-key
     steps and 3 stages (+23% at batch 16 with 12/2 heads); with more, 128-key steps and 2 stages
-    (64-key steps lost 16% at batch 64 with 32/8 heads)."""
+    (64-key steps lost 16% at batch 64 with 32/8 heads). ``programs``: sequences x KV heads."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
+    sms = _sm_count(device)
     if paged:  # PDL measured 6% slower here
-        if programs < _sm_count(device):
+        if programs < sms:
             return DecodeConfig(64, 4, 3, waves=2, min_split_keys=256)
         return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
+    if not fp8_cache and 4 * programs >= 3 * sms and programs <= sms:
+        # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
+        # merge) with 64-key steps, 4 stages, one CTA per SM, rather than two splits: 128 pairs
+        # (B16 32/8, B64 12/2) +10/+3/+1% at 1k/4k/16k (tune-decode-unsplit-h200-20261130.json).
+        return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=1)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
@@ -277,7 +285,7 @@ def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.de
     # Once (batch, KV head) pairs alone fill half the SMs, one wave of splits was best on the H200.
     waves = cfg.waves if 2 * programs < sms else 1
     wanted = -(-waves * sms // programs)
-    wanted = max(1, min(wanted, -(-max_context // cfg.min_split_keys), 128))
+    wanted = max(1, min(wanted, -(-max_context // cfg.min_split_keys), cfg.max_splits))
 
     # Balance: the step lasts as long as the busiest SM. 9 splits x 32 pairs = 288 programs put 3 on
     # 24 SMs and 2 on the rest; 8 splits (256 programs) ran 11% faster at batch 16, 12/2 heads, 32k
@@ -316,7 +324,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
           one_launch, write_lse):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
-    cfg = config or decode_config(paged, device, batch * heads_k)
+    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache)
     if one_launch:
         splits = 1
     else:
@@ -348,6 +356,12 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
 
 
 _OPTIONS: dict = {}
+
+
+def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,
+                   paged: bool = False) -> int:
+    """The split count the default plan gives a decode call of this shape (for reports)."""
+    return split_heuristic(batch, heads_k, capacity, device, decode_config(paged, device, batch * heads_k))
 
 
 class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attention call, cheaply
