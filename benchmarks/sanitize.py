@@ -137,6 +137,16 @@ def decode_cases(dev) -> int:
         pool_k, pool_v, table = paginate(k, v, page_size)
         runs[f"paged {page_size}"] = twice(lambda: flashtile.flash_attn_with_kvcache(
             q, pool_k, pool_v, cache_seqlens=seqlens, block_table=table, causal=True))
+    # The H200 plans' key steps at this small size: unsplit 64-key steps (pairs near the SM
+    # count), 32-key steps on pages (pairs over it).
+    from flashtile.kernels.decode import DecodeConfig, decode_attention
+    pool_k, pool_v, table = paginate(k, v, 16)
+    for name, cfg, paged in (("unsplit 64-key steps", DecodeConfig(64, 4, 4, waves=1, pdl=True,
+                                                                    max_splits=1), False),
+                             ("paged 16, 32-key steps", DecodeConfig(32, 4, 4), True)):
+        runs[name] = twice(lambda cfg=cfg, paged=paged: decode_attention(
+            q, pool_k if paged else k, pool_v if paged else v, seqlens, softmax_scale=d ** -0.5,
+            window_left=-1, window_right=0, block_table=table if paged else None, config=cfg)[0])
     for name, out in runs.items():
         if not torch.isfinite(out).all() or (out.double() - expected).abs().max() > 0.05:
             failures += 1

@@ -122,7 +122,8 @@ def main():
     if split_counts:
         jobs = [(_default(0)[:5], False), (_default(16)[:5], True)]
         if chosen:
-            jobs += [(kc, False) for kc in chosen if kc != _default(0)[:5]]
+            jobs += [(kc, paged) for kc in chosen for paged in (False, True)
+                     if kc != _default(16 if paged else 0)[:5]]
     t0 = time.time()
     if args.dry:
         errors = dict(_warm(j) for j in jobs)
@@ -206,8 +207,7 @@ def main():
                 rec["sdpa_cudnn_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if split_counts:
             default = _default(page_size)
-            kernels = [default[:5]] + ([kc for kc in chosen if kc != default[:5]]
-                                       if chosen and not page_size else [])
+            kernels = [default[:5]] + ([kc for kc in chosen if kc != default[:5]] if chosen else [])
             rec["results"].append(measure("plan", None))
             for kernel in kernels:
                 for count in split_counts:

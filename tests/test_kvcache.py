@@ -259,3 +259,27 @@ def test_pairs_near_the_sm_count_run_unsplit(monkeypatch):
     assert decode.decode_config(False, dev, 128, fp8_cache=True).max_splits == 128
     assert decode.planned_splits(16, 8, 32768, dev) == 1
     assert decode.planned_splits(16, 2, 32768, dev) == 8
+
+
+@pytest.mark.parametrize("block_n,paged,max_splits", [(64, False, 1), (128, False, 128), (32, True, 128),
+                                                      (64, True, 1)])
+def test_decode_with_the_gpu_key_steps(block_n, paged, max_splits):
+    # The interpreter's default plan takes 32-key steps; the H200 plans take these too.
+    from flashtile.bench.decode import paginate
+    from flashtile.kernels.decode import DecodeConfig, decode_attention
+    q, k_cache, v_cache, lengths = cache_case(head_dim=128, capacity=200)
+    keys, values, table = (*paginate(k_cache, v_cache, 16),) if paged else (k_cache, v_cache, None)
+    out, lse = decode_attention(q, keys, values, lengths, softmax_scale=128 ** -0.5, window_left=-1,
+                                window_right=0, block_table=table,
+                                config=DecodeConfig(block_n, 4, 4, max_splits=max_splits))
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
+
+
+def test_paged_plans(monkeypatch):
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setitem(decode._SM_COUNTS, 0, 132)
+    dev = torch.device("cuda", 0)
+    assert decode.decode_config(True, dev, 128).block_n == 64
+    assert (decode.decode_config(True, dev, 512).block_n, decode.decode_config(True, dev, 512).num_stages) == (32, 4)
+    assert decode.decode_config(True, dev, 512, fp8_cache=True).block_n == 128

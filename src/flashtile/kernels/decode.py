@@ -258,15 +258,18 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
                   fp8_cache: bool = False) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
     pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 64-key
-    steps and 3 stages (+23% at batch 16 with 12/2 heads); with more, 128-key steps and 2 stages
-    (64-key steps lost 16% at batch 64 with 32/8 heads). ``programs``: sequences x KV heads."""
+    steps and 3 stages (+23% at batch 16 with 12/2 heads); with more, 32-key steps and 4 stages
+    (+5% over 128-key steps at batch 64 with 32/8 heads, 16k, page 16:
+    tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
             return DecodeConfig(64, 4, 3, waves=2, min_split_keys=256)
-        return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
+        if fp8_cache:  # (the e4m3 plan widens the steps to 128 keys; 32-key steps not measured there)
+            return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
+        return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256)
     if not fp8_cache and 4 * programs >= 3 * sms and programs <= sms:
         # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
         # merge) with 64-key steps, 4 stages, one CTA per SM, rather than two splits: 128 pairs
