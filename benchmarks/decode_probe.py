@@ -118,38 +118,6 @@ def probe_fp8(point, _, device, ceiling):
     return {"point": point.__dict__, "layers": layers, "rows": rows}
 
 
-def probe_prefetch(point, _, device, ceiling):
-    """The merge letting the next kernel launch at its start, with and without L2 prefetches of each
-    split program's first tiles before it waits (DecodeConfig.prefetch_tiles), against the shipped
-    plan; the four alternated twice."""
-    import dataclasses
-    layers, caches, nbytes, q, lengths = _setup(point, device)
-    original = dec._combine_options
-    base = dec.decode_config(False, device, point.batch * point.heads_k)
-    variants = [("shipped", False, 0), ("trigger", True, 0), ("trigger+prefetch2", True, 2),
-                ("trigger+prefetch4", True, 4)]
-    rows = []
-    try:
-        for _ in range(2):
-            for name, trigger, tiles in variants:
-                dec._combine_options = (lambda *a, t=trigger: dict(original(*a), LAUNCH_DEPENDENTS=t))
-                dec._PLANS.clear()
-                cfg = dataclasses.replace(base, prefetch_tiles=tiles)
-
-                def call(layer, cfg=cfg):
-                    k, v = caches.nhd(layer)
-                    return dec.decode_attention(q, k, v, lengths, softmax_scale=0.088, window_left=-1,
-                                                window_right=0, need_lse=False, config=cfg)[0]
-                us = time_layers(call, layers, device)
-                gbps = nbytes / us / 1e3
-                rows.append({"variant": name, "us_per_layer": us, "gbps": gbps})
-                print(f"  {name:20s} {us:8.2f} us {gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}%", flush=True)
-    finally:
-        dec._combine_options = original
-        dec._PLANS.clear()
-    return {"point": point.__dict__, "layers": layers, "rows": rows}
-
-
 def probe_trigger(point, _, device, ceiling):
     """The merge kernel letting the next kernel launch at its start or at its end (the default),
     alternated twice."""
@@ -300,7 +268,7 @@ def probe_point(point, page, device, ceiling):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
-    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger", "prefetch"), default="where")
+    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger"), default="where")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
@@ -314,13 +282,9 @@ def main():
         points = [(1, 32, 8, 32768, (16, 256, 1)), (16, 32, 8, 16384, (16,)), (1, 12, 2, 32768, (16,))]
     elif args.mode == "fp8":
         points = [(16, 32, 8, 32768, 0), (1, 32, 8, 32768, 0), (16, 32, 8, 4096, 0)]
-    elif args.mode == "prefetch":
-        points = [(1, 32, 8, 4096, 0), (1, 32, 8, 32768, 0), (1, 12, 2, 32768, 0), (16, 12, 2, 1024, 0),
-                  (16, 12, 2, 4096, 0), (16, 32, 8, 1024, 0)]
     else:
         points = [(16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0), (16, 12, 2, 32768, 0), (1, 32, 8, 4096, 0)]
-    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger,
-             "prefetch": probe_prefetch}[args.mode]
+    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger}[args.mode]
     for (batch, heads, heads_k, context, page) in points:
         point = Point("probe", batch, heads, heads_k, context)
         print(f"B{batch} {heads}/{heads_k} ctx{context} page{page}", flush=True)

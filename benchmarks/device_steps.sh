@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
-# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger, -prefetch), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -78,7 +78,6 @@ command_for() {
         decode-probe-paged) echo "python benchmarks/decode_probe.py --mode paged --out $OUT" ;;
         decode-probe-fp8) echo "python benchmarks/decode_probe.py --mode fp8 --out $OUT" ;;
         decode-probe-trigger) echo "python benchmarks/decode_probe.py --mode trigger --out $OUT" ;;
-        decode-probe-prefetch) echo "python benchmarks/decode_probe.py --mode prefetch --out $OUT" ;;
         *) return 1 ;;
     esac
 }

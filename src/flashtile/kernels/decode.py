@@ -29,33 +29,6 @@ from .launch import launch
 
 
 @triton.jit
-def _prefetch_first_tiles(K, V, CacheSeqlens, batch, kv_head, split, num_splits, capacity,
-                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          TILES: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """L2 prefetches of the first TILES key tiles this program will read, issued before the
-    previous kernel has finished: it may still write the lengths and the cache's newest slots, so
-    the length read here is only a guess (a stale one misdirects hints, nothing else: L2 is where
-    every SM's writes meet), every address stays within the cache row's capacity, and nothing
-    loaded here is used."""
-    n = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch, volatile=True), 1), capacity)
-    blocks = tl.cdiv(n, BLOCK_N)
-    first = tl.minimum(split * tl.cdiv(blocks, num_splits), blocks - 1) * BLOCK_N
-    keys = tl.minimum(first + tl.arange(0, TILES * BLOCK_N), n - 1).to(tl.int64)
-    LINES: tl.constexpr = max(1, HEAD_DIM_PAD // 64)  # 128-byte lines of a 16-bit row
-    line = tl.arange(0, LINES) * 64
-    _prefetch_l2(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-                 + keys[:, None] * stride_ks + line[None, :])
-    _prefetch_l2(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-                 + keys[:, None] * stride_vs + line[None, :])
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
                  CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, stride_dsb, stride_dss, stride_dsh,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -70,17 +43,12 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
-                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
-                 PREFETCH_TILES: tl.constexpr = 0):
+                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
     num_splits = tl.num_programs(0)
     if PDL:  # launched before the previous kernel ends: touch no memory until it has
-        if PREFETCH_TILES > 0:
-            _prefetch_first_tiles(K, V, CacheSeqlens, batch, kv_head, split, num_splits, seqlen_k_max,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                  PREFETCH_TILES, BLOCK_N, HEAD_DIM_PAD)
         gdc_wait()
         gdc_launch_dependents()  # the merge may launch now and wait for this grid in its turn
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
@@ -284,9 +252,6 @@ class DecodeConfig:
     pdl: bool = False
     page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
     max_splits: int = 128
-    # With pdl, contiguous 16-bit caches: L2 prefetches of each program's first key tiles before
-    # it waits for the previous kernel (see _prefetch_first_tiles).
-    prefetch_tiles: int = 0
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
@@ -385,8 +350,6 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
         FP8=2 if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
         Q_FP16=fp8_cache and dtype == torch.bfloat16,
-        PREFETCH_TILES=(cfg.prefetch_tiles if pdl and not (paged or fp8_cache or has_leftpad or has_left
-                                                          or has_batch_idx) and capacity > 0 else 0),
         num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.

@@ -243,8 +243,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
     decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "BLOCK_N": 64,
               "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
-              "FP8": 2 if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
-              "PREFETCH_TILES": 0}
+              "FP8": 2 if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16"}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
@@ -253,12 +252,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
                      stages, cache),
             _compile(_attn_decode, {**decode, "SPLIT": False, "WRITE_LSE": variant.paged}, variant, arch,
                      4, stages, cache),
-            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1)
-            ] + ([  # the L2 prefetch before the wait for the previous kernel, and a merge that lets it start
-                _compile(_attn_decode, {**decode, "SPLIT": True, "WRITE_LSE": True, "BATCH_IDX": False,
-                                        "LEFTPAD": False, "PREFETCH_TILES": 2}, variant, arch, 4, 4, cache),
-                _compile(_combine, {**comb, "PDL": True, "LAUNCH_DEPENDENTS": True}, variant, arch, 4, 1)]
-                if arch >= 90 and not (variant.paged or variant.fp8_cache) else [])
+            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1)]
 
 
 def rotary_variants() -> list[Variant]:
