@@ -247,6 +247,7 @@ def test_pairs_near_the_sm_count_run_unsplit(monkeypatch):
     # (tune-decode-unsplit-h200-20261130.json); fewer or more pairs, or an e4m3 cache: split as before.
     from flashtile.kernels import decode
     monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_arch", lambda index: 90)
     monkeypatch.setitem(decode._SM_COUNTS, 0, 132)
     dev = torch.device("cuda", 0)
     for pairs in (99, 128, 132):
@@ -259,6 +260,8 @@ def test_pairs_near_the_sm_count_run_unsplit(monkeypatch):
     assert decode.decode_config(False, dev, 128, fp8_cache=True).max_splits == 128
     assert decode.planned_splits(16, 8, 32768, dev) == 1
     assert decode.planned_splits(16, 2, 32768, dev) == 8
+    monkeypatch.setattr(decode, "_arch", lambda index: 80)  # measured on Hopper only
+    assert decode.decode_config(False, dev, 128).max_splits == 128
 
 
 @pytest.mark.parametrize("block_n,paged,max_splits", [(64, False, 1), (128, False, 128), (32, True, 128),
@@ -278,6 +281,7 @@ def test_decode_with_the_gpu_key_steps(block_n, paged, max_splits):
 def test_paged_plans(monkeypatch):
     from flashtile.kernels import decode
     monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_arch", lambda index: 90)
     monkeypatch.setitem(decode._SM_COUNTS, 0, 132)
     dev = torch.device("cuda", 0)
     # Pairs under the SM count: 64-key steps; over it: 32-key steps, 4 stages (an e4m3 cache keeps

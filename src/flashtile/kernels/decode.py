@@ -270,10 +270,12 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         if fp8_cache:  # (the e4m3 plan widens the steps to 128 keys; 32-key steps not measured there)
             return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
         return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256)
-    if not fp8_cache and 4 * programs >= 3 * sms and programs <= sms:
+    hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
+    if hopper and not fp8_cache and 4 * programs >= 3 * sms and programs <= sms:
         # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
         # merge) with 64-key steps, 4 stages, one CTA per SM, rather than two splits: 128 pairs
         # (B16 32/8, B64 12/2) +10/+3/+1% at 1k/4k/16k (tune-decode-unsplit-h200-20261130.json).
+        # Measured on the H200 only (its 128 KB of K/V stages would not fit some other GPUs).
         return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=1)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
