@@ -242,14 +242,20 @@ def test_split_heuristic_fills_the_last_wave(monkeypatch, batch, heads_k, contex
         assert per_sm / math.ceil(per_sm) >= 0.9
 
 
-def test_pairs_near_the_sm_count_run_unsplit(monkeypatch):
-    # 99..132 (sequence, KV head) pairs on 132 SMs: one unsplit program each with 64-key steps
-    # (tune-decode-unsplit-h200-20261130.json); fewer or more pairs, or an e4m3 cache: split as before.
+@pytest.fixture
+def h200_plans(monkeypatch):
+    """The decode module planning for an H200 (sm_90, 132 SMs) without one: (module, device)."""
     from flashtile.kernels import decode
     monkeypatch.setattr(decode, "interpreting", lambda: False)
     monkeypatch.setattr(decode, "_arch", lambda index: 90)
     monkeypatch.setitem(decode._SM_COUNTS, 0, 132)
-    dev = torch.device("cuda", 0)
+    return decode, torch.device("cuda", 0)
+
+
+def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
+    # 99..132 (sequence, KV head) pairs on 132 SMs: one unsplit program each with 64-key steps
+    # (tune-decode-unsplit-h200-20261130.json); fewer or more pairs, or an e4m3 cache: split as before.
+    decode, dev = h200_plans
     for pairs in (99, 128, 132):
         cfg = decode.decode_config(False, dev, pairs)
         assert (cfg.block_n, cfg.num_stages, cfg.max_splits) == (64, 4, 1)
@@ -278,12 +284,8 @@ def test_decode_with_the_gpu_key_steps(block_n, paged, max_splits):
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
 
 
-def test_paged_plans(monkeypatch):
-    from flashtile.kernels import decode
-    monkeypatch.setattr(decode, "interpreting", lambda: False)
-    monkeypatch.setattr(decode, "_arch", lambda index: 90)
-    monkeypatch.setitem(decode._SM_COUNTS, 0, 132)
-    dev = torch.device("cuda", 0)
+def test_paged_plans(h200_plans):
+    decode, dev = h200_plans
     # Pairs under the SM count: 64-key steps; over it: 32-key steps, 4 stages (an e4m3 cache keeps
     # the 128-key plan it was measured with).
     assert decode.decode_config(True, dev, 128).block_n == 64
