@@ -91,12 +91,16 @@ def probe_fp8(point, _, device, ceiling):
     bf16_bytes = 2 * point.batch * point.context * point.heads_k * point.head_dim * 2
     splits = dec.split_heuristic(point.batch, point.heads_k, point.context, device,
                                  dec.decode_config(False, device, point.batch * point.heads_k))
-    variants = [("bf16 default", None, False)] + [
-        (f"e4m3 n{n} w{w} s{st}", dec.DecodeConfig(n, w, st, pdl=True), True)
-        for n, w, st in ((64, 4, 4), (64, 8, 4), (128, 4, 3), (128, 8, 3), (64, 4, 6), (128, 8, 4), (32, 4, 4))]
-    variants.insert(1, ("e4m3 default", None, True))
-    for name, cfg, fp8 in variants:
-        def call(layer, cfg=cfg, fp8=fp8):
+    # (name, config, e4m3 cache, split count multiplier, FP8 constexpr or None for the default)
+    variants = [("bf16 default", None, False, 1, None), ("e4m3 default", None, True, 1, None),
+                ("e4m3 default, Triton's cvt (FP8=2)", None, True, 1, 2)] + [
+        (f"e4m3 n{n} w{w} s{st}" + (f" x{m} splits" if m > 1 else ""),
+         dec.DecodeConfig(n, w, st, pdl=True), True, m, None)
+        for n, w, st, m in ((64, 4, 4, 1), (64, 8, 4, 1), (128, 4, 3, 1), (128, 8, 3, 1), (128, 4, 2, 1),
+                            (64, 4, 3, 1), (32, 4, 4, 1), (128, 4, 3, 2), (64, 4, 4, 2))]
+    original_mode = dec._fp8_cache_mode
+    for name, cfg, fp8, mult, mode in variants:
+        def call(layer, cfg=cfg, fp8=fp8, mult=mult):
             if fp8:
                 k, v = fp8_k[layer].view(shape), fp8_v[layer].view(shape)
                 extra = dict(k_descale=k_descale[layer], v_descale=v_descale[layer])
@@ -104,13 +108,20 @@ def probe_fp8(point, _, device, ceiling):
                 k, v = caches.nhd(layer)
                 extra = {}
             return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
-                                        window_right=0, config=cfg, num_splits=splits if cfg else 0,
+                                        window_right=0, config=cfg,
+                                        num_splits=splits * mult if cfg else 0,
                                         need_lse=False, **extra)[0]
+        dec._PLANS.clear()
+        if mode is not None:
+            dec._fp8_cache_mode = lambda device, mode=mode: mode
         try:
             us = time_layers(call, layers, device)
         except Exception as exc:
             print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
+        finally:
+            dec._fp8_cache_mode = original_mode
+            dec._PLANS.clear()
         nbytes = bf16_bytes // 2 if fp8 else bf16_bytes
         gbps = nbytes / us / 1e3
         rows.append({"variant": name, "us_per_layer": us, "gbps": gbps, "pct": 100 * gbps / ceiling})
@@ -281,7 +292,7 @@ def main():
     elif args.mode == "paged":
         points = [(1, 32, 8, 32768, (16, 256, 1)), (16, 32, 8, 16384, (16,)), (1, 12, 2, 32768, (16,))]
     elif args.mode == "fp8":
-        points = [(16, 32, 8, 32768, 0), (1, 32, 8, 32768, 0), (16, 32, 8, 4096, 0)]
+        points = [(16, 32, 8, 32768, 0), (1, 32, 8, 32768, 0), (16, 32, 8, 4096, 0), (64, 12, 2, 16384, 0)]
     else:
         points = [(16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0), (16, 12, 2, 32768, 0), (1, 32, 8, 4096, 0)]
     probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger}[args.mode]

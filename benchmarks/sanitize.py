@@ -333,11 +333,11 @@ def main() -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "--gluon-only" in sys.argv:  # the Hopper Gluon forward alone
         return 1 if gluon_cases(dev) else 0
-    if "--decode-only" in sys.argv:  # after a change to the decode kernels alone
-        failures = decode_cases(dev)
+    fp8_ok = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
+    if "--decode-only" in sys.argv:  # after a change to the decode kernels alone (e4m3 cache too)
+        failures = decode_cases(dev) + (fp8_varlen_and_cache_cases(dev) if fp8_ok else 0)
         print(f"sanitize: decode cases; {failures} wrong results")
         return 1 if failures else 0
-    fp8_ok = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
     failures = training_and_packed_cases(dev) + decode_cases(dev) + (fp8_cases(dev) if fp8_ok else 0)
     cases = 0
     for head_dim, dtype, feat, (batch, sq, sk), tma in (QUICK if "--quick" in sys.argv else all_cases()):

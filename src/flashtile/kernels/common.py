@@ -24,6 +24,53 @@ def visible(rows_pos, cols, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def tile_pages(block_table_row, start, offs_n, seqlen_k, page_size, ONE_PAGE: tl.constexpr,
+               PAGE_SHIFT: tl.constexpr):
+    """Block table entries of the tile of keys start + offs_n: one per key, or with ONE_PAGE (pages of
+    a power of two >= the tile's keys) the single entry of its first key; 0 past the sequence.
+    PAGE_SHIFT >= 0: pages hold 2**PAGE_SHIFT keys, a shift where a division by the runtime page size
+    costs ~20 instructions per key."""
+    keys = start if ONE_PAGE else start + offs_n
+    if PAGE_SHIFT >= 0:
+        entry = keys >> PAGE_SHIFT
+    else:
+        entry = keys // page_size
+    return tl.load(block_table_row + entry, mask=keys < seqlen_k, other=0)
+
+
+@triton.jit
+def tile_rows(page, start, offs_n, page_size, num_pages, stride_page, stride_key,
+              ONE_PAGE: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """Offsets in a page pool of the rows of keys start + offs_n, from ``tile_pages``' entries:
+    the page, clamped into the pool, times the page stride, plus the slot in it."""
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never out of the pool
+    keys = start if ONE_PAGE else start + offs_n
+    if PAGE_SHIFT >= 0:
+        slot = keys & ((1 << PAGE_SHIFT) - 1)
+    else:
+        slot = keys % page_size
+    rows = page * stride_page + slot * stride_key
+    if ONE_PAGE:
+        rows = rows + offs_n * stride_key
+    return rows
+
+
+@triton.jit
+def widen_e4m3(x):
+    """e4m3 -> fp16 by ``cvt.rn.f16x2.e4m3x2`` in the tile's own register layout (GPU only).
+
+    Not marked pure on purpose: Triton moves a pure conversion past the layout change into a dot
+    operand, and an 8-bit B operand whose reduction dim is strided in memory (V, keys x head dim) is
+    then gathered from shared memory one byte per load (128 loads per thread per 128 x 128 tile, then
+    packed by integer multiply-adds). Widened where it was loaded, V reaches its operand layout as
+    fp16 through ldmatrix.trans."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def tanh(x):
     # Through exp2 rather than libdevice, which the interpreter lacks.
     e = tl.exp2(x * 2.8853900817779268)  # 2 * log2(e)

@@ -43,7 +43,8 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
-                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False):
+                 WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
+                 PAGE_SHIFT: tl.constexpr = -1):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -100,11 +101,11 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         v_src = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
                  + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
 
-    # An e4m3 cache (FP8 == 2): descales (B_cache or pages, S_max or page_size, Hk), one per key and
+    # An e4m3 cache (FP8 == 2, or 3 where V widens by PTX, sm_89+): descales (B_cache or pages, S_max or page_size, Hk), one per key and
     # KV head, walked like the cache itself.
     k_descale = KDescale
     v_descale = VDescale
-    if FP8 == 2:
+    if FP8 >= 2:
         if PAGED:
             at = kv_head.to(tl.int64) * stride_dsh
         else:
@@ -134,19 +135,19 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
         v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8)
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
         full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
         v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8)
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
         s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
         v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8)
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -327,7 +328,7 @@ EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
-          one_launch, write_lse):
+          one_launch, write_lse, page_size):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
     cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache)
     if one_launch:
@@ -344,13 +345,20 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         # e4m3 tiles: 128 keys, 3 stages (decode-probe-fp8-h200-20261130.json: B16 32/8 32k 2941 GB/s
         # of e4m3 against 2473 with 64 keys and 4 stages, 1474-1974 with 8 warps)
         block_n, num_stages = 128, min(num_stages, 3)
+    paged_mode, page_shift = 0, -1
+    if paged:
+        paged_mode = 2 if cfg.page_prefetch else 1
+        if page_size & (page_size - 1) == 0:  # a power of two: shifts, and one entry per tile when
+            page_shift = page_size.bit_length() - 1  # a tile fits in a page
+            if cfg.page_prefetch and page_size >= block_n:
+                paged_mode = 3
     kernel = dict(
         ROWS=max(16, _next_power_of_2(heads // heads_k * seqlen_q)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
-        PAGED=(2 if cfg.page_prefetch else 1) if paged else 0, BATCH_IDX=has_batch_idx,
+        PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
-        FP8=2 if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
+        FP8=_fp8_cache_mode(device) if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
         Q_FP16=fp8_cache and dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
@@ -361,6 +369,15 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
 
 
 _OPTIONS: dict = {}
+
+
+def _fp8_cache_mode(device: torch.device) -> int:
+    """The FP8 constexpr of an e4m3 cache: 3 (V widened by ``cvt.rn.f16x2.e4m3x2`` where it is
+    loaded, then moved to its operand layout as fp16) on GPUs with e4m3 conversions, else 2 (Triton's
+    conversion, which it applies after gathering the 8-bit operand: one shared-memory load per byte)."""
+    if interpreting() or device.type != "cuda":
+        return 2
+    return 3 if _arch(device.index if device.index is not None else torch.cuda.current_device()) >= 89 else 2
 
 
 def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,
@@ -408,7 +425,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
-           one_launch, need_lse)
+           one_launch, need_lse, k_cache.shape[1] if paged else 0)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
 from .common import (dropout_keep, head_terms, key_blocks, load_tile, sequence_descriptor,
-                     sequence_span, tanh, visible)
+                     sequence_span, tanh, tile_pages, tile_rows, visible, widen_e4m3)
 
 LOG2E = 1.4426950408889634
 
@@ -116,14 +116,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                     USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, PAGED: tl.constexpr,
-                    FP8: tl.constexpr = 0, SCALE_BLOCK_K: tl.constexpr = 1):
+                    FP8: tl.constexpr = 0, SCALE_BLOCK_K: tl.constexpr = 1,
+                    PAGE_SHIFT: tl.constexpr = -1):
     """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
 
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
     (batch, head), whose loads zero-fill past the keys and the head dim. PAGED: they point at one
     head of the page pool, and each tile gathers its keys through the sequence's block table row
     (any page size: every key looks up its own page). PAGED == 2 loads the next tile's page numbers
-    one iteration ahead, so the K/V loads never wait on the block table. FP8 == 1: K and V are e4m3 with
+    one iteration ahead, so the K/V loads never wait on the block table; PAGED == 3 does the same
+    with one entry per tile, for pages of a power of two >= BLOCK_N keys. PAGE_SHIFT >= 0: pages hold
+    2**PAGE_SHIFT keys (shifts and masks instead of divisions by ``page_size``). FP8 == 1: K and V are e4m3 with
     one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``, and V's relative to
     its largest at ``v_descale`` (the largest multiplies the output at the end); both are read one
     tile ahead. K's joins the score scale and V's scales P before its cast to e4m3, so no tile is
@@ -133,25 +136,30 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     ``k_descale``/``v_descale`` + key * ``stride_scale_n`` (+ page * ``stride_scale_page`` when PAGED);
     K and V tiles widen to the query's dtype (the decode kernel hands over an fp16 query: e4m3 widens
     to fp16 in one instruction per pair, to bf16 through a second conversion), K's descales scale the
-    score columns, V's the columns of P.
+    score columns, V's the columns of P. FP8 == 3: the same, V widened by PTX where it is loaded
+    (``widen_e4m3``; GPU only).
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
         k_ptrs += start.to(tl.int64) * stride_kn
         v_ptrs += start.to(tl.int64) * stride_vn
     D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
-    if PAGED == 2:
-        ahead = blk_lo * BLOCK_N + offs_n
-        page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k, other=0)
-    if FP8 == 2:  # per-key descales, read one tile ahead: a load in the loop would stall every step
+    # PAGED == 3: pages of 2**PAGE_SHIFT >= BLOCK_N keys, so a tile lies in one page: one table entry
+    # per tile (a scalar), its rows at fixed offsets from the tile's first key.
+    ONE_PAGE: tl.constexpr = PAGED == 3
+    if PAGED >= 2:
+        page_ahead = tile_pages(block_table_row, blk_lo * BLOCK_N, offs_n, seqlen_k, page_size,
+                                ONE_PAGE, PAGE_SHIFT)
+    if FP8 >= 2:  # per-key descales, read one tile ahead: a load in the loop would stall every step
         first = blk_lo * BLOCK_N + offs_n
         if PAGED:
-            if PAGED == 2:
+            if PAGED >= 2:
                 first_page = page_ahead
             else:
-                first_page = tl.load(block_table_row + first // page_size, mask=first < seqlen_k, other=0)
-            first_page = tl.minimum(tl.maximum(first_page, 0), num_pages - 1).to(tl.int64)
-            first_at = first_page * stride_scale_page + (first % page_size) * stride_scale_n
+                first_page = tile_pages(block_table_row, blk_lo * BLOCK_N, offs_n, seqlen_k, page_size,
+                                        ONE_PAGE, PAGE_SHIFT)
+            first_at = tile_rows(first_page, blk_lo * BLOCK_N, offs_n, page_size, num_pages,
+                                 stride_scale_page, stride_scale_n, ONE_PAGE, PAGE_SHIFT)
         else:
             first_at = first * stride_scale_n
         k_scales_ahead = tl.load(k_descale + first_at, mask=first < seqlen_k, other=0.0)
@@ -165,22 +173,21 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         cols = blk * BLOCK_N + offs_n
         kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
         if PAGED:
-            if PAGED == 2:
+            if PAGED >= 2:
                 page = page_ahead
-                ahead = cols + BLOCK_N
-                page_ahead = tl.load(block_table_row + ahead // page_size, mask=ahead < seqlen_k,
-                                     other=0)
-            elif MASKED:
-                page = tl.load(block_table_row + cols // page_size, mask=cols < seqlen_k, other=0)
+                page_ahead = tile_pages(block_table_row, (blk + 1) * BLOCK_N, offs_n, seqlen_k,
+                                        page_size, ONE_PAGE, PAGE_SHIFT)
             else:
-                page = tl.load(block_table_row + cols // page_size)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)  # never out of the pool
-            slot = cols % page_size
-            k = load_tile(k_ptrs + (page * stride_kpage + slot * stride_kn)[:, None], blk, kv_ok,
-                          MASKED, BLOCK_N, D_MASK, UPCAST, False)
+                page = tile_pages(block_table_row, blk * BLOCK_N, offs_n, seqlen_k, page_size,
+                                  ONE_PAGE, PAGE_SHIFT)
+            k_rows = tile_rows(page, blk * BLOCK_N, offs_n, page_size, num_pages, stride_kpage,
+                               stride_kn, ONE_PAGE, PAGE_SHIFT)
+            v_rows = tile_rows(page, blk * BLOCK_N, offs_n, page_size, num_pages, stride_vpage,
+                               stride_vn, ONE_PAGE, PAGE_SHIFT)
+            k = load_tile(k_ptrs + k_rows[:, None], blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, False)
         else:
             k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, USE_TMA)
-        if FP8 == 2:
+        if FP8 >= 2:
             k_scales = k_scales_ahead
             v_scales = v_scales_ahead
             if not PAGED:  # paged caches find the next tile's pages first: at the end of the step
@@ -189,7 +196,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                 v_scales_ahead = tl.load(v_descale + nxt * stride_scale_n, mask=nxt < seqlen_k, other=0.0)
             k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k))
-        if FP8 == 2:
+        if FP8 >= 2:
             qk = qk * k_scales[None, :]
         tile_scale = 1.0
         if FP8 == 1:
@@ -219,8 +226,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if PAGED:
-            v = load_tile(v_ptrs + (page * stride_vpage + slot * stride_vn)[:, None], blk, kv_ok,
-                          MASKED, BLOCK_N, D_MASK, UPCAST, False)
+            v = load_tile(v_ptrs + v_rows[:, None], blk, kv_ok, MASKED, BLOCK_N, D_MASK, UPCAST, False)
         elif FP8 == 1 and USE_TMA:  # a (head dim, keys) tile of V^T, read as its (keys, head dim) view
             v = tl.trans(v_ptrs.load([0, blk * BLOCK_N]))
         else:
@@ -230,25 +236,29 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
             p = tl.where(keep, p, 0.0)
         if FP8 == 1:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
             p = p * v_scale
-        if FP8 == 2:
+        if FP8 >= 2:
             # V's descales scale P's columns, relative to the tile's largest so that P stays within
             # [0, 1] in a 16-bit type; the largest multiplies this tile's P V.
             v_max = tl.max(v_scales, 0)
             v_max = tl.where(v_max > 0, v_max, 1.0)
             p = p * (v_scales / v_max)[None, :]
-            v = v.to(q.dtype)
+            if FP8 == 3:  # fp16 math only (the decode kernel's Q_FP16)
+                v = widen_e4m3(v)
+            else:
+                v = v.to(q.dtype)
             acc += tl.dot(p.to(v.dtype), v) * v_max
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-        if FP8 == 2 and PAGED:
+        if FP8 >= 2 and PAGED:
             nxt = cols + BLOCK_N
-            if PAGED == 2:  # page_ahead, loaded at the top of this step, holds the next tile's pages
+            if PAGED >= 2:  # page_ahead, loaded at the top of this step, holds the next tile's pages
                 nxt_page = page_ahead
             else:
-                nxt_page = tl.load(block_table_row + nxt // page_size, mask=nxt < seqlen_k, other=0)
-            nxt_page = tl.minimum(tl.maximum(nxt_page, 0), num_pages - 1).to(tl.int64)
-            nxt_at = nxt_page * stride_scale_page + (nxt % page_size) * stride_scale_n
+                nxt_page = tile_pages(block_table_row, (blk + 1) * BLOCK_N, offs_n, seqlen_k,
+                                      page_size, ONE_PAGE, PAGE_SHIFT)
+            nxt_at = tile_rows(nxt_page, (blk + 1) * BLOCK_N, offs_n, page_size, num_pages,
+                               stride_scale_page, stride_scale_n, ONE_PAGE, PAGE_SHIFT)
             k_scales_ahead = tl.load(k_descale + nxt_at, mask=nxt < seqlen_k, other=0.0)
             v_scales_ahead = tl.load(v_descale + nxt_at, mask=nxt < seqlen_k, other=0.0)
         if not USE_TMA and not PAGED:

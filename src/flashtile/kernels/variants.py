@@ -117,8 +117,8 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
         elif name == "stride_vd" and not values.get("FP8"):
             signature[name] = "constexpr"  # 1: the JIT specializes it (V's head dim is contiguous)
             constexprs[name] = 1
-        elif name == "stride_vs" and values.get("FP8"):
-            signature[name] = "constexpr"  # 1: e4m3 V is stored with the keys contiguous
+        elif name == "stride_vs" and values.get("FP8") == 1:
+            signature[name] = "constexpr"  # 1: e4m3 V is stored with the keys contiguous (not a cache)
             constexprs[name] = 1
         elif name in ("QDescale", "KDescale", "VDescale"):
             if values.get("FP8"):
@@ -241,17 +241,21 @@ def compile_decode(variant: Variant, arch: int) -> list:
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
     decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "BLOCK_N": 64,
-              "BATCH_IDX": not variant.paged,
+              "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
-              "FP8": 2 if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16"}
+              "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16"}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     stages = 3 if variant.paged else 2
-    return [_compile(_attn_decode, {**decode, "SPLIT": True, "WRITE_LSE": True}, variant, arch, 4,
-                     stages, cache),
-            _compile(_attn_decode, {**decode, "SPLIT": False, "WRITE_LSE": variant.paged}, variant, arch,
-                     4, stages, cache),
+    # Paged: the split kernel with 16-key pages (a table entry per key), the unsplit one with
+    # 256-key pages (one entry per tile).
+    split_pages = {"PAGE_SHIFT": 4} if variant.paged else {}
+    whole_pages = {"PAGED": 3, "PAGE_SHIFT": 8} if variant.paged else {}
+    return [_compile(_attn_decode, {**decode, **split_pages, "SPLIT": True, "WRITE_LSE": True}, variant,
+                     arch, 4, stages, cache),
+            _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
+                     variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1)]
 
 
