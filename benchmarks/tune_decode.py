@@ -108,7 +108,8 @@ def main():
     points = [p for p in POINTS if p[4] or not args.paged_only]
     if args.points:
         points = [tuple(int(x) for x in item.split(",")) for item in args.points.split(";")]
-    split_counts = [0] + [int(x) for x in args.split_counts.split(",")] if args.split_counts else None
+    split_counts = (list(dict.fromkeys([0] + [int(x) for x in args.split_counts.split(",")]))
+                    if args.split_counts else None)
     if args.paged_only:
         points += [(16, 12, 2, 32768, 16), (1, 12, 2, 32768, 16), (16, 32, 8, 32768, 16)]
     kernel_configs = KERNEL_CONFIGS

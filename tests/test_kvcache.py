@@ -270,14 +270,16 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     assert decode.decode_config(False, dev, 128).max_splits == 128
 
 
-@pytest.mark.parametrize("block_n,paged,max_splits", [(64, False, 1), (128, False, 128), (32, True, 128),
-                                                      (64, True, 1)])
-def test_decode_with_the_gpu_key_steps(block_n, paged, max_splits):
+@pytest.mark.parametrize("block_n,page_size,max_splits", [
+    (64, 0, 1), (128, 0, 128), (32, 16, 128), (64, 16, 1), (128, 16, 128),
+    (128, 128, 1), (64, 256, 128)])  # pages >= the steps: one table entry per step
+def test_decode_with_the_gpu_key_steps(block_n, page_size, max_splits):
     # The interpreter's default plan takes 32-key steps; the H200 plans take these too.
     from flashtile.bench.decode import paginate
     from flashtile.kernels.decode import DecodeConfig, decode_attention
     q, k_cache, v_cache, lengths = cache_case(head_dim=128, capacity=200)
-    keys, values, table = (*paginate(k_cache, v_cache, 16),) if paged else (k_cache, v_cache, None)
+    keys, values, table = ((*paginate(k_cache, v_cache, page_size),) if page_size
+                           else (k_cache, v_cache, None))
     out, lse = decode_attention(q, keys, values, lengths, softmax_scale=128 ** -0.5, window_left=-1,
                                 window_right=0, block_table=table,
                                 config=DecodeConfig(block_n, 4, 4, max_splits=max_splits))
@@ -286,9 +288,11 @@ def test_decode_with_the_gpu_key_steps(block_n, paged, max_splits):
 
 def test_paged_plans(h200_plans):
     decode, dev = h200_plans
-    # Pairs under the SM count: 64-key steps; over it: 32-key steps, 4 stages (an e4m3 cache keeps
-    # the 128-key plan it was measured with).
-    assert decode.decode_config(True, dev, 128).block_n == 64
+    # Pairs under the SM count: 128-key steps, 2 stages (3 for an e4m3 cache); over it: 32-key steps,
+    # 4 stages (an e4m3 cache keeps the 128-key plan it was measured with).
+    under = decode.decode_config(True, dev, 128)
+    assert (under.block_n, under.num_stages) == (128, 2)
+    assert decode.decode_config(True, dev, 128, fp8_cache=True).num_stages == 3
     over = decode.decode_config(True, dev, 512)
     assert (over.block_n, over.num_stages) == (32, 4)
     assert decode.decode_config(True, dev, 512, fp8_cache=True).block_n == 128

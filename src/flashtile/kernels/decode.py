@@ -258,16 +258,17 @@ class DecodeConfig:
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
                   fp8_cache: bool = False) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
-    pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 64-key
-    steps and 3 stages (+23% at batch 16 with 12/2 heads); with more, 32-key steps and 4 stages
-    (+5% over 128-key steps at batch 64 with 32/8 heads, 16k, page 16:
-    tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads."""
+    pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 128-key
+    steps and 2 stages since pages of a power of two take shifts (+1-7% over 64-key steps and 3
+    stages at batch 1, 16 and 64, page 16: tune-paged-shift-h200-20261130.json; e4m3 caches keep 3
+    stages); with more, 32-key steps and 4 stages (+5% over 128-key steps at batch 64 with 32/8 heads,
+    16k, page 16: tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
-            return DecodeConfig(64, 4, 3, waves=2, min_split_keys=256)
+            return DecodeConfig(128, 4, 3 if fp8_cache else 2, waves=2, min_split_keys=256)
         if fp8_cache:  # (the e4m3 plan widens the steps to 128 keys; 32-key steps not measured there)
             return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
         return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256)
