@@ -129,15 +129,16 @@ def probe_fp8(point, _, device, ceiling):
     return {"point": point.__dict__, "layers": layers, "rows": rows}
 
 
-def probe_trigger(point, _, device, ceiling):
-    """The merge kernel letting the next kernel launch at its start or at its end (the default),
-    alternated twice."""
+def _alternate_merges(point, device, ceiling, variants):
+    """Time the default decode of ``point`` with each (name, merge kernel, merge option overrides)
+    in turn, the list twice over, restoring the shipped merge after."""
     layers, caches, nbytes, q, lengths = _setup(point, device)
-    original = dec._combine_options
+    original_kernel, original_options = dec._combine, dec._combine_options
     rows = []
     try:
-        for trigger in (True, False, True, False):
-            dec._combine_options = (lambda *a, t=trigger: dict(original(*a), LAUNCH_DEPENDENTS=t))
+        for name, kernel, override in variants * 2:
+            dec._combine = kernel
+            dec._combine_options = (lambda *a, o=override: dict(original_options(*a), **o))
             dec._PLANS.clear()
 
             def call(layer):
@@ -146,13 +147,32 @@ def probe_trigger(point, _, device, ceiling):
                                             window_right=0, need_lse=False)[0]
             us = time_layers(call, layers, device)
             gbps = nbytes / us / 1e3
-            rows.append({"launch_dependents": trigger, "us_per_layer": us, "gbps": gbps})
-            print(f"  merge triggers dependents={trigger}: {us:.2f} us {gbps:.0f} GB/s "
-                  f"{100 * gbps / ceiling:.1f}%", flush=True)
+            rows.append({"variant": name, "us_per_layer": us, "gbps": gbps})
+            print(f"  {name:32s} {us:7.2f} us {gbps:5.0f} GB/s {100 * gbps / ceiling:5.1f}%", flush=True)
     finally:
-        dec._combine_options = original
+        dec._combine, dec._combine_options = original_kernel, original_options
         dec._PLANS.clear()
     return {"point": point.__dict__, "layers": layers, "rows": rows}
+
+
+def probe_trigger(point, _, device, ceiling):
+    """The merge kernel letting the next kernel launch at its start or at its end (the default)."""
+    return _alternate_merges(point, device, ceiling, [
+        (f"merge triggers dependents={t}", dec._combine, {"LAUNCH_DEPENDENTS": t}) for t in (True, False)])
+
+
+def probe_combine(point, _, device, ceiling):
+    """The merge kernel as shipped, with each of --warps forced, and (with --baseline FILE, a module
+    defining ``_combine``, e.g. the kernel cut out of an older decode.py) that version with 4 warps."""
+    variants = [("shipped", dec._combine, {})] + [
+        (f"shipped, {w} warps", dec._combine, {"num_warps": w}) for w in WARPS]
+    if BASELINE is not None:
+        variants.append(("baseline, 4 warps", BASELINE._combine, {"num_warps": 4}))
+    return _alternate_merges(point, device, ceiling, variants)
+
+
+BASELINE = None
+WARPS = (4,)  # combine mode: warp counts to force on the shipped kernel
 
 
 def probe_paged(point, page_sizes, device, ceiling):
@@ -279,8 +299,20 @@ def probe_point(point, page, device, ceiling):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
-    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger"), default="where")
+    parser.add_argument("--mode", choices=("where", "paged", "fp8", "trigger", "combine"), default="where")
+    parser.add_argument("--baseline", default=None,
+                        help="combine mode: a file defining another _combine kernel to time against")
+    parser.add_argument("--warps", default=None, help="combine mode: warp counts to force, e.g. 1,2,4")
     args = parser.parse_args()
+    if args.baseline:
+        import importlib.util
+        global BASELINE
+        spec = importlib.util.spec_from_file_location("baseline_combine", args.baseline)
+        BASELINE = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(BASELINE)
+    if args.warps:
+        global WARPS
+        WARPS = tuple(int(w) for w in args.warps.split(","))
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
@@ -295,7 +327,10 @@ def main():
         points = [(16, 32, 8, 32768, 0), (1, 32, 8, 32768, 0), (16, 32, 8, 4096, 0), (64, 12, 2, 16384, 0)]
     else:
         points = [(16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0), (16, 12, 2, 32768, 0), (1, 32, 8, 4096, 0)]
-    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger}[args.mode]
+        if args.mode == "combine":
+            points += [(1, 32, 8, 32768, 0), (1, 12, 2, 32768, 0)]
+    probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger,
+             "combine": probe_combine}[args.mode]
     for (batch, heads, heads_k, context, page) in points:
         point = Point("probe", batch, heads, heads_k, context)
         print(f"B{batch} {heads}/{heads_k} ctx{context} page{page}", flush=True)

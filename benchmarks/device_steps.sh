@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
-# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, tune-paged-shift, tune-paged-ab, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, tune-paged-shift, tune-paged-ab, tune-paged-pdl, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, sanitize-gluon-pq, gluon-ab, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, decode-host, decode-probe(-paged, -fp8, -trigger, -combine(-warps)), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -41,6 +41,7 @@ command_for() {
         gluon-check-fp8-d256c) echo "python benchmarks/gluon_check.py --out $OUT --check-limit 280 --only d256-fp8-causal-n64-s2-ws-persistent-snake" ;;
         tune-paged-shift) echo "python benchmarks/tune_decode.py --out $OUT --workers 12 --points '1,32,8,16384,16;1,32,8,32768,16;1,32,8,32768,0;1,12,2,32768,16;1,12,2,32768,0;64,12,2,16384,16;64,12,2,16384,0;16,32,8,32768,16' --split-counts 0 --configs '32,4,4,0;32,4,4,1;64,4,3,0;64,4,3,1;64,4,4,0;128,4,2,0;128,4,3,0;32,4,6,0'" ;;
         tune-paged-ab) echo "python benchmarks/tune_decode.py --out $OUT --workers 4 --points '1,32,8,16384,16;1,32,8,32768,16;1,12,2,16384,16;1,12,2,32768,16;16,12,2,1024,16;16,12,2,4096,16;16,12,2,16384,16;64,12,2,16384,16' --split-counts 0 --configs '64,4,3,0;128,4,2,0;64,4,3,0;128,4,2,0'" ;;
+        tune-paged-pdl) echo "python benchmarks/tune_decode.py --out $OUT --workers 4 --points '1,32,8,4096,16;1,32,8,16384,16;1,32,8,32768,16;1,32,8,65536,16;1,12,2,16384,16;1,12,2,32768,16;16,12,2,1024,16;16,12,2,4096,16;16,32,8,4096,16' --split-counts 0 --configs '128,4,2,1;128,4,2,0;128,4,2,1'" ;;
         tune-paged-configs) echo "python benchmarks/tune_decode.py --out $OUT --workers 12 --points '1,32,8,16384,16;1,32,8,32768,16;1,32,8,32768,0;16,32,8,16384,16;16,32,8,32768,16;16,32,8,32768,0;64,32,8,16384,16;64,32,8,16384,0;16,12,2,32768,16;16,12,2,32768,0;1,12,2,32768,16;1,12,2,32768,0' --split-counts 1 --configs '32,4,4,1;32,4,4,0;64,4,3,1;64,4,4,1;64,4,4,0;128,4,3,0;128,4,2,0;128,4,2,1'" ;;
         prefill) echo "python -m flashtile bench prefill --out $OUT" ;;
         prefill-quick) echo "python -m flashtile bench prefill --quick --out $OUT" ;;
@@ -79,6 +80,8 @@ command_for() {
         decode-probe) echo "python benchmarks/decode_probe.py --out $OUT" ;;
         decode-probe-paged) echo "python benchmarks/decode_probe.py --mode paged --out $OUT" ;;
         decode-probe-fp8) echo "python benchmarks/decode_probe.py --mode fp8 --out $OUT" ;;
+        decode-probe-combine) echo "python benchmarks/decode_probe.py --mode combine ${BASELINE:+--baseline $BASELINE} --out $OUT" ;;
+        decode-probe-combine-warps) echo "python benchmarks/decode_probe.py --mode combine --warps 1,2,4 --out $OUT" ;;
         decode-probe-trigger) echo "python benchmarks/decode_probe.py --mode trigger --out $OUT" ;;
         *) return 1 ;;
     esac

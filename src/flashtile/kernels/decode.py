@@ -192,6 +192,11 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = s < num_splits
+    # The partial outputs first: they do not depend on the LSEs, and loaded after the LSE math (where
+    # the compiler put them) the merge is two memory round trips instead of one.
+    o = tl.load(OutPart + s[:, None].to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
+                + qi.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     lse = tl.load(LsePart + s.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
                   + head.to(tl.int64) * stride_lh + qi, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -199,9 +204,6 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
     w = tl.exp(lse - m_safe)  # each split's share of the softmax mass, unnormalized
     total = tl.sum(w, 0)
     w = w / tl.where(total > 0, total, 1.0)
-    o = tl.load(OutPart + s[:, None].to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
-                + qi.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh + d[None, :],
-                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(w[:, None] * o, 0)
     tl.store(Out + batch.to(tl.int64) * stride_rb + qi.to(tl.int64) * stride_rq
              + head.to(tl.int64) * stride_rh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
@@ -229,9 +231,15 @@ def _next_power_of_2(n: int) -> int:
 def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) -> dict:
     """The combine kernel's constexprs and launch options (one dict per value: ``launch`` keys
     options by identity; never mutated)."""
-    return dict(SPLITS_PAD=max(2, _next_power_of_2(splits)), HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=head_dim_padded(head_dim), EMPTY_LSE=empty_lse, PDL=pdl,
-                **({"launch_pdl": True} if pdl else {}))
+    splits_pad, head_dim_pad = max(2, _next_power_of_2(splits)), head_dim_padded(head_dim)
+    # As few warps as hold the partials in 128 floats a thread: the reductions over the splits then
+    # stay within a warp (shuffles) or cross few, and every load is issued before the first use
+    # (decode-probe-combine-warps-h200-20261130.json: 1 warp -10% per layer at B16 12/2 1k with 8
+    # splits, -4% at B1 32/8 4k with 32; 2 warps best with 64 splits, 4 with 128; 1 warp at 64
+    # splits spilled, +2%).
+    warps = max(1, min(4, splits_pad * head_dim_pad // 4096))
+    return dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                EMPTY_LSE=empty_lse, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
 
 
 def _launch_combine(out_partial, lse_partial, out, lse, options: dict) -> None:
