@@ -168,7 +168,7 @@ def main():
             cfg = None if kernel == "plan" else _cfg(kernel, split)
             if kernel == "plan":  # what decode_attention picks for this shape by itself
                 from flashtile.kernels import decode as dec
-                c = dec.decode_config(bool(page_size), dev, batch * heads_k)
+                c = dec.decode_config(bool(page_size), dev, batch * heads_k, capacity=context)
                 kernel = (c.block_n, c.num_warps, c.num_stages, c.pdl, c.page_prefetch)
                 split = (c.waves, c.min_split_keys)
             entry = {"block_n": kernel[0], "warps": kernel[1], "stages": kernel[2],

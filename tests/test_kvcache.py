@@ -265,13 +265,28 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
         assert (cfg.block_n, cfg.max_splits) == (32, 128)
     assert decode.decode_config(False, dev, 128, fp8_cache=True).max_splits == 128
     assert decode.planned_splits(16, 8, 32768, dev) == 1
-    assert decode.planned_splits(16, 2, 32768, dev) == 8
+    assert decode.planned_splits(16, 2, 4096, dev) == 8
     monkeypatch.setattr(decode, "_arch", lambda index: 80)  # measured on Hopper only
     assert decode.decode_config(False, dev, 128).max_splits == 128
 
 
+def test_long_caches_take_one_wave_of_splits(h200_plans):
+    # Pairs under half the SMs with at least 2048 keys per split: as many splits of 64-key steps as
+    # fill the SMs once (tune-decode-merged/-wave-h200-20261130.json); shorter caches, or an e4m3
+    # one, split as before.
+    decode, dev = h200_plans
+    for batch, heads_k, capacity, splits in ((1, 8, 32768, 16), (1, 8, 131072, 16), (4, 8, 16384, 4),
+                                             (16, 2, 65536, 4)):
+        cfg = decode.decode_config(False, dev, batch * heads_k, capacity=capacity)
+        assert (cfg.block_n, cfg.num_stages, cfg.waves) == (64, 4, 1)
+        assert decode.planned_splits(batch, heads_k, capacity, dev) == splits
+    assert decode.planned_splits(1, 8, 16384, dev) == 33
+    assert decode.planned_splits(1, 2, 131072, dev) == 128
+    assert decode.decode_config(False, dev, 8, fp8_cache=True, capacity=32768).waves == 2
+
+
 @pytest.mark.parametrize("block_n,page_size,max_splits", [
-    (64, 0, 1), (128, 0, 128), (32, 16, 128), (64, 16, 1), (128, 16, 128),
+    (64, 0, 1), (64, 0, 4), (128, 0, 128), (32, 16, 128), (64, 16, 1), (128, 16, 128),
     (128, 128, 1), (64, 256, 128)])  # pages >= the steps: one table entry per step
 def test_decode_with_the_gpu_key_steps(block_n, page_size, max_splits):
     # The interpreter's default plan takes 32-key steps; the H200 plans take these too.

@@ -264,13 +264,14 @@ class DecodeConfig:
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
-                  fp8_cache: bool = False) -> DecodeConfig:
+                  fp8_cache: bool = False, capacity: int = 0) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
     pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 128-key
     steps and 2 stages since pages of a power of two take shifts (+1-7% over 64-key steps and 3
     stages at batch 1, 16 and 64, page 16: tune-paged-shift-h200-20261130.json; e4m3 caches keep 3
     stages); with more, 32-key steps and 4 stages (+5% over 128-key steps at batch 64 with 32/8 heads,
-    16k, page 16: tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads."""
+    16k, page 16: tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads;
+    ``capacity``: the most keys a sequence can have (0: unknown)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
@@ -287,6 +288,12 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # (B16 32/8, B64 12/2) +10/+3/+1% at 1k/4k/16k (tune-decode-unsplit-h200-20261130.json).
         # Measured on the H200 only (its 128 KB of K/V stages would not fit some other GPUs).
         return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=1)
+    one_wave = sms // programs
+    if hopper and not fp8_cache and one_wave >= 2 and capacity >= 2048 * one_wave:
+        # Long caches: one wave of the same 64-key, 4-stage programs, as many splits per pair as
+        # fill the SMs once, each at least 2048 keys long: B1 32/8 (16 splits) +2.2/+2.6% at 32k/64k
+        # over 33 splits of 32-key steps (tune-decode-merged-h200-20261130.json).
+        return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=one_wave)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
@@ -339,7 +346,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
           one_launch, write_lse, page_size):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
-    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache)
+    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity)
     if one_launch:
         splits = 1
     else:
@@ -392,7 +399,8 @@ def _fp8_cache_mode(device: torch.device) -> int:
 def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,
                    paged: bool = False) -> int:
     """The split count the default plan gives a decode call of this shape (for reports)."""
-    return split_heuristic(batch, heads_k, capacity, device, decode_config(paged, device, batch * heads_k))
+    return split_heuristic(batch, heads_k, capacity, device,
+                           decode_config(paged, device, batch * heads_k, capacity=capacity))
 
 
 class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attention call, cheaply
