@@ -101,8 +101,8 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         v_src = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
                  + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
 
-    # An e4m3 cache (FP8 == 2, or 3 where V widens by PTX, sm_89+): descales (B_cache or pages, S_max or page_size, Hk), one per key and
-    # KV head, walked like the cache itself.
+    # An e4m3 cache (FP8 == 2, or 3 where V widens by PTX, sm_89+): descales (B_cache or pages,
+    # S_max or page_size, Hk), one per key and KV head, walked like the cache itself.
     k_descale = KDescale
     v_descale = VDescale
     if FP8 >= 2:
@@ -288,7 +288,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # (B16 32/8, B64 12/2) +10/+3/+1% at 1k/4k/16k (tune-decode-unsplit-h200-20261130.json).
         # Measured on the H200 only (its 128 KB of K/V stages would not fit some other GPUs).
         return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=1)
-    one_wave = sms // programs
+    one_wave = sms // max(programs, 1)
     if hopper and not fp8_cache and one_wave >= 2 and capacity >= 2048 * one_wave:
         # Long caches: one wave of the same 64-key, 4-stage programs, as many splits per pair as
         # fill the SMs once, each at least 2048 keys long: B1 32/8 (16 splits) +2.2/+2.6% at 32k/64k
@@ -393,7 +393,8 @@ def _fp8_cache_mode(device: torch.device) -> int:
     conversion, which it applies after gathering the 8-bit operand: one shared-memory load per byte)."""
     if interpreting() or device.type != "cuda":
         return 2
-    return 3 if _arch(device.index if device.index is not None else torch.cuda.current_device()) >= 89 else 2
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 3 if _arch(index) >= 89 else 2
 
 
 def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,

@@ -126,12 +126,13 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     (any page size: every key looks up its own page). PAGED == 2 loads the next tile's page numbers
     one iteration ahead, so the K/V loads never wait on the block table; PAGED == 3 does the same
     with one entry per tile, for pages of a power of two >= BLOCK_N keys. PAGE_SHIFT >= 0: pages hold
-    2**PAGE_SHIFT keys (shifts and masks instead of divisions by ``page_size``). FP8 == 1: K and V are e4m3 with
-    one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``, and V's relative to
-    its largest at ``v_descale`` (the largest multiplies the output at the end); both are read one
-    tile ahead. K's joins the score scale and V's scales P before its cast to e4m3, so no tile is
-    multiplied by a descale and P @ V accumulates in place. V is stored transposed (keys contiguous:
-    e4m3 wgmma reads its B operand K-major only); with USE_TMA ``v_ptrs`` is a descriptor over V^T.
+    2**PAGE_SHIFT keys (shifts and masks instead of divisions by ``page_size``). FP8 == 1: K and V
+    are e4m3 with one descale per SCALE_BLOCK_K keys (a multiple of BLOCK_N) at ``k_descale``, and
+    V's relative to its largest at ``v_descale`` (the largest multiplies the output at the end); both
+    are read one tile ahead. K's joins the score scale and V's scales P before its cast to e4m3, so
+    no tile is multiplied by a descale and P @ V accumulates in place. V is stored transposed (keys
+    contiguous: e4m3 wgmma reads its B operand K-major only); with USE_TMA ``v_ptrs`` is a descriptor
+    over V^T.
     FP8 == 2 (an e4m3 KV cache read by a bf16/fp16 query): one descale per key and KV head, at
     ``k_descale``/``v_descale`` + key * ``stride_scale_n`` (+ page * ``stride_scale_page`` when PAGED);
     K and V tiles widen to the query's dtype (the decode kernel hands over an fp16 query: e4m3 widens
@@ -242,7 +243,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
             v_max = tl.max(v_scales, 0)
             v_max = tl.where(v_max > 0, v_max, 1.0)
             p = p * (v_scales / v_max)[None, :]
-            if FP8 == 3:  # fp16 math only (the decode kernel's Q_FP16)
+            if FP8 == 3:  # fp16 math only (the decode kernel's fp16 or Q_FP16-scaled query)
+                tl.static_assert(q.dtype == tl.float16, "FP8 == 3 widens V to fp16 only")
                 v = widen_e4m3(v)
             else:
                 v = v.to(q.dtype)
