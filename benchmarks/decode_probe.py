@@ -92,12 +92,17 @@ def probe_fp8(point, _, device, ceiling):
     splits = dec.split_heuristic(point.batch, point.heads_k, point.context, device,
                                  dec.decode_config(False, device, point.batch * point.heads_k))
     # (name, config, e4m3 cache, split count multiplier, FP8 constexpr or None for the default)
-    variants = [("bf16 default", None, False, 1, None), ("e4m3 default", None, True, 1, None),
-                ("e4m3 default, Triton's cvt (FP8=2)", None, True, 1, 2)] + [
-        (f"e4m3 n{n} w{w} s{st}" + (f" x{m} splits" if m > 1 else ""),
-         dec.DecodeConfig(n, w, st, pdl=True), True, m, None)
-        for n, w, st, m in ((64, 4, 4, 1), (64, 8, 4, 1), (128, 4, 3, 1), (128, 8, 3, 1), (128, 4, 2, 1),
-                            (64, 4, 3, 1), (32, 4, 4, 1), (128, 4, 3, 2), (64, 4, 4, 2))]
+    configs = FP8_CONFIGS or [("e4m3", n, w, st, m) for n, w, st, m in (
+        (64, 4, 4, 1), (64, 8, 4, 1), (128, 4, 3, 1), (128, 8, 3, 1), (128, 4, 2, 1), (64, 4, 3, 1),
+        (32, 4, 4, 1), (128, 4, 3, 2), (64, 4, 4, 2))]
+    variants = [("bf16 default", None, False, 1, None), ("e4m3 default", None, True, 1, None)] + (
+        [] if FP8_CONFIGS else [("e4m3 default, Triton's cvt (FP8=2)", None, True, 1, 2)]) + [
+        (f"{kind} n{n} w{w} s{st}" + (f" x{m} splits" if m > 1 else " heuristic" if m == 0 else "")
+         + (f" {per_sm}/SM" if per_sm else "") + (f" min{min_keys}" if min_keys else ""),
+         dec.DecodeConfig(n, w, st, pdl=True, **(dict(waves=1, programs_per_sm=per_sm) if per_sm else {}),
+                          **(dict(min_split_keys=min_keys) if min_keys else {})),
+         kind == "e4m3", m, None)
+        for kind, n, w, st, m, per_sm, min_keys in ((*c, 0, 0)[:7] for c in configs)]
     original_mode = dec._fp8_cache_mode
     for name, cfg, fp8, mult, mode in variants:
         def call(layer, cfg=cfg, fp8=fp8, mult=mult):
@@ -173,6 +178,7 @@ def probe_combine(point, _, device, ceiling):
 
 BASELINE = None
 WARPS = (4,)  # combine mode: warp counts to force on the shipped kernel
+FP8_CONFIGS = None  # fp8 mode: (cache, block_n, warps, stages, split multiplier) to time
 
 
 def probe_paged(point, page_sizes, device, ceiling):
@@ -303,6 +309,12 @@ def main():
     parser.add_argument("--baseline", default=None,
                         help="combine mode: a file defining another _combine kernel to time against")
     parser.add_argument("--warps", default=None, help="combine mode: warp counts to force, e.g. 1,2,4")
+    parser.add_argument("--fp8-configs", default=None,
+                        help="fp8 mode: cache:block_n,warps,stages,split multiplier[,programs per SM[,min split keys]];"
+                             "... (cache e4m3 or bf16; multiplier 0: the split heuristic with this config, "
+                             "one wave of the programs per SM if given) instead of the built-in list")
+    parser.add_argument("--points", default=None,
+                        help="batch,heads,heads_k,context;... instead of the mode's points (contiguous)")
     args = parser.parse_args()
     if args.baseline:
         import importlib.util
@@ -313,6 +325,10 @@ def main():
     if args.warps:
         global WARPS
         WARPS = tuple(int(w) for w in args.warps.split(","))
+    if args.fp8_configs:
+        global FP8_CONFIGS
+        FP8_CONFIGS = [(item.split(":")[0], *(int(x) for x in item.split(":")[1].split(",")))
+                       for item in args.fp8_configs.split(";")]
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
@@ -329,6 +345,8 @@ def main():
         points = [(16, 12, 2, 1024, 0), (16, 12, 2, 4096, 0), (16, 12, 2, 32768, 0), (1, 32, 8, 4096, 0)]
         if args.mode == "combine":
             points += [(1, 32, 8, 32768, 0), (1, 12, 2, 32768, 0)]
+    if args.points:
+        points = [(*(int(x) for x in item.split(",")), 0) for item in args.points.split(";")]
     probe = {"where": probe_point, "paged": probe_paged, "fp8": probe_fp8, "trigger": probe_trigger,
              "combine": probe_combine}[args.mode]
     for (batch, heads, heads_k, context, page) in points:

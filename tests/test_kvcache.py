@@ -260,14 +260,17 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
         cfg = decode.decode_config(False, dev, pairs)
         assert (cfg.block_n, cfg.num_stages, cfg.max_splits) == (64, 4, 1)
         assert decode.split_heuristic(pairs, 1, 131072, dev, cfg) == 1
-    for pairs in (98, 133, 512):
+    for pairs in (98, 133, 512):  # 2-warp programs (decode-probe-bf16-w2-ab2-h200-20261130.log)
         cfg = decode.decode_config(False, dev, pairs)
-        assert (cfg.block_n, cfg.max_splits) == (32, 128)
+        assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_splits) == (32, 2, 3, 128)
     assert decode.decode_config(False, dev, 128, fp8_cache=True).max_splits == 128
     assert decode.planned_splits(16, 8, 32768, dev) == 1
     assert decode.planned_splits(16, 2, 4096, dev) == 8
+    assert decode.decode_config(False, dev, 512, head_dim=256).num_warps == 4  # 2 warps would spill
+    assert decode.decode_config(False, dev, 512, fp8_cache=True, head_dim=256).num_warps == 4
     monkeypatch.setattr(decode, "_arch", lambda index: 80)  # measured on Hopper only
     assert decode.decode_config(False, dev, 128).max_splits == 128
+    assert decode.decode_config(False, dev, 512).num_warps == 4
 
 
 def test_long_caches_take_one_wave_of_splits(h200_plans):
@@ -282,7 +285,20 @@ def test_long_caches_take_one_wave_of_splits(h200_plans):
         assert decode.planned_splits(batch, heads_k, capacity, dev) == splits
     assert decode.planned_splits(1, 8, 16384, dev) == 33
     assert decode.planned_splits(1, 2, 131072, dev) == 128
-    assert decode.decode_config(False, dev, 8, fp8_cache=True, capacity=32768).waves == 2
+    assert decode.decode_config(False, dev, 8, fp8_cache=True, capacity=32768).block_n == 64
+
+
+@pytest.mark.parametrize("batch,heads_k,splits", [(1, 8, 66), (16, 8, 4), (64, 2, 4), (64, 8, 2)])
+def test_e4m3_caches_take_a_wave_of_two_warp_programs(h200_plans, batch, heads_k, splits):
+    # Four 2-warp, 64-key programs per SM, one wave of them (decode-probe-fp8-warps-h200-20261130.json)
+    decode, dev = h200_plans
+    cfg = decode.decode_config(False, dev, batch * heads_k, fp8_cache=True, capacity=32768)
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm) == (64, 2, 3, 4)
+    assert decode.split_heuristic(batch, heads_k, 32768, dev, cfg) == splits
+    if batch == 1:  # short caches split down to one 64-key step per program
+        assert decode.split_heuristic(batch, heads_k, 1024, dev, cfg) == 16
+    paged = decode.decode_config(True, dev, batch * heads_k, fp8_cache=True, capacity=32768)
+    assert (paged.block_n, paged.num_warps) == (128, 4)  # pages keep the 4-warp plan
 
 
 @pytest.mark.parametrize("block_n,page_size,max_splits", [

@@ -254,46 +254,67 @@ class DecodeConfig:
     block_n: int  # keys per step
     num_warps: int
     num_stages: int
-    waves: int = 2  # the split heuristic aims at this many programs per SM
+    waves: int = 2  # the split heuristic aims at this many waves of programs over the SMs
     min_split_keys: int = 256  # ... and never splits below this many keys of the largest context
     # Programmatic dependent launch (sm_90+): the kernel may start while the previous one in the
     # stream finishes, and waits (griddepcontrol.wait) before touching memory.
     pdl: bool = False
     page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
     max_splits: int = 128
+    programs_per_sm: int = 1  # programs an SM runs at once: a wave is this many per SM
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
-                  fp8_cache: bool = False, capacity: int = 0) -> DecodeConfig:
+                  fp8_cache: bool = False, capacity: int = 0, head_dim: int = 128) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
     pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 128-key
     steps and 2 stages since pages of a power of two take shifts (+1-7% over 64-key steps and 3
     stages at batch 1, 16 and 64, page 16: tune-paged-shift-h200-20261130.json; e4m3 caches keep 3
     stages); with more, 32-key steps and 4 stages (+5% over 128-key steps at batch 64 with 32/8 heads,
     16k, page 16: tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads;
-    ``capacity``: the most keys a sequence can have (0: unknown)."""
+    ``capacity``: the most keys a sequence can have (0: unknown). The 2-warp plans are for head dims
+    up to 128 (measured at 128; at 192 and 256 their accumulators spill)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
             return DecodeConfig(128, 4, 3 if fp8_cache else 2, waves=2, min_split_keys=256)
-        if fp8_cache:  # (the e4m3 plan widens the steps to 128 keys; 32-key steps not measured there)
+        if fp8_cache:  # (32-key steps not measured with e4m3 pages)
             return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
         return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256)
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
-    if hopper and not fp8_cache and 4 * programs >= 3 * sms and programs <= sms:
+    two_warps = hopper and head_dim <= 128
+    if fp8_cache:
+        if two_warps:
+            # Two warps per program, 64-key steps, 3 stages (255 registers, 55 KB: four programs per
+            # SM), one wave of them: +7-8% over 4-warp 128-key programs at B16 32/8 4k/32k and B64
+            # 12/2 16k, +4% at B1 32/8 32k (decode-probe-fp8-warps/-plan-h200-20261130.json). Fewer
+            # warps share each tile's row max and sum, so fewer of the barriers that bound this
+            # kernel. Splits down to one step each: with 256 keys at least, short batch-1 caches ran
+            # on too few programs (B1 32/8 1k 0.63x of the 4-warp plan, decode-fp8-...-c.json).
+            return DecodeConfig(64, 2, 3, waves=1, min_split_keys=64, pdl=True, programs_per_sm=4)
+        # 128-key steps, 3 stages (decode-probe-fp8-h200-20261130.json: B16 32/8 32k 2941 GB/s of
+        # e4m3 against 2473 with 64 keys and 4 stages, 1474-1974 with 8 warps)
+        return DecodeConfig(128, 4, 3, waves=2, min_split_keys=128, pdl=True)
+    if hopper and 4 * programs >= 3 * sms and programs <= sms:
         # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
         # merge) with 64-key steps, 4 stages, one CTA per SM, rather than two splits: 128 pairs
         # (B16 32/8, B64 12/2) +10/+3/+1% at 1k/4k/16k (tune-decode-unsplit-h200-20261130.json).
         # Measured on the H200 only (its 128 KB of K/V stages would not fit some other GPUs).
         return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=1)
     one_wave = sms // max(programs, 1)
-    if hopper and not fp8_cache and one_wave >= 2 and capacity >= 2048 * one_wave:
+    if hopper and one_wave >= 2 and capacity >= 2048 * one_wave:
         # Long caches: one wave of the same 64-key, 4-stage programs, as many splits per pair as
         # fill the SMs once, each at least 2048 keys long: B1 32/8 (16 splits) +2.2/+2.6% at 32k/64k
         # over 33 splits of 32-key steps (tune-decode-merged-h200-20261130.json).
         return DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, max_splits=one_wave)
+    if two_warps:
+        # The rest: 2-warp programs of 32-key steps, 3 stages, as many as the 4-warp plan below
+        # splits into: -5..-13% per layer at B1 32/8 4k, B2 32/8 8k, B4 32/8 4k, B8 12/2 2k, B16 12/2
+        # 1k/4k, B1 12/2 32k, -1/-2% at B64 32/8 4k and B1 32/8 16k, +3% at B1 32/8 1k
+        # (decode-probe-bf16-w2-ab2-h200-20261130.log): fewer warps share each tile's row max and sum.
+        return DecodeConfig(32, 2, 3, waves=2, min_split_keys=128, pdl=True)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
@@ -302,11 +323,11 @@ def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.de
     """Splits from what the host knows without reading the lengths: enough programs to cover the SMs
     ``waves`` times, none shorter than ``min_split_keys`` keys of the largest possible context."""
     cfg = config or DecodeConfig(64, 4, 2)
-    sms = _sm_count(device)
+    slots = _sm_count(device) * cfg.programs_per_sm
     programs = max(1, batch * heads_k)
     # Once (batch, KV head) pairs alone fill half the SMs, one wave of splits was best on the H200.
-    waves = cfg.waves if 2 * programs < sms else 1
-    wanted = -(-waves * sms // programs)
+    waves = cfg.waves if 2 * programs < slots else 1
+    wanted = -(-waves * slots // programs)
     wanted = max(1, min(wanted, -(-max_context // cfg.min_split_keys), cfg.max_splits))
 
     # Balance: the step lasts as long as the busiest SM. 9 splits x 32 pairs = 288 programs put 3 on
@@ -314,7 +335,7 @@ def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.de
     # (tune-decode-h200-20261129-e.json). So take the split count at or a little below the target
     # whose programs fill their last wave best.
     def balance(splits: int) -> float:
-        per_sm = splits * programs / sms
+        per_sm = splits * programs / slots
         return per_sm / math.ceil(per_sm)
 
     lowest = max(1, math.ceil(0.7 * wanted))
@@ -346,7 +367,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
           one_launch, write_lse, page_size):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
-    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity)
+    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim)
     if one_launch:
         splits = 1
     else:
@@ -357,10 +378,6 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         device.index if device.index is not None else torch.cuda.current_device()) >= 90
     launch = {"launch_pdl": True} if pdl else {}
     block_n, num_stages = cfg.block_n, cfg.num_stages
-    if fp8_cache and config is None and not interpreting():
-        # e4m3 tiles: 128 keys, 3 stages (decode-probe-fp8-h200-20261130.json: B16 32/8 32k 2941 GB/s
-        # of e4m3 against 2473 with 64 keys and 4 stages, 1474-1974 with 8 warps)
-        block_n, num_stages = 128, min(num_stages, 3)
     paged_mode, page_shift = 0, -1
     if paged:
         paged_mode = 2 if cfg.page_prefetch else 1

@@ -248,12 +248,19 @@ def compile_decode(variant: Variant, arch: int) -> list:
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
     stages = 3 if variant.paged else 2
+    # Hopper plans of contiguous caches run 2-warp split programs up to head dim 128: 64-key steps on
+    # e4m3 caches, 32-key steps on 16-bit ones, 3 stages.
+    split_tiles = {}
+    warps, split_stages = 4, stages
+    if arch == 90 and not variant.paged and variant.head_dim <= 128:
+        warps, split_stages = 2, 3
+        split_tiles = {} if variant.fp8_cache else {"BLOCK_N": 32}
     # Paged: the split kernel with 16-key pages (a table entry per key), the unsplit one with
     # 256-key pages (one entry per tile).
     split_pages = {"PAGE_SHIFT": 4} if variant.paged else {}
     whole_pages = {"PAGED": 3, "PAGE_SHIFT": 8} if variant.paged else {}
-    return [_compile(_attn_decode, {**decode, **split_pages, "SPLIT": True, "WRITE_LSE": True}, variant,
-                     arch, 4, stages, cache),
+    return [_compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True, "WRITE_LSE": True},
+                     variant, arch, warps, split_stages, cache),
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1)]
