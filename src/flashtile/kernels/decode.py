@@ -23,120 +23,9 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import key_blocks, load_tile, tanh, tile_pages, tile_rows, visible, widen_e4m3
+from .common import key_blocks
 from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting
 from .launch import launch
-
-
-@triton.jit
-def _e4m3_mma_inner(acc_t, l_i, m_i, q_hi_t, q_mid_t, k_ptrs, v_ptrs, stride_kn, stride_vn,
-                    rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k, window_left, window_right,
-                    qk_scale, softcap_in, alibi_slope, block_table_row, page_size, num_pages,
-                    stride_kpage, stride_vpage, k_descale, v_descale, stride_scale_n, stride_scale_page,
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PAGED: tl.constexpr,
-                    PAGE_SHIFT: tl.constexpr, PTX_WIDEN: tl.constexpr):
-    """The e4m3-cache loop of FP8 == 4 over key blocks [blk_lo, blk_hi), with every tile transposed:
-    S^T = K Q^T straight from the e4m3 K tile (e4m3 MMAs: wgmma on Hopper, K read from shared memory
-    as it arrived, no conversion), the query as two e4m3 terms (``q_hi_t`` + ``q_mid_t``, (head dim,
-    rows)), the softmax down the keys (axis 0), and O^T (head dim, rows) += V^T P^T in fp16 with V
-    widened where it is loaded. ``m_i``/``l_i`` are per row, as in ``_attn_fwd_inner``; the descales,
-    pages and masks are FP8 == 2's (one descale per key and KV head, read one tile ahead).
-
-    Why not ``_attn_fwd_inner``: with the query's rows as the MMA's M, Triton widens every K tile to
-    fp16 and reloads the query's fragments from shared memory each tile (~740 instructions per warp
-    per 64-key tile on sm_90); with the keys as M the scores take one e4m3 MMA per 32 head dims and
-    term, and the query stays in shared memory as the MMA's B operand."""
-    if not PAGED:
-        start = blk_lo * BLOCK_N
-        k_ptrs += start.to(tl.int64) * stride_kn
-        v_ptrs += start.to(tl.int64) * stride_vn
-    D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
-    ONE_PAGE: tl.constexpr = PAGED == 3
-    first = blk_lo * BLOCK_N + offs_n
-    if PAGED:
-        page_ahead = tile_pages(block_table_row, blk_lo * BLOCK_N, offs_n, seqlen_k, page_size,
-                                ONE_PAGE, PAGE_SHIFT)
-        first_at = tile_rows(page_ahead, blk_lo * BLOCK_N, offs_n, page_size, num_pages,
-                             stride_scale_page, stride_scale_n, ONE_PAGE, PAGE_SHIFT)
-    else:
-        first_at = first * stride_scale_n
-    k_scales_ahead = tl.load(k_descale + first_at, mask=first < seqlen_k, other=0.0)
-    v_scales_ahead = tl.load(v_descale + first_at, mask=first < seqlen_k, other=0.0)
-    for blk in range(blk_lo, blk_hi):
-        cols = blk * BLOCK_N + offs_n
-        kv_ok = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-        if PAGED:
-            page = page_ahead
-            page_ahead = tile_pages(block_table_row, (blk + 1) * BLOCK_N, offs_n, seqlen_k, page_size,
-                                    ONE_PAGE, PAGE_SHIFT)
-            k_rows = tile_rows(page, blk * BLOCK_N, offs_n, page_size, num_pages, stride_kpage,
-                               stride_kn, ONE_PAGE, PAGE_SHIFT)
-            v_rows = tile_rows(page, blk * BLOCK_N, offs_n, page_size, num_pages, stride_vpage,
-                               stride_vn, ONE_PAGE, PAGE_SHIFT)
-            k = load_tile(k_ptrs + k_rows[:, None], blk, kv_ok, MASKED, BLOCK_N, D_MASK, False, False)
-        else:
-            k = load_tile(k_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, False, False)
-        k_scales = k_scales_ahead
-        v_scales = v_scales_ahead
-        nxt = cols + BLOCK_N
-        if PAGED:
-            nxt_at = tile_rows(page_ahead, (blk + 1) * BLOCK_N, offs_n, page_size, num_pages,
-                               stride_scale_page, stride_scale_n, ONE_PAGE, PAGE_SHIFT)
-        else:
-            nxt_at = nxt * stride_scale_n
-        k_scales_ahead = tl.load(k_descale + nxt_at, mask=nxt < seqlen_k, other=0.0)
-        v_scales_ahead = tl.load(v_descale + nxt_at, mask=nxt < seqlen_k, other=0.0)
-        st = (tl.dot(k, q_hi_t) + tl.dot(k, q_mid_t)) * k_scales[:, None]  # (keys, rows)
-        if SOFTCAP:
-            s = tanh(st * softcap_in) * qk_scale
-            s_scale = 1.0
-        else:
-            s = st
-            s_scale = qk_scale
-        if ALIBI:
-            s = s * s_scale - alibi_slope[None, :] * tl.abs(rows_pos[None, :] - cols[:, None]).to(tl.float32)
-            s_scale = 1.0
-        if MASKED:
-            keep = visible(rows_pos[None, :], cols[:, None], seqlen_k, window_left, window_right,
-                           HAS_LEFT, HAS_RIGHT)
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0) * s_scale)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * s_scale - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc_t = acc_t * alpha[None, :]
-        if PAGED:
-            v = load_tile(v_ptrs + v_rows[:, None], blk, kv_ok, MASKED, BLOCK_N, D_MASK, False, False)
-        else:
-            v = load_tile(v_ptrs, blk, kv_ok, MASKED, BLOCK_N, D_MASK, False, False)
-        # V's descales scale P's rows (keys) relative to the tile's largest, which scales the product.
-        v_max = tl.max(v_scales, 0)
-        v_max = tl.where(v_max > 0, v_max, 1.0)
-        p = p * (v_scales / v_max)[:, None]
-        if PTX_WIDEN:
-            v = widen_e4m3(v)
-        else:
-            v = v.to(tl.float16)
-        acc_t += tl.dot(tl.trans(v), p.to(tl.float16)) * v_max
-        m_i = m_new
-        if not PAGED:
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
-    return acc_t, l_i, m_i
-
-
-@triton.jit
-def e4m3_terms(q32):
-    """q (fp32, exactly a bf16/fp16 tile) as hi + mid, both exactly e4m3: hi rounds q to e4m3's 4
-    significant bits (to nearest even, on the bits: the interpreter's own fp32 -> e4m3 cast is wrong
-    when rounding carries into the exponent), mid = q - hi holds the next 4, all a bf16 mantissa has.
-    Exact while |mid| stays in e4m3's normal range (>= 2^-6); q is scaled first so that its largest
-    entry sits in [128, 256)."""
-    bits = q32.to(tl.int32, bitcast=True)
-    hi = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    return hi.to(tl.float8e4nv), (q32 - hi).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -155,7 +44,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
-                 PAGE_SHIFT: tl.constexpr = -1, PTX_WIDEN: tl.constexpr = False):
+                 PAGE_SHIFT: tl.constexpr = -1):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -183,21 +72,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                 + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :], mask=q_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    if FP8 == 4:
-        # The query as two e4m3 terms (``e4m3_terms``) for e4m3 score MMAs, after a power of two
-        # brings max|q| into [128, 256); the score scale takes it back.
-        q32 = q.to(tl.float32)
-        amax_bits = tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True)
-        shift = tl.minimum(tl.maximum(7 - ((amax_bits >> 23) - 127), -120), 120)
-        q_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        q_hi, q_mid = e4m3_terms(q32 * q_scale)
-        q_hi_t = tl.trans(q_hi)
-        q_mid_t = tl.trans(q_mid)
-        if SOFTCAP:
-            softcap_in = softcap_in / q_scale
-        else:
-            qk_scale = qk_scale / q_scale
-    elif Q_FP16:
+    if Q_FP16:
         # An e4m3 cache with a bf16 query: the math runs in fp16, which e4m3 widens to in one
         # instruction per pair. A power of two brings max|q| into [64, 128), where fp16 holds every
         # bf16 mantissa exactly (entries over 2^20 times smaller than the largest may round, far below
@@ -254,47 +129,25 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
-    if FP8 == 4:
-        acc_t = tl.zeros([HEAD_DIM_PAD, ROWS], dtype=tl.float32)
-        acc_t, l_i, m_i = _e4m3_mma_inner(
-            acc_t, l_i, m_i, q_hi_t, q_mid_t, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n,
-            offs_d, s_lo, full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            alibi_slope, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-            v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_SHIFT, PTX_WIDEN)
-        acc_t, l_i, m_i = _e4m3_mma_inner(
-            acc_t, l_i, m_i, q_hi_t, q_mid_t, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n,
-            offs_d, full_lo, full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            alibi_slope, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-            v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_SHIFT, PTX_WIDEN)
-        acc_t, l_i, m_i = _e4m3_mma_inner(
-            acc_t, l_i, m_i, q_hi_t, q_mid_t, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n,
-            offs_d, full_hi, s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
-            alibi_slope, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-            v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_SHIFT, PTX_WIDEN)
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
-            full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-            0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-            v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
-            full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-            0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-            v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
-            s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-            0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-            v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
+        full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
+        full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
+        s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -525,7 +378,6 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         device.index if device.index is not None else torch.cuda.current_device()) >= 90
     launch = {"launch_pdl": True} if pdl else {}
     block_n, num_stages = cfg.block_n, cfg.num_stages
-    fp8_mode = _fp8_cache_mode(device, head_dim) if fp8_cache else 0
     paged_mode, page_shift = 0, -1
     if paged:
         paged_mode = 2 if cfg.page_prefetch else 1
@@ -539,8 +391,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
-        FP8=fp8_mode, WRITE_LSE=write_lse or splits > 1,
-        Q_FP16=fp8_cache and dtype == torch.bfloat16, PTX_WIDEN=fp8_mode == 4 and not interpreting(),
+        FP8=_fp8_cache_mode(device) if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
+        Q_FP16=fp8_cache and dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.
@@ -552,11 +404,10 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
 _OPTIONS: dict = {}
 
 
-def _fp8_cache_mode(device: torch.device, head_dim: int = 128) -> int:
+def _fp8_cache_mode(device: torch.device) -> int:
     """The FP8 constexpr of an e4m3 cache: 3 (V widened by ``cvt.rn.f16x2.e4m3x2`` where it is
     loaded, then moved to its operand layout as fp16) on GPUs with e4m3 conversions, else 2 (Triton's
-    conversion, which it applies after gathering the 8-bit operand: one shared-memory load per byte).
-    4 (``_e4m3_mma_inner``: e4m3 score MMAs on transposed tiles) is chosen by tests and probes."""
+    conversion, which it applies after gathering the 8-bit operand: one shared-memory load per byte)."""
     if interpreting() or device.type != "cuda":
         return 2
     index = device.index if device.index is not None else torch.cuda.current_device()
