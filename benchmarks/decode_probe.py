@@ -74,6 +74,18 @@ def time_layers(call, layers, device):
     return ms * 1e3 / layers
 
 
+def _fp8_error_ratio(out, q, k8, v8, k_descale, v_descale):
+    """Sequence 0's error against float64 attention of its dequantized cache, over the budget (2x
+    the error of the same attention in bf16)."""
+    from flashtile.reference import attention
+    k = (k8[:1].double() * k_descale[:1, ..., None].double())
+    v = (v8[:1].double() * v_descale[:1, ..., None].double())
+    ref, _ = attention(q[:1].double(), k, v, causal=True)
+    low, _ = attention(q[:1], k.to(torch.bfloat16), v.to(torch.bfloat16), causal=True)
+    err = (out[:1].double() - ref).abs().max().item()
+    return err / max(2 * (low.double() - ref).abs().max().item(), 1e-9)
+
+
 def probe_fp8(point, _, device, ceiling):
     """An e4m3 cache with per-key descales (bf16 query): tile configs against the bf16 cache, GB/s
     counting the bytes each reads."""
@@ -101,7 +113,7 @@ def probe_fp8(point, _, device, ceiling):
          + (f" {per_sm}/SM" if per_sm else "") + (f" min{min_keys}" if min_keys else ""),
          dec.DecodeConfig(n, w, st, pdl=True, **(dict(waves=1, programs_per_sm=per_sm) if per_sm else {}),
                           **(dict(min_split_keys=min_keys) if min_keys else {})),
-         kind == "e4m3", m, None)
+         kind.startswith("e4m3"), m, int(kind.split("@")[1]) if "@" in kind else None)
         for kind, n, w, st, m, per_sm, min_keys in ((*c, 0, 0)[:7] for c in configs)]
     original_mode = dec._fp8_cache_mode
     for name, cfg, fp8, mult, mode in variants:
@@ -118,9 +130,11 @@ def probe_fp8(point, _, device, ceiling):
                                         need_lse=False, **extra)[0]
         dec._PLANS.clear()
         if mode is not None:
-            dec._fp8_cache_mode = lambda device, mode=mode: mode
+            dec._fp8_cache_mode = lambda device, head_dim=128, mode=mode: mode
         try:
             us = time_layers(call, layers, device)
+            ratio = _fp8_error_ratio(call(0), q, fp8_k[0].view(shape), fp8_v[0].view(shape), k_descale[0],
+                                     v_descale[0]) if fp8 else None
         except Exception as exc:
             print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
@@ -129,8 +143,10 @@ def probe_fp8(point, _, device, ceiling):
             dec._PLANS.clear()
         nbytes = bf16_bytes // 2 if fp8 else bf16_bytes
         gbps = nbytes / us / 1e3
-        rows.append({"variant": name, "us_per_layer": us, "gbps": gbps, "pct": 100 * gbps / ceiling})
-        print(f"  {name:28s} {us:8.1f} us {gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}%", flush=True)
+        rows.append({"variant": name, "us_per_layer": us, "gbps": gbps, "pct": 100 * gbps / ceiling,
+                     "err_over_budget": ratio})
+        check = "" if ratio is None else f"  err/budget {ratio:.2f}" + (" FAIL" if not ratio <= 1 else "")
+        print(f"  {name:28s} {us:8.1f} us {gbps:6.0f} GB/s {100 * gbps / ceiling:5.1f}%{check}", flush=True)
     return {"point": point.__dict__, "layers": layers, "rows": rows}
 
 
@@ -311,8 +327,9 @@ def main():
     parser.add_argument("--warps", default=None, help="combine mode: warp counts to force, e.g. 1,2,4")
     parser.add_argument("--fp8-configs", default=None,
                         help="fp8 mode: cache:block_n,warps,stages,split multiplier[,programs per SM[,min split keys]];"
-                             "... (cache e4m3 or bf16; multiplier 0: the split heuristic with this config, "
-                             "one wave of the programs per SM if given) instead of the built-in list")
+                             "... (cache e4m3, e4m3@MODE for an FP8 constexpr, or bf16; multiplier 0: the split "
+                             "heuristic with this config, one wave of the programs per SM if given) instead "
+                             "of the built-in list")
     parser.add_argument("--points", default=None,
                         help="batch,heads,heads_k,context;... instead of the mode's points (contiguous)")
     args = parser.parse_args()
