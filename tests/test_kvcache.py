@@ -288,7 +288,7 @@ def test_long_caches_take_one_wave_of_splits(h200_plans):
     assert decode.decode_config(False, dev, 8, fp8_cache=True, capacity=32768).block_n == 64
 
 
-@pytest.mark.parametrize("batch,heads_k,splits", [(1, 8, 66), (16, 8, 4), (64, 2, 4), (64, 8, 2)])
+@pytest.mark.parametrize("batch,heads_k,splits", [(1, 8, 66), (16, 8, 4), (64, 2, 4), (32, 8, 2), (64, 8, 2)])
 def test_e4m3_caches_take_a_wave_of_two_warp_programs(h200_plans, batch, heads_k, splits):
     # Four 2-warp, 64-key programs per SM, one wave of them (decode-probe-fp8-warps-h200-20261130.json)
     decode, dev = h200_plans
