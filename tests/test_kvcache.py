@@ -288,6 +288,18 @@ def test_long_caches_take_one_wave_of_splits(h200_plans):
     assert decode.decode_config(False, dev, 8, fp8_cache=True, capacity=32768).block_n == 64
 
 
+@pytest.mark.parametrize("pairs,capacity,splits", [
+    (80, 4096, 4), (96, 16384, 3), (160, 4096, 2), (192, 16384, 2), (263, 16384, 2), (264, 16384, 1),
+    (512, 131072, 1), (96, 256, 2)])  # at most capacity / 128 splits
+def test_many_pairs_split_to_two_to_four_resident_programs_per_sm(h200_plans, pairs, capacity, splits):
+    # 2-warp programs with pairs filling half the SMs or more: at least 264 programs, at most 528
+    # (decode-probe-mid-pairs/-mid-plan-h200-20261130.log)
+    decode, dev = h200_plans
+    cfg = decode.decode_config(False, dev, pairs, capacity=capacity)
+    assert (cfg.num_warps, cfg.resident_per_sm) == (2, 4)
+    assert decode.split_heuristic(pairs, 1, capacity, dev, cfg) == splits
+
+
 @pytest.mark.parametrize("batch,heads_k,splits", [(1, 8, 66), (16, 8, 4), (64, 2, 4), (32, 8, 2), (64, 8, 2)])
 def test_e4m3_caches_take_a_wave_of_two_warp_programs(h200_plans, batch, heads_k, splits):
     # Four 2-warp, 64-key programs per SM, one wave of them (decode-probe-fp8-warps-h200-20261130.json)

@@ -262,6 +262,9 @@ class DecodeConfig:
     page_prefetch: bool = True  # paged caches: load the next tile's page numbers one step ahead
     max_splits: int = 128
     programs_per_sm: int = 1  # programs an SM runs at once: a wave is this many per SM
+    # > 0: with (sequence, KV head) pairs filling half the SMs or more, split to at least ``waves``
+    # programs per SM but to no more than this many, all resident at once, without wave balancing.
+    resident_per_sm: int = 0
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
@@ -314,7 +317,12 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # splits into: -5..-13% per layer at B1 32/8 4k, B2 32/8 8k, B4 32/8 4k, B8 12/2 2k, B16 12/2
         # 1k/4k, B1 12/2 32k, -1/-2% at B64 32/8 4k and B1 32/8 16k, +3% at B1 32/8 1k
         # (decode-probe-bf16-w2-ab2-h200-20261130.log): fewer warps share each tile's row max and sum.
-        return DecodeConfig(32, 2, 3, waves=2, min_split_keys=128, pdl=True)
+        # With pairs filling half the SMs or more, at least 2 and at most 4 programs per SM (four fit
+        # at once): one split per pair had left 160-192 pairs at 73-86% of the read ceiling, two
+        # reach 100-103% (decode-probe-mid-pairs-h200-20261130.log); against the split counts before,
+        # -7% per layer at 96 pairs, 16k, -15/-16% at 80 pairs, 4k, -16/-25% at 192/160 pairs
+        # (decode-probe-mid-plan-h200-20261130.log).
+        return DecodeConfig(32, 2, 3, waves=2, min_split_keys=128, pdl=True, resident_per_sm=4)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
@@ -325,10 +333,17 @@ def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.de
     cfg = config or DecodeConfig(64, 4, 2)
     slots = _sm_count(device) * cfg.programs_per_sm
     programs = max(1, batch * heads_k)
+    longest = -(-max_context // cfg.min_split_keys)
+    if cfg.resident_per_sm and 2 * programs >= slots:
+        # Enough programs for the memory system (per-program rate is bound by its own pipeline), all
+        # resident at once: 576 2-warp programs (4.4 per SM, a second round) ran 20-25% slower than 384.
+        fill = -(-cfg.waves * slots // programs)
+        most = max(1, cfg.resident_per_sm * slots // programs)
+        return max(1, min(fill, most, longest, cfg.max_splits))
     # Once (batch, KV head) pairs alone fill half the SMs, one wave of splits was best on the H200.
     waves = cfg.waves if 2 * programs < slots else 1
     wanted = -(-waves * slots // programs)
-    wanted = max(1, min(wanted, -(-max_context // cfg.min_split_keys), cfg.max_splits))
+    wanted = max(1, min(wanted, longest, cfg.max_splits))
 
     # Balance: the step lasts as long as the busiest SM. 9 splits x 32 pairs = 288 programs put 3 on
     # 24 SMs and 2 on the rest; 8 splits (256 programs) ran 11% faster at batch 16, 12/2 heads, 32k
