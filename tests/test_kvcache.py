@@ -300,6 +300,18 @@ def test_many_pairs_split_to_two_to_four_resident_programs_per_sm(h200_plans, pa
     assert decode.split_heuristic(pairs, 1, capacity, dev, cfg) == splits
 
 
+@pytest.mark.parametrize("pairs,splits", [(132, 2), (160, 2), (192, 2), (198, 2), (199, 1), (512, 1)])
+def test_paged_many_pairs_split_to_three_resident_programs_per_sm(h200_plans, pairs, splits):
+    # 32-key paged programs for pairs >= SMs: 2 splits while 3 per SM hold them all
+    # (tune-paged-mid-h200-20261130.json); fewer pairs keep the 128-key plan's counts.
+    decode, dev = h200_plans
+    cfg = decode.decode_config(True, dev, pairs, capacity=16384)
+    assert (cfg.block_n, cfg.num_warps, cfg.resident_per_sm) == (32, 4, 3)
+    assert decode.split_heuristic(pairs, 1, 16384, dev, cfg) == splits
+    under = decode.decode_config(True, dev, 96, capacity=16384)
+    assert under.resident_per_sm == 0 and decode.split_heuristic(96, 1, 16384, dev, under) == 2
+
+
 @pytest.mark.parametrize("batch,heads_k,splits", [(1, 8, 66), (16, 8, 4), (64, 2, 4), (32, 8, 2), (64, 8, 2)])
 def test_e4m3_caches_take_a_wave_of_two_warp_programs(h200_plans, batch, heads_k, splits):
     # Four 2-warp, 64-key programs per SM, one wave of them (decode-probe-fp8-warps-h200-20261130.json)

@@ -285,7 +285,10 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
             return DecodeConfig(128, 4, 3 if fp8_cache else 2, waves=2, min_split_keys=256)
         if fp8_cache:  # (32-key steps not measured with e4m3 pages)
             return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
-        return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256)
+        # Three of these programs fit on an SM at once: 2 splits for 132-198 pairs, where one had
+        # run at 57-70% of the read ceiling (B24 32/8 16k 2954 -> 4148 GB/s, B20 32/8 4k 2407 ->
+        # 3590: tune-paged-mid-h200-20261130.json); 1 from 199 pairs (unmeasured above 192).
+        return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256, resident_per_sm=3)
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
     two_warps = hopper and head_dim <= 128
     if fp8_cache:
