@@ -194,7 +194,8 @@ def probe_combine(point, _, device, ceiling):
 
 BASELINE = None
 WARPS = (4,)  # combine mode: warp counts to force on the shipped kernel
-FP8_CONFIGS = None  # fp8 mode: (cache, block_n, warps, stages, split multiplier) to time
+# fp8 mode: (cache, block_n, warps, stages, split multiplier[, programs per SM[, min split keys]])
+FP8_CONFIGS = None
 
 
 def probe_paged(point, page_sizes, device, ceiling):
@@ -327,7 +328,7 @@ def main():
     parser.add_argument("--warps", default=None, help="combine mode: warp counts to force, e.g. 1,2,4")
     parser.add_argument("--fp8-configs", default=None,
                         help="fp8 mode: cache:block_n,warps,stages,split multiplier[,programs per SM[,min split keys]];"
-                             "... (cache e4m3, e4m3@MODE for an FP8 constexpr, or bf16; multiplier 0: the split "
+                             "... (cache e4m3, e4m3@2 or e4m3@3 for that FP8 constexpr, or bf16; multiplier 0: the split "
                              "heuristic with this config, one wave of the programs per SM if given) instead "
                              "of the built-in list")
     parser.add_argument("--points", default=None,
@@ -346,6 +347,9 @@ def main():
         global FP8_CONFIGS
         FP8_CONFIGS = [(item.split(":")[0], *(int(x) for x in item.split(":")[1].split(",")))
                        for item in args.fp8_configs.split(";")]
+        for kind, *_ in FP8_CONFIGS:  # the kernel knows FP8 modes 2 and 3; others would run as 2
+            if kind not in ("bf16", "e4m3", "e4m3@2", "e4m3@3"):
+                parser.error(f"--fp8-configs: unknown cache {kind!r} (bf16, e4m3, e4m3@2, e4m3@3)")
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
