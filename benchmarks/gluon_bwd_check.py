@@ -1,9 +1,10 @@
-"""Check and time the Gluon dK/dV kernel of the backward (flashtile.kernels.gluon_backward) on an H200.
+"""Check and time the Gluon backward kernels (flashtile.kernels.gluon_backward) on an H200: the dK/dV
+kernel and, at head dim 128, the one that adds dQ too (``fused_dq``, TMA reductions).
 
     PYTHONPATH=src python benchmarks/gluon_bwd_check.py --out $OUT [--phase check|bench|both]
 
-check: every variant's dK and dV, and the whole backward as attention_backward dispatches it (dQ,
-dK, dV), against float64 textbook attention with the project's gradient rule: max error <= 3x
+check: every variant's dK and dV (and dQ for fused_dq variants), and the whole backward as
+attention_backward dispatches it (dQ, dK, dV; deterministic and not), against float64 textbook attention with the project's gradient rule: max error <= 3x
 textbook attention's error in bf16. Outputs NaN-filled before each call. Cases: d64/d128, causal
 and full, Sq != Sk both ways (causal rows that see no key included), odd lengths, GQA and MQA,
 batch > 1.
@@ -44,13 +45,16 @@ CASES = [  # (B, Sq, Sk, H, Hk, D, causal)
 ]
 
 
-def variants_for(d: int, causal: bool):
+def variants_for(d: int, causal: bool, every: bool = True):
     base = gb.default_variant(d, "bf16", causal)
+    fused = [gb.default_variant(d, "bf16", causal, True)] if d == 128 else []
+    if not every:
+        return [base] + fused
     changes = [dict(overlap=not base.overlap), dict(block_m=32, stages=4, overlap=True)]
     changes.append(dict(block_m=64, stages=3 if base.stages == 2 else 2, overlap=True))
     if d == 128:
         changes.append(dict(block_m=32, stages=3, overlap=True))
-    return [base] + [dataclasses.replace(base, **c) for c in changes]
+    return [base] + [dataclasses.replace(base, **c) for c in changes] + fused
 
 
 def _inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
@@ -91,28 +95,36 @@ def check(results: list, small: bool = False) -> bool:
         for variant in variants_for(d, causal):
             dk = torch.full_like(k, math.nan)
             dv = torch.full_like(v, math.nan)
+            # zeros: the reductions add into it; rows no key block reaches must stay 0
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if variant.fused_dq else None
             gb.gluon_dkdv(q, k, v, dout, lse_c, delta, dk, dv, softmax_scale=d ** -0.5, causal=causal,
-                          variant=variant)
+                          variant=variant, dq_accum=dq)
             torch.cuda.synchronize()
-            errs = [(g.double() - e).abs().max().item() for g, e in zip((dk, dv), exact[1:])]
-            ratios = [err / budget for err, budget in zip(errs, budgets[1:])]
-            ok = all(r <= 1 for r in ratios) and not any(bool(t.isnan().any()) for t in (dk, dv))
+            got = (dk, dv) + ((dq,) if dq is not None else ())
+            want, budget = exact[1:] + exact[:1], budgets[1:] + budgets[:1]
+            ratios = [(g.double() - e).abs().max().item() / bd for g, e, bd in zip(got, want, budget)]
+            ok = all(r <= 1 for r in ratios) and not any(bool(t.isnan().any()) for t in got)
             ok_all &= ok
             rec = {"case": case, "variant": variant.name, "dk_over_budget": ratios[0],
                    "dv_over_budget": ratios[1], "ok": ok}
+            if dq is not None:
+                rec["dq_over_budget"] = ratios[2]
             results.append(rec)
-            print(("PASS" if ok else "FAIL"), case, variant.name, f"dk {ratios[0]:.3f} dv {ratios[1]:.3f}",
-                  flush=True)
-        # The whole backward as dispatched (Gluon dK/dV + portable dQ)
-        grads = bwd.attention_backward(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, window_left=-1,
-                                       window_right=0 if causal else -1, diag_offset=sk - sq)
-        torch.cuda.synchronize()
-        ratios = [(g.double() - e).abs().max().item() / bd for g, e, bd in zip(grads, exact, budgets)]
-        ok = all(r <= 1 for r in ratios) and not any(bool(g.isnan().any()) for g in grads)
-        ok_all &= ok
-        results.append({"case": case, "variant": "attention_backward", "over_budget": ratios, "ok": ok})
-        print(("PASS" if ok else "FAIL"), case, "attention_backward",
-              " ".join(f"{n} {r:.3f}" for n, r in zip(("dq", "dk", "dv"), ratios)), flush=True)
+            print(("PASS" if ok else "FAIL"), case, variant.name,
+                  " ".join(f"{n} {r:.3f}" for n, r in zip(("dk", "dv", "dq"), ratios)), flush=True)
+        # The whole backward as dispatched: deterministic (portable dQ pass) and not (fused at d128)
+        for deterministic in (True, False):
+            grads = bwd.attention_backward(dout, q, k, v, out, lse, softmax_scale=d ** -0.5,
+                                           window_left=-1, window_right=0 if causal else -1,
+                                           diag_offset=sk - sq, deterministic=deterministic)
+            torch.cuda.synchronize()
+            ratios = [(g.double() - e).abs().max().item() / bd for g, e, bd in zip(grads, exact, budgets)]
+            ok = all(r <= 1 for r in ratios) and not any(bool(g.isnan().any()) for g in grads)
+            ok_all &= ok
+            name = f"attention_backward(deterministic={deterministic})"
+            results.append({"case": case, "variant": name, "over_budget": ratios, "ok": ok})
+            print(("PASS" if ok else "FAIL"), case, name,
+                  " ".join(f"{n} {r:.3f}" for n, r in zip(("dq", "dk", "dv"), ratios)), flush=True)
     return ok_all
 
 
@@ -124,7 +136,7 @@ def bench(rows: list) -> None:
     def timed(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    for d, points in ((128, ((4, 4096), (1, 16384))), (64, ((4, 4096),))):
+    for d, points in ((128, ((8, 2048), (4, 4096), (2, 8192), (1, 16384))), (64, ((4, 4096),))):
         h = 2048 // d
         for b, n in points:
             for causal in (False, True):
@@ -136,15 +148,18 @@ def bench(rows: list) -> None:
 
                 def step(gluon, variant=None):
                     bwd.GLUON_DKDV = gluon
+                    bwd.GLUON_FUSED_DQ = variant is not None and variant.fused_dq
                     gb._VARIANT_OVERRIDE = variant
                     return fwd_ms + timed(lambda: bwd.attention_backward(
                         dout, q, k, v, out, lse, softmax_scale=d ** -0.5, window_left=-1,
-                        window_right=0 if causal else -1, diag_offset=0))
+                        window_right=0 if causal else -1, diag_offset=0,
+                        deterministic=not bwd.GLUON_FUSED_DQ))
 
                 row["flashtile-triton-bwd"] = flops / step(False) / 1e9
-                for variant in variants_for(d, causal):
+                for variant in variants_for(d, causal, every=False):
                     row[variant.name] = flops / step(True, variant) / 1e9
-                bwd.GLUON_DKDV = True
+                bwd.GLUON_DKDV = False
+                bwd.GLUON_FUSED_DQ = True
                 gb._VARIANT_OVERRIDE = None
                 qt, kt, vt, dt = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
                 leaves = [t.requires_grad_(True) for t in (qt, kt, vt)]

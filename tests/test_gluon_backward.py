@@ -1,8 +1,10 @@
-"""The Gluon dK/dV kernel (opt-in, sm_90): ``supported`` turns away what it does not handle, and the
-backward keeps the portable kernel unless asked. Its variants' sm_90 compilation is tested in
+"""The Gluon backward kernels (sm_90): ``supported`` turns away what they do not handle, the backward
+keeps the portable kernels off sm_90 and for deterministic calls, and a fused-dQ variant refuses
+shapes it has no code for. Its variants' sm_90 compilation is tested in
 test_gluon_compile.py; its numerics on the H200 by benchmarks/gluon_bwd_check.py (the interpreter
 cannot run Gluon)."""
 
+import pytest
 import torch
 
 from flashtile.kernels import backward, gluon_backward
@@ -14,9 +16,21 @@ def test_supported_is_false_off_gpu():
     assert not gluon_backward.supported(q, k, torch.randn_like(k), torch.randn_like(q))
 
 
-def test_backward_keeps_the_portable_kernel_by_default():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_keeps_the_portable_kernels_off_gpu(deterministic):
     flags = dict(HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False, ALIBI=False, DROPOUT=False,
                  VARLEN=False, UPCAST=False)
     q = torch.randn(1, 64, 4, 128, dtype=torch.bfloat16)
     k = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
-    assert not backward.gluon_dkdv_applies(q, k, k, q, flags, 0, 0, False)
+    assert backward.gluon_backward_mode(q, k, k, q, flags, 0, 0, False, deterministic) is None
+
+
+def test_fused_dq_default_is_head_dim_128_only():
+    for causal in (False, True):
+        variant = gluon_backward.default_variant(128, "bf16", causal, True)
+        assert variant.fused_dq and variant.block_m == 64 and not variant.overlap
+        assert variant in gluon_backward.GLUON_BACKWARD_VARIANTS
+    for bad in (dict(head_dim=64), dict(block_m=32), dict(overlap=True)):
+        args = {"head_dim": 128, "fused_dq": True, **bad}
+        with pytest.raises(ValueError, match="fused_dq"):
+            gluon_backward.GluonBackwardVariant(**args)

@@ -333,6 +333,7 @@ def format_table(records: list[dict], title: str, providers=PROVIDERS) -> str:
             + (f" | {format_number(r['ratios_fp8']['flashtile'], '{:.2f}x'):>8} "
                f"{format_number(r['ratios_fp8']['sdpa-cudnn'], '{:.2f}x'):>9}" if fp8 else "")
             + f" | {r.get('forward_kernel', 'triton').split('-')[0]}"
+            + (f", bwd {r['backward_kernel']}" if "backward_kernel" in r else "")
             + (f", fp8 {r.get('fp8_kernel', 'triton').split('-')[0]}" if fp8 else ""))
     return "\n".join(lines)
 

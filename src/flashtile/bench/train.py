@@ -195,6 +195,12 @@ def grads_mb(point: Point, dtype: torch.dtype) -> float:
     return (2 * q_like + 2 * kv_like + lse) / 1e6
 
 
+def backward_kernel(q, k, v, causal: bool) -> str:
+    """What flash_attn_func's backward (deterministic=False, as timed here) runs on these inputs."""
+    from ..kernels.backward import backward_kernel_name
+    return backward_kernel_name(q, k, v, causal=causal)
+
+
 def backward_config(head_dim: int, device: torch.device) -> dict:
     from ..kernels.backward import pick_backward_config
 
@@ -219,6 +225,7 @@ def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Cal
         bar.update(1)
     return {**asdict(point), "flops": flops, "flops_forward": point.flops,
             "forward_kernel": forward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
+            "backward_kernel": backward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
             "tile_config": tile_config(point.head_dim, device),
             "backward_config": backward_config(point.head_dim, device),
             "providers": results, "ratios": ratios(results),

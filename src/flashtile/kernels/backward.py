@@ -6,6 +6,9 @@ Three launches, none with atomics, so every gradient is bitwise reproducible:
    gradients are summed in registers) and over the query blocks that can see the key block
    (FLASHTILE_GLUON_BWD=1 on sm_90: the Gluon kernel of gluon_backward, full or causal, d64/d128);
 3. dQ: one program per query block and head, looping over the key blocks it sees (as the forward).
+With deterministic=False on sm_90 at head dim 128 (full or causal), steps 2 and 3 are one Gluon
+kernel instead that adds dQ by TMA reductions into a zeroed float32 buffer (gluon_backward's
+``fused_dq``), and a cast copies it into dQ.
 With P = exp(S - LSE) and dS = P * (dO V^T - Delta): dV = P^T dO, dK = scale * dS^T Q,
 dQ = scale * dS K; a softcap multiplies dS by 1 - tanh^2, ALiBi adds nothing.
 """
@@ -424,7 +427,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
                          cfg, upcast, cu_seqlens_q, cu_seqlens_k,
                          dropout_p if dropout_seed is not None else 0.0, dropout_seed, atomic,
-                         config is not None)
+                         config is not None, deterministic)
         grads = (dq.to(grad_dtype), dk, dv)
     if varlen:
         grads = tuple(g[0] for g in grads)
@@ -434,7 +437,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                      softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
                      cfg, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed, atomic,
-                     config_given=False):
+                     config_given=False, deterministic=True):
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -451,7 +454,8 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
                  UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
-    gluon = gluon_dkdv_applies(q, k, v, dout, flags, diag_offset, window_right, config_given)
+    gluon = gluon_backward_mode(q, k, v, dout, flags, diag_offset, window_right, config_given,
+                                deterministic)
     # Our allocator only for these launches: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not interpreting() else None
     try:
@@ -471,27 +475,59 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
 # d128 full, 0.93-0.98x causal, 0.92-0.98x at d64: gluon-bwd-check-h200-20261130-{a,b}.json).
 # Benchmarks set it directly.
 GLUON_DKDV = os.environ.get("FLASHTILE_GLUON_BWD", "0") not in ("", "0")
+# The Gluon kernel with dQ added by TMA reductions, for deterministic=False at head dim 128
+# (FLASHTILE_GLUON_FUSED_DQ=0 turns it off).
+GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0")
 
 
-def gluon_dkdv_applies(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
-                       config_given: bool) -> bool:
-    """Whether the Gluon dK/dV kernel (kernels.gluon_backward, sm_90) replaces the portable one:
-    when enabled (GLUON_DKDV), for full or bottom-right causal attention without window, softcap,
-    ALiBi, dropout or packing, on tensors it supports, unless a tile config was asked for or
-    FLASHTILE_GLUON=0."""
-    if not (GLUON_DKDV and _forward.GLUON_ENABLED) or config_given or interpreting() or not q.is_cuda:
-        return False
+def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
+                        config_given: bool, deterministic: bool = True) -> str | None:
+    """Which Gluon kernel (kernels.gluon_backward, sm_90) replaces portable ones: "fused" (dK, dV
+    and dQ in one kernel; deterministic=False, head dim 128, GLUON_FUSED_DQ), "dkdv" (the dK/dV
+    pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention without window,
+    softcap, ALiBi, dropout or packing, on tensors it supports, unless a tile config was asked for
+    or FLASHTILE_GLUON=0."""
+    fused = GLUON_FUSED_DQ and not deterministic and q.shape[-1] == 128
+    if not ((GLUON_DKDV or fused) and _forward.GLUON_ENABLED) or config_given or interpreting() \
+            or not q.is_cuda:
+        return None
     if any(flags[name] for name in ("HAS_LEFT", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN", "UPCAST")):
-        return False
+        return None
     if flags["HAS_RIGHT"] and (window_right != 0 or diag_offset != k.shape[1] - q.shape[1]):
-        return False
+        return None
     from . import gluon_backward
-    return gluon_backward.supported(q, k, v, dout)
+    if not gluon_backward.supported(q, k, v, dout):
+        return None
+    if fused and gluon_backward.programs(q, k) < _sm_count(q.device):
+        # Fewer programs than SMs (few KV heads, short keys): the longest causal program (the
+        # whole group of query heads over every query block) sets the time, and the portable
+        # kernels, which split dQ off into programs of their own, were faster (12/2 heads at 8k
+        # causal: 2.33 vs 2.23 ms of kernels, train-profile-h200-20261130.json).
+        fused = False
+    if fused:
+        return "fused"
+    return "dkdv" if GLUON_DKDV else None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) -> str:
+    """Which backward kernels a plain flash_attn_func call's backward runs: "gluon-dq" (one Gluon
+    kernel, dQ by TMA reductions), "gluon-dkdv" (the Gluon dK/dV kernel and the portable dQ pass)
+    or "triton" (the portable kernels)."""
+    flags = dict(HAS_LEFT=False, HAS_RIGHT=causal, SOFTCAP=False, ALIBI=False, DROPOUT=False,
+                 VARLEN=False, UPCAST=interpreting() and q.dtype == torch.bfloat16)
+    mode = gluon_backward_mode(q, k, v, q, flags, k.shape[1] - q.shape[1], 0 if causal else -1,
+                               False, deterministic)
+    return {"fused": "gluon-dq", "dkdv": "gluon-dkdv"}.get(mode, "triton")
 
 
 def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, rows_q, rows_k, heads,
                     heads_k, cfg, atomic, flags, strides, common, alibi_slopes, alibi_stride_b,
-                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=False):
+                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=None):
     """The backward's three launches; ``common`` is the scalar arguments every kernel shares."""
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = strides
     seqlen_q, head_dim, d_pad = common[0], flags["HEAD_DIM"], flags["HEAD_DIM_PAD"]
@@ -503,8 +539,13 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
         HAS_DLSE=dlse is not None, VARLEN=varlen)
     if gluon_dkdv:
         from .gluon_backward import gluon_dkdv as run_gluon_dkdv
+        fused = gluon_dkdv == "fused"
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
         run_gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=common[8],
-                       causal=flags["HAS_RIGHT"])
+                       causal=flags["HAS_RIGHT"], dq_accum=dq_accum)
+        if fused:
+            dq.copy_(dq_accum)
+            return
         atomic = False  # dQ from its own pass
     else:
         _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, dq, batch, rows_k, heads_k, cfg, atomic, flags,

@@ -12,9 +12,15 @@ Per query tile, in each consumer:
     dS^T = P^T * (dP^T - Delta)
     dV  += P^T dO,  dK += dS^T Q     (wgmma with P^T / dS^T as register A operands)
 
-dQ stays with the portable kernel's separate pass (no atomics: the backward stays deterministic).
-Rows past the query sequence come in as zeros (TMA) with LSE +inf, so P is 0 there; keys past the
-key sequence give rows of dK/dV that the TMA store clips. The causal diagonal is bottom-right, as
+dQ either stays with the portable kernel's separate pass (no atomics: the backward stays
+deterministic), or (``fused_dq``, head dim 128, FlashAttention-3's way) comes from the same tile:
+each consumer stores dS^T (bf16) to shared memory, the two meet at an mbarrier, and consumer w
+computes dQ[:, 64w:64w+64] = dS K[:, 64w:64w+64] over both consumers' 128 keys (two wgmmas with
+operands in shared memory), scales it and adds it to a float32 dQ buffer with one TMA bulk
+reduction (``cp.reduce.async.bulk.tensor``) per tile: 5 matmuls a tile pair instead of 7.
+Rows past the query sequence come in as zeros (TMA: Q, dO, LSE and Delta alike), so their S, dP and
+dS are zero and they add nothing to dK and dV; keys past the key sequence give rows of dK/dV that
+the TMA store clips. The causal diagonal is bottom-right, as
 in the forward.
 
 This module imports on machines without a GPU; ``compile_for_sm90`` builds the cubin there.
@@ -53,6 +59,12 @@ class GluonBackwardVariant:
     producer_regs: int = 24
     overlap: bool = False  # a tile's dV/dK wgmmas run on under the next tile's S and dP issue
     max_stack: int = 0  # stack bytes (register spills) the compile check accepts
+    fused_dq: bool = False  # dQ added from this kernel by TMA reductions (head dim 128, block_m 64)
+
+    def __post_init__(self):
+        if self.fused_dq and (self.head_dim != 128 or self.block_m != 64 or self.overlap):
+            raise ValueError("fused_dq: head dim 128, block_m 64 and no overlap only (each consumer "
+                             "computes 64 of dQ's columns with a 64-row wgmma)")
 
     @property
     def block_n(self) -> int:
@@ -61,17 +73,21 @@ class GluonBackwardVariant:
     @property
     def name(self) -> str:
         return (f"gluon-bwd-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
-                f"-m{self.block_m}-s{self.stages}{'-overlap' if self.overlap else ''}")
+                f"-m{self.block_m}-s{self.stages}{'-overlap' if self.overlap else ''}"
+                f"{'-dq' if self.fused_dq else ''}")
 
 
 @functools.lru_cache(maxsize=None)
-def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonBackwardVariant:
-    # d128: dK, dV (64 regs each), S and dP (32 each), LSE and Delta (16 each) per thread leave
-    # ptxas a few spills at 240 registers (40-104 stack bytes); 32-row tiles do not spill but ran
+def default_variant(head_dim: int, dtype: str, causal: bool, fused_dq: bool = False) -> GluonBackwardVariant:
+    # d128: dK, dV (64 registers each), S and dP (32 each) per thread, at 240 registers: with LSE
+    # and Delta loaded from global memory into registers (16 each) ptxas spilled 48-104 stack bytes
+    # (112-192 with dQ); read from the ring's shared memory when needed, 0-24. 32-row tiles ran
     # 6-10% slower (gluon-bwd-check-h200-20261130-a.json).
+    if fused_dq:  # head dim 128 only
+        return GluonBackwardVariant(head_dim, dtype, causal, stages=2, max_stack=32, fused_dq=True)
     if head_dim <= 64:
         return GluonBackwardVariant(head_dim, dtype, causal, stages=3)
-    return GluonBackwardVariant(head_dim, dtype, causal, stages=2, max_stack=128)
+    return GluonBackwardVariant(head_dim, dtype, causal, stages=2, max_stack=32)
 
 
 # Benchmarks may set a variant here for the calls that name none (attention_backward's).
@@ -79,9 +95,26 @@ _VARIANT_OVERRIDE: GluonBackwardVariant | None = None
 
 GLUON_BACKWARD_VARIANTS = [default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
                            for c in (False, True)]
+GLUON_BACKWARD_VARIANTS += [default_variant(128, dt, c, True) for dt in ("bf16", "fp16") for c in (False, True)]
 
 
 if _GLUON:
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _builtin
+
+    @_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile ``src`` into the tensor at ``coord`` with one TMA bulk
+        reduction (in the bulk async group that ``tma.store_wait`` waits for). Gluon 3.6 has no
+        wrapper for the op that Triton's own ``desc.atomic_add`` lowers to; this is that op."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                                  coord, src.handle)
+
+    @gluon.constexpr_function
+    def _ds_layout(block_m):
+        # dS^T tiles (64 keys x block_m queries, 16-bit): the layout TMA would give them.
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * block_m), element_bitwidth=16, rank=2)
 
     @gluon.constexpr_function
     def _acc_layout(instr_n):
@@ -105,10 +138,13 @@ if _GLUON:
         return m_lo, m_full, num_m
 
     @gluon.jit
-    def _bwd_producer(q_desc, do_desc, q_bufs, do_bufs, ready, empty, batch, kv_head, group_size,
-                      m_lo, num_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The 1-warp load partition: (Q, dO) of query block m of query head g, for g over the group
-        and m over [m_lo, num_m), in the consumers' order, at most STAGES tiles ahead of them."""
+    def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
+                      ready, empty, batch, kv_head, group_size, m_lo, num_m, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """The 1-warp load partition: (Q, dO, LSE, Delta) of query block m of query head g, for g over
+        the group and m over [m_lo, num_m), in the consumers' order, at most STAGES tiles ahead of
+        them. Rows past the sequence land as zeros: with Q and dO zero there, S, dP, dS and their
+        shares of dV and dK are zero too whatever P is."""
         n_m = num_m - m_lo
         for it in range(group_size * n_m):
             head = kv_head * group_size + it // n_m
@@ -116,24 +152,38 @@ if _GLUON:
             slot = it % STAGES
             # Empty barriers start in phase 0: parity 1 passes at once on the first lap.
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, row0, head, 0], ready.index(slot),
                                             q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, [batch, row0, head, 0], ready.index(slot),
                                             do_bufs.index(slot))
+            tma.async_copy_global_to_shared(lse_desc, [batch, head, row0], ready.index(slot),
+                                            lse_bufs.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [batch, head, row0], ready.index(slot),
+                                            delta_bufs.index(slot))
 
     @gluon.jit
-    def _bwd_consumer(k_smem, v_smem, kv_bar, shared, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      OVERLAP: gl.constexpr):
+    def _bwd_consumer(k_smem, v_smem, kv_bar, dq_smem, shared, BLOCK_M: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
+                      OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr):
         """Keys [n0 + 64 WG, n0 + 64 WG + 64): load K and V once, accumulate dK and dV over every
         streamed tile, write them (dK times the softmax scale) through K's and V's slots.
 
         ``OVERLAP``: tile i's dV and dK wgmmas stay in flight while the consumer waits for tile
         i + 1 and issues its S and dP; the wait for S_{i+1} retires them (wgmma groups complete in
-        order), and only then is tile i's ring slot freed. Otherwise every tile waits for its own."""
-        (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, ready, empty, Lse, Delta, stride_lb,
-         stride_lh, seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale) = shared
+        order), and only then is tile i's ring slot freed. Otherwise every tile waits for its own.
+
+        ``FUSED_DQ``: dS^T goes to ``ds_smem`` (two slots, one per tile parity: the other consumer may
+        still read the previous tile's); after ``ds_bar`` says both halves are there, this consumer
+        computes columns [64 WG, 64 WG + 64) of the tile's dQ over both consumers' keys and adds them
+        to dQ by a TMA reduction staged in its own ``dq_smem`` slot. ``ds_bar`` completes once per
+        tile, only after each consumer's dQ wgmmas of the tile before have retired, so neither runs
+        more than one tile ahead of the other; a last round before the epilogue keeps either from
+        overwriting its K slot while the other's final dQ wgmma reads it."""
+        (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
+         seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
+         dq_desc, ds_smem, ds_bar, k_all) = shared
         KEYS: gl.constexpr = 64
         dtype: gl.constexpr = k_desc.dtype
         key0 = n0 + WG * KEYS
@@ -163,12 +213,6 @@ if _GLUON:
         for it in range(total):
             head = kv_head * group_size + it // n_m
             m = m_lo + it % n_m
-            rows = m * BLOCK_M + qcols
-            row_ok = rows < seqlen_q
-            at = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows
-            # In flight while the tile lands; rows past the sequence: LSE +inf makes P exactly 0.
-            lse = gl.load(Lse + at, mask=row_ok, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(Delta + at, mask=row_ok, other=0.0)
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             q_t = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -186,22 +230,58 @@ if _GLUON:
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > 0)
             if CAUSAL:
                 if m < m_full:  # bottom-right causal: key j is seen by query i when j <= i + Sk - Sq
-                    keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + diag, 0)
+                    keep = gl.expand_dims(keys - diag - m * BLOCK_M, 1) <= gl.expand_dims(qcols, 0)
                     s = gl.where(keep, s, float("-inf"))
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
+            # LSE and Delta from shared memory when needed: in registers through the loop they
+            # spilled (16 values each per thread).
+            lse = lse_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
             dp, _, _ = warpgroup_mma_wait(0, deps=(dp_tok, v_tile, do_t))
+            delta = delta_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
             ds = p * (dp - gl.expand_dims(delta, 0))
             p_op = gl.convert_layout(p.to(dtype), a_layout)
-            ds_op = gl.convert_layout(ds.to(dtype), a_layout)
+            ds_lo = ds.to(dtype)
+            ds_op = gl.convert_layout(ds_lo, a_layout)
             dv = warpgroup_mma(p_op, do_t, dv_done, is_async=True)
             dk = warpgroup_mma(ds_op, q_t, dk_done, is_async=True)
-            if not OVERLAP:
+            if FUSED_DQ:
+                ds_first = (it % 2) * 2  # slots 2 (it % 2) + consumer
+                ds_smem.index(ds_first + WG).store(ds_lo)
+                fence_async_shared()
+                mbarrier.arrive(ds_bar)
+                mbarrier.wait(ds_bar, it & 1)
+                dq_layout: gl.constexpr = _acc_layout(64)
+                dq = warpgroup_mma(ds_smem.index(ds_first).permute((1, 0)),
+                                   k_all.index(0).reshape([KEYS, HEAD_DIM]).slice(WG * 64, 64, dim=1),
+                                   gl.zeros([BLOCK_M, 64], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma(ds_smem.index(ds_first + 1).permute((1, 0)),
+                                   k_all.index(1).reshape([KEYS, HEAD_DIM]).slice(WG * 64, 64, dim=1),
+                                   dq, is_async=True)
+                dv_done, dk_done, dq_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
+                    0, deps=(dv, dk, dq, p_op, ds_op, do_t, q_t))
+                dv = warpgroup_mma_init(dv_done)
+                dk = warpgroup_mma_init(dk_done)
+                mbarrier.arrive(empty.index(slot))
+                dq_tile = dq_smem.reshape([BLOCK_M, 64])
+                tma.store_wait(0)  # the tile before's reduction has read the slot
+                dq_tile.store(dq_done * softmax_scale)
+                fence_async_shared()
+                # The reduction takes at most 128 bytes of a row per op (the swizzle's span): two
+                # ops, each over one 32-column half of the slot (TMA's column chunks).
+                for half in gl.static_range(2):
+                    _tma_reduce_add(dq_desc, [batch, m * BLOCK_M, head, WG * 64 + half * 32],
+                                    dq_smem.slice(half * 32, 32, dim=3))
+            elif not OVERLAP:
                 dv_done, dk_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
                     0, deps=(dv, dk, p_op, ds_op, do_t, q_t))
                 dv = warpgroup_mma_init(dv_done)
                 dk = warpgroup_mma_init(dk_done)
                 mbarrier.arrive(empty.index(slot))
         dk_done, dv_done, _, _ = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+        if FUSED_DQ:  # the other consumer's last dQ wgmma has read this K slot
+            mbarrier.arrive(ds_bar)
+            mbarrier.wait(ds_bar, total & 1)
         # K and V are read no more (every wgmma has retired): their slots stage dK and dV.
         k_tile.store((dk_done * softmax_scale).to(dtype))
         v_tile.store(dv_done.to(dtype))
@@ -210,21 +290,26 @@ if _GLUON:
         tma.async_copy_shared_to_global(dv_desc, [batch, key0, kv_head, 0], v_smem)
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "group_size"])
-    def _attn_bwd_dkdv_gluon(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
-                             stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, qk_scale,
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size"])
+    def _attn_bwd_dkdv_gluon(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc,
+                             delta_desc, seqlen_q, seqlen_k, group_size, qk_scale,
                              softmax_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                              STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             OVERLAP: gl.constexpr):
-        """Grid (key blocks of 128, KV heads, batch). Lse (natural log) and Delta: (B, H, Sq) fp32
-        with strides (stride_lb, stride_lh, 1)."""
+                             OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr):
+        """Grid (key blocks of 128, KV heads, batch). ``lse_desc`` (natural log) and ``delta_desc``:
+        (B, H, Sq) float32, blocks of (1, 1, BLOCK_M). ``dq_desc``: float32 (B, Sq, H, D) blocks of
+        (1, BLOCK_M, 1, 32) with FUSED_DQ (the caller zeroes it), any descriptor otherwise."""
         n0 = gl.program_id(0) * 128
         kv_head = gl.program_id(1)
         batch = gl.program_id(2)
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape,
+                                             lse_desc.layout)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape,
+                                               delta_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -235,19 +320,32 @@ if _GLUON:
             mbarrier.init(empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(kv_bars.index(i), count=1)
+        if FUSED_DQ:
+            ds_smem = gl.allocate_shared_memory(dtype, [4, 64, BLOCK_M], _ds_layout(BLOCK_M))
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 1, 64], dq_desc.layout)
+            ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(ds_bar, count=2)
+            dq_first = dq_smem.index(0)
+            dq_second = dq_smem.index(1)
+        else:  # stand-ins, never touched
+            ds_smem = k_smem
+            dq_first = k_smem.index(0)
+            dq_second = k_smem.index(1)
+            ds_bar = kv_bars.index(0)
         m_lo, _, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 128, CAUSAL)
-        shared = (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, ready, empty, Lse, Delta,
-                  stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale,
-                  softmax_scale)
+        shared = (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
+                  empty, seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
+                  dq_desc, ds_smem, ds_bar, k_smem)
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
-            (_bwd_consumer, (k_smem.index(0), v_smem.index(0), kv_bars.index(0), shared, BLOCK_M,
-                             HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP)),
-            (_bwd_consumer, (k_smem.index(1), v_smem.index(1), kv_bars.index(1), shared, BLOCK_M,
-                             HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP)),
-            (_bwd_producer, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, batch, kv_head, group_size,
-                             m_lo, num_m, BLOCK_M, STAGES)),
+            (_bwd_consumer, (k_smem.index(0), v_smem.index(0), kv_bars.index(0), dq_first, shared,
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ)),
+            (_bwd_consumer, (k_smem.index(1), v_smem.index(1), kv_bars.index(1), dq_second, shared,
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ)),
+            (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
+                             delta_bufs, ready, empty, batch, kv_head, group_size, m_lo, num_m,
+                             BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -256,6 +354,11 @@ if _GLUON:
 # --------------------------------------------------------------------------------------------
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def programs(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many CTAs ``gluon_dkdv`` launches for (B, S, H, D) ``q`` and ``k``."""
+    return -(-k.shape[1] // 128) * k.shape[2] * q.shape[0]
 
 
 def supported(q, k, v, dout, *, head_dims: tuple = HEAD_DIMS) -> bool:
@@ -279,20 +382,44 @@ def _layouts(block_m: int, head_dim: int, torch_dtype):
 
 
 @functools.lru_cache(maxsize=None)
+def _row_layout():
+    # LSE / Delta rows (1, 1, block_m) float32: unswizzled, read back as vectors.
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, Sq) float32 with a contiguous last dim, or a copy whose rows start 16-byte
+    aligned (TMA's rule) when Sq is not a multiple of 4."""
+    if _tma_ok(t):
+        return t
+    batch, heads, seqlen = t.shape
+    padded = torch.empty(batch, heads, -(-seqlen // 4) * 4, dtype=t.dtype, device=t.device)[..., :seqlen]
+    return padded.copy_(t)
+
+
+@functools.lru_cache(maxsize=None)
+def _dq_layout(block_m: int):
+    # 128-byte swizzle, the one get_default_for gives the 64-column staging slot of which each
+    # 32-column half is one reduction's box.
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+
+
+@functools.lru_cache(maxsize=None)
 def _launch_options(variant: GluonBackwardVariant) -> dict:
     # 4 (consumer 0) + 4 (consumer 1) + 1 (producer) warps; maxnreg 168 over 3 warpgroups is the
     # register file the partitions' budgets (240 + 240 + 24) redistribute, as in the forward.
     return {"BLOCK_M": variant.block_m, "HEAD_DIM": variant.head_dim, "STAGES": variant.stages,
             "CAUSAL": variant.causal, "CONSUMER_REGS": variant.consumer_regs,
-            "PRODUCER_REGS": variant.producer_regs, "OVERLAP": variant.overlap, "num_warps": 4,
-            "maxnreg": 168}
+            "PRODUCER_REGS": variant.producer_regs, "OVERLAP": variant.overlap,
+            "FUSED_DQ": variant.fused_dq, "num_warps": 4, "maxnreg": 168}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causal: bool,
-               variant: GluonBackwardVariant | None = None) -> None:
+               variant: GluonBackwardVariant | None = None, dq_accum: torch.Tensor | None = None) -> None:
     """dK, dV of attention into ``dk``/``dv`` (B, Sk, Hk, D, TMA-addressable) for inputs
     ``supported`` takes; ``lse`` (natural log) and ``delta`` = rowsum(dO * O): (B, H, Sq) float32
-    with one layout and a contiguous last dim."""
+    with one layout and a contiguous last dim. A ``fused_dq`` variant also adds dQ (scaled) into
+    ``dq_accum``: float32, q's shape, zeroed by the caller, TMA-addressable."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_k == 0 or heads_k == 0:
@@ -302,24 +429,38 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
         dv.zero_()
         return
     dtype = _DTYPES[q.dtype]
+    fused = dq_accum is not None
     if variant is None:
-        variant = _VARIANT_OVERRIDE or default_variant(head_dim, dtype, causal)
+        override = _VARIANT_OVERRIDE
+        variant = (override if override is not None and override.fused_dq == fused
+                   else default_variant(head_dim, dtype, causal, fused))
     if (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
-    same_layout = all(a == b or n == 1 for a, b, n in zip(lse.stride(), delta.stride(), lse.shape))
-    if lse.shape != delta.shape or not same_layout or lse.stride(-1) != 1:
-        raise ValueError("gluon_dkdv: lse and delta need one layout with a contiguous last dim")
+    if lse.shape != delta.shape or lse.stride(-1) != 1 or delta.stride(-1) != 1:
+        raise ValueError("gluon_dkdv: lse and delta must be (B, H, Sq) with a contiguous last dim")
+    if variant.fused_dq != (dq_accum is not None):
+        raise ValueError(f"variant {variant.name} {'needs' if variant.fused_dq else 'takes no'} dq_accum")
+    if dq_accum is not None and (dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape
+                                 or not _tma_ok(dq_accum)):
+        raise ValueError("gluon_dkdv: dq_accum must be a TMA-addressable float32 tensor of q's shape")
     q_layout, kv_layout = _layouts(variant.block_m, head_dim, q.dtype)
     q_block, kv_block = (1, variant.block_m, 1, head_dim), (1, 64, 1, head_dim)
+    dq_target = ((dq_accum, (1, variant.block_m, 1, 32), _dq_layout(variant.block_m))
+                 if dq_accum is not None else (dk, kv_block, kv_layout))
     descriptors = tuple(_Descriptor(t, t.shape, t.stride(), block, layout) for t, block, layout in (
         (q, q_block, q_layout), (k, kv_block, kv_layout), (v, kv_block, kv_layout),
-        (dout, q_block, q_layout), (dk, kv_block, kv_layout), (dv, kv_block, kv_layout)))
-    grid = (-(-seqlen_k // 128), heads_k, batch)
-    scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k,
-               softmax_scale * LOG2E, softmax_scale)
+        (dout, q_block, q_layout), (dk, kv_block, kv_layout), (dv, kv_block, kv_layout), dq_target,
+        (_tma_rows(lse), (1, 1, variant.block_m), _row_layout()),
+        (_tma_rows(delta), (1, 1, variant.block_m), _row_layout())))
+    # Causal: one (batch, KV head) row of key blocks after another, longest first within a row.
+    # Launching the longest blocks of all rows first was 3-18% slower at 2k-16k (the CTAs at work
+    # then add dQ into every head's rows at once, far beyond L2), in groups of rows no faster
+    # (gluon-bwd-check-h200-20261130-e/-f).
+    grid = (-(-seqlen_k // 128), heads_k, batch)  # programs(q, k) in all
+    scalars = (seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E, softmax_scale)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_bwd_dkdv_gluon, grid, (lse, delta), scalars, _launch_options(variant), descriptors)
+        launch(_attn_bwd_dkdv_gluon, grid, (), scalars, _launch_options(variant), descriptors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,18 +481,20 @@ def compile_for_sm90(variant: GluonBackwardVariant):
         return f"tensordesc<{dt}[{', '.join(map(str, block))}],{layout!r}>"
 
     q_sig, kv_sig = desc((1, variant.block_m, 1, d), q_layout), desc((1, 64, 1, d), kv_layout)
+    dq_sig = (f"tensordesc<fp32[1, {variant.block_m}, 1, 32],{_dq_layout(variant.block_m)!r}>"
+              if variant.fused_dq else kv_sig)
     fn = _attn_bwd_dkdv_gluon
+    row_sig = f"tensordesc<fp32[1, 1, {variant.block_m}],{_row_layout()!r}>"
     signature = {"q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig,
-                 "dk_desc": kv_sig, "dv_desc": kv_sig, "Lse": "*fp32", "Delta": "*fp32",
+                 "dk_desc": kv_sig, "dv_desc": kv_sig, "dq_desc": dq_sig, "lse_desc": row_sig,
+                 "delta_desc": row_sig,
                  "qk_scale": "fp32", "softmax_scale": "fp32"}
     options = _launch_options(variant)
     constexprs = {name: value for name, value in options.items() if name not in ("num_warps", "maxnreg")}
     attrs = {}
-    for i, name in enumerate(fn.arg_names):
+    for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Lse", "Delta"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
         elif name not in signature:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
