@@ -30,15 +30,19 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
     """The forward as the public functions call it.
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
-    tens of microseconds a call, as much as a short prefill kernel. Under torch.compile, or with inputs
-    that require grad, the registered op runs instead.
+    tens of microseconds a call, as much as a short prefill kernel. Eager calls with inputs that
+    require grad go through a plain autograd.Function with the same forward and backward: the
+    registered op with its registered autograd cost ~0.4 ms more per training step (measured on a
+    CPU: 503 against 81 us of overhead for forward + backward). Under torch.compile the registered op
+    runs.
     """
     args = (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
             block_table)
-    if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if torch.compiler.is_compiling():
         return attn_fwd(*args, deterministic)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(*args, deterministic)
     return _attn_fwd_impl(*args)
 
 
@@ -93,6 +97,14 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              dropout_seed: Optional[torch.Tensor] = None, deterministic: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, from the saved output and LSE."""
+    return _attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
+                          bottom_right, softcap, alibi_slopes, dlse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed, deterministic)
+
+
+def _attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right,
+                   softcap, alibi_slopes, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, dropout_p, dropout_seed, deterministic):
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                               window_left=window_left, window_right=window_right,
@@ -122,18 +134,34 @@ def _setup_fwd_context(ctx, inputs, output):
     ctx.extra = (max_seqlen_q, max_seqlen_k, dropout_p)
 
 
-def _attn_fwd_backward(ctx, grad_out, grad_lse):
+def _attn_fwd_backward(ctx, grad_out, grad_lse, backward=attn_bwd):
     if ctx.paged:
         raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table)")
     q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = attn_bwd(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
                           cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed, ctx.deterministic)
     return (dq, dk, dv) + (None,) * 14
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attn_fwd and its registered backward for eager autograd, without the custom-op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.set_materialize_grads(False)  # an unused LSE gives None: no zeros, no dLSE pass
+        output = _attn_fwd_impl(*inputs[:16])
+        _setup_fwd_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        return _attn_fwd_backward(ctx, grad_out, grad_lse, backward=_attn_bwd_impl)
 
 
 def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
