@@ -23,7 +23,8 @@ import torch
 import flashtile
 from flashtile.kernels import backward as bwd
 
-DEFAULT_POINTS = "8,2048,16,16,128,1;8,2048,16,16,128,0;1,8192,12,2,128,1;1,16384,16,16,128,1;32,512,16,16,128,1"
+DEFAULT_POINTS = ("8,2048,16,16,128,1;8,2048,16,16,128,0;1,8192,12,2,128,1;1,16384,16,16,128,1;"
+                  "32,512,16,16,128,1")
 
 
 def parse_points(text: str):

@@ -25,12 +25,13 @@ def test_backward_keeps_the_portable_kernels_off_gpu(deterministic):
     assert backward.gluon_backward_mode(q, k, k, q, flags, 0, 0, False, deterministic) is None
 
 
-def test_fused_dq_default_is_head_dim_128_only():
-    for causal in (False, True):
-        variant = gluon_backward.default_variant(128, "bf16", causal, True)
-        assert variant.fused_dq and variant.block_m == 64 and not variant.overlap
-        assert variant in gluon_backward.GLUON_BACKWARD_VARIANTS
-    for bad in (dict(head_dim=64), dict(block_m=32), dict(overlap=True)):
+def test_fused_dq_variants_exist_for_every_dispatched_head_dim():
+    for d in gluon_backward.FUSED_HEAD_DIMS:
+        for causal in (False, True):
+            variant = gluon_backward.default_variant(d, "bf16", causal, True)
+            assert variant.fused_dq and variant.block_m == 64 and not variant.overlap
+            assert variant in gluon_backward.GLUON_BACKWARD_VARIANTS
+    for bad in (dict(head_dim=256), dict(block_m=32), dict(overlap=True)):
         args = {"head_dim": 128, "fused_dq": True, **bad}
         with pytest.raises(ValueError, match="fused_dq"):
             gluon_backward.GluonBackwardVariant(**args)

@@ -6,9 +6,9 @@ Three launches, none with atomics, so every gradient is bitwise reproducible:
    gradients are summed in registers) and over the query blocks that can see the key block
    (FLASHTILE_GLUON_BWD=1 on sm_90: the Gluon kernel of gluon_backward, full or causal, d64/d128);
 3. dQ: one program per query block and head, looping over the key blocks it sees (as the forward).
-With deterministic=False on sm_90 at head dim 128 (full or causal), steps 2 and 3 are one Gluon
-kernel instead that adds dQ by TMA reductions into a zeroed float32 buffer (gluon_backward's
-``fused_dq``), and a cast copies it into dQ.
+With deterministic=False on sm_90 (gluon_backward.FUSED_HEAD_DIMS, full or causal), steps 2 and 3
+are one Gluon kernel instead that adds dQ by TMA reductions into a zeroed float32 buffer
+(gluon_backward's ``fused_dq``), and a cast copies it into dQ.
 With P = exp(S - LSE) and dS = P * (dO V^T - Delta): dV = P^T dO, dK = scale * dS^T Q,
 dQ = scale * dS K; a softcap multiplies dS by 1 - tanh^2, ALiBi adds nothing.
 """
@@ -470,24 +470,25 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
             _triton_allocator.reset(token)
 
 
-# The Gluon dK/dV kernel (kernels.gluon_backward) only when asked for with FLASHTILE_GLUON_BWD=1:
-# correct on the H200 but not faster than the portable kernel yet in fwd+bwd time (1.00-1.01x at
-# d128 full, 0.93-0.98x causal, 0.92-0.98x at d64: gluon-bwd-check-h200-20261130-{a,b}.json).
+# The Gluon dK/dV kernel without dQ (kernels.gluon_backward) only when asked for with
+# FLASHTILE_GLUON_BWD=1 (the deterministic calls' alternative): in fwd+bwd time 2-5% faster than the
+# portable dK/dV kernel non-causal and d128 causal, 1-5% slower d64 causal
+# (gluon-bwd-check-h200-20261130-g.json).
 # Benchmarks set it directly.
 GLUON_DKDV = os.environ.get("FLASHTILE_GLUON_BWD", "0") not in ("", "0")
-# The Gluon kernel with dQ added by TMA reductions, for deterministic=False at head dim 128
-# (FLASHTILE_GLUON_FUSED_DQ=0 turns it off).
+# The Gluon kernel with dQ added by TMA reductions, for deterministic=False at the head dims of
+# gluon_backward.FUSED_HEAD_DIMS (FLASHTILE_GLUON_FUSED_DQ=0 turns it off).
 GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0")
 
 
 def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
                         config_given: bool, deterministic: bool = True) -> str | None:
     """Which Gluon kernel (kernels.gluon_backward, sm_90) replaces portable ones: "fused" (dK, dV
-    and dQ in one kernel; deterministic=False, head dim 128, GLUON_FUSED_DQ), "dkdv" (the dK/dV
+    and dQ in one kernel; deterministic=False, FUSED_HEAD_DIMS, GLUON_FUSED_DQ), "dkdv" (the dK/dV
     pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention without window,
     softcap, ALiBi, dropout or packing, on tensors it supports, unless a tile config was asked for
     or FLASHTILE_GLUON=0."""
-    fused = GLUON_FUSED_DQ and not deterministic and q.shape[-1] == 128
+    fused = GLUON_FUSED_DQ and not deterministic
     if not ((GLUON_DKDV or fused) and _forward.GLUON_ENABLED) or config_given or interpreting() \
             or not q.is_cuda:
         return None
@@ -498,6 +499,7 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     from . import gluon_backward
     if not gluon_backward.supported(q, k, v, dout):
         return None
+    fused = fused and q.shape[-1] in gluon_backward.FUSED_HEAD_DIMS
     if fused and gluon_backward.programs(q, k) < _sm_count(q.device):
         # Fewer programs than SMs (few KV heads, short keys): the longest causal program (the
         # whole group of query heads over every query block) sets the time, and the portable

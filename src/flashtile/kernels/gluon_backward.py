@@ -13,11 +13,12 @@ Per query tile, in each consumer:
     dV  += P^T dO,  dK += dS^T Q     (wgmma with P^T / dS^T as register A operands)
 
 dQ either stays with the portable kernel's separate pass (no atomics: the backward stays
-deterministic), or (``fused_dq``, head dim 128, FlashAttention-3's way) comes from the same tile:
-each consumer stores dS^T (bf16) to shared memory, the two meet at an mbarrier, and consumer w
-computes dQ[:, 64w:64w+64] = dS K[:, 64w:64w+64] over both consumers' 128 keys (two wgmmas with
-operands in shared memory), scales it and adds it to a float32 dQ buffer with one TMA bulk
-reduction (``cp.reduce.async.bulk.tensor``) per tile: 5 matmuls a tile pair instead of 7.
+deterministic), or (``fused_dq``, FlashAttention-3's way) comes from the same tile: each consumer
+stores dS^T (bf16) to shared memory, the two meet at an mbarrier, and consumer w computes
+dQ[:, 64w:64w+64] = dS K[:, 64w:64w+64] over both consumers' 128 keys (head dim 128; at head dim
+64 consumer w computes the whole dQ of every other tile) with two wgmmas with operands in shared
+memory, scales it and adds it to a float32 dQ buffer by TMA bulk reductions
+(``cp.reduce.async.bulk.tensor``): 5 matmuls a tile pair instead of 7.
 Rows past the query sequence come in as zeros (TMA: Q, dO, LSE and Delta alike), so their S, dP and
 dS are zero and they add nothing to dK and dV; keys past the key sequence give rows of dK/dV that
 the TMA store clips. The causal diagonal is bottom-right, as
@@ -46,6 +47,7 @@ if _GLUON:
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
+FUSED_HEAD_DIMS = (64, 128)  # where the backward dispatches the fused_dq kernel
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,12 @@ class GluonBackwardVariant:
     producer_regs: int = 24
     overlap: bool = False  # a tile's dV/dK wgmmas run on under the next tile's S and dP issue
     max_stack: int = 0  # stack bytes (register spills) the compile check accepts
-    fused_dq: bool = False  # dQ added from this kernel by TMA reductions (head dim 128, block_m 64)
+    fused_dq: bool = False  # dQ added from this kernel by TMA reductions (block_m 64)
 
     def __post_init__(self):
-        if self.fused_dq and (self.head_dim != 128 or self.block_m != 64 or self.overlap):
-            raise ValueError("fused_dq: head dim 128, block_m 64 and no overlap only (each consumer "
-                             "computes 64 of dQ's columns with a 64-row wgmma)")
+        if self.fused_dq and (self.head_dim not in (64, 128) or self.block_m != 64 or self.overlap):
+            raise ValueError("fused_dq: head dim 64 or 128, block_m 64 and no overlap only (a "
+                             "consumer computes 64 of dQ's columns with a 64-row wgmma)")
 
     @property
     def block_n(self) -> int:
@@ -78,13 +80,15 @@ class GluonBackwardVariant:
 
 
 @functools.lru_cache(maxsize=None)
-def default_variant(head_dim: int, dtype: str, causal: bool, fused_dq: bool = False) -> GluonBackwardVariant:
+def default_variant(head_dim: int, dtype: str, causal: bool,
+                    fused_dq: bool = False) -> GluonBackwardVariant:
     # d128: dK, dV (64 registers each), S and dP (32 each) per thread, at 240 registers: with LSE
     # and Delta loaded from global memory into registers (16 each) ptxas spilled 48-104 stack bytes
     # (112-192 with dQ); read from the ring's shared memory when needed, 0-24. 32-row tiles ran
     # 6-10% slower (gluon-bwd-check-h200-20261130-a.json).
-    if fused_dq:  # head dim 128 only
-        return GluonBackwardVariant(head_dim, dtype, causal, stages=2, max_stack=32, fused_dq=True)
+    if fused_dq:
+        return GluonBackwardVariant(head_dim, dtype, causal, stages=2 if head_dim > 64 else 3,
+                                    max_stack=32, fused_dq=True)
     if head_dim <= 64:
         return GluonBackwardVariant(head_dim, dtype, causal, stages=3)
     return GluonBackwardVariant(head_dim, dtype, causal, stages=2, max_stack=32)
@@ -95,7 +99,8 @@ _VARIANT_OVERRIDE: GluonBackwardVariant | None = None
 
 GLUON_BACKWARD_VARIANTS = [default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
                            for c in (False, True)]
-GLUON_BACKWARD_VARIANTS += [default_variant(128, dt, c, True) for dt in ("bf16", "fp16") for c in (False, True)]
+GLUON_BACKWARD_VARIANTS += [default_variant(d, dt, c, True) for d in HEAD_DIMS
+                            for dt in ("bf16", "fp16") for c in (False, True)]
 
 
 if _GLUON:
@@ -162,6 +167,36 @@ if _GLUON:
                                             lse_bufs.index(slot))
             tma.async_copy_global_to_shared(delta_desc, [batch, head, row0], ready.index(slot),
                                             delta_bufs.index(slot))
+
+    @gluon.jit
+    def _dq_tile(dv, dk, p_op, ds_op, do_t, q_t, ds_smem, ds_first, k_all, dq_smem, dq_desc, dq_at,
+                 col0, empty_slot, softmax_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Columns [col0, col0 + 64) of a tile's dQ = dS K over both consumers' keys (dS^T halves in
+        ``ds_smem`` slots ds_first and ds_first + 1), added into dQ by TMA reductions staged in
+        ``dq_smem``; waits for the tile's dV and dK wgmmas too and frees its ring slot."""
+        KEYS: gl.constexpr = 64
+        dq_layout: gl.constexpr = _acc_layout(64)
+        dq = warpgroup_mma(ds_smem.index(ds_first).permute((1, 0)),
+                           k_all.index(0).reshape([KEYS, HEAD_DIM]).slice(col0, 64, dim=1),
+                           gl.zeros([BLOCK_M, 64], gl.float32, dq_layout), use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds_smem.index(ds_first + 1).permute((1, 0)),
+                           k_all.index(1).reshape([KEYS, HEAD_DIM]).slice(col0, 64, dim=1),
+                           dq, is_async=True)
+        dv_done, dk_done, dq_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
+            0, deps=(dv, dk, dq, p_op, ds_op, do_t, q_t))
+        mbarrier.arrive(empty_slot)
+        dq_tile = dq_smem.reshape([BLOCK_M, 64])
+        tma.store_wait(0)  # the tile before's reduction has read the slot
+        dq_tile.store(dq_done * softmax_scale)
+        fence_async_shared()
+        # The reduction takes at most 128 bytes of a row per op (the swizzle's span): two ops,
+        # each over one 32-column half of the slot (TMA's column chunks).
+        batch, row0, head = dq_at
+        for half in gl.static_range(2):
+            _tma_reduce_add(dq_desc, [batch, row0, head, col0 + half * 32],
+                            dq_smem.slice(half * 32, 32, dim=3))
+        return dv_done, dk_done, p_op, ds_op
 
     @gluon.jit
     def _bwd_consumer(k_smem, v_smem, kv_bar, dq_smem, shared, BLOCK_M: gl.constexpr,
@@ -250,28 +285,21 @@ if _GLUON:
                 fence_async_shared()
                 mbarrier.arrive(ds_bar)
                 mbarrier.wait(ds_bar, it & 1)
-                dq_layout: gl.constexpr = _acc_layout(64)
-                dq = warpgroup_mma(ds_smem.index(ds_first).permute((1, 0)),
-                                   k_all.index(0).reshape([KEYS, HEAD_DIM]).slice(WG * 64, 64, dim=1),
-                                   gl.zeros([BLOCK_M, 64], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)
-                dq = warpgroup_mma(ds_smem.index(ds_first + 1).permute((1, 0)),
-                                   k_all.index(1).reshape([KEYS, HEAD_DIM]).slice(WG * 64, 64, dim=1),
-                                   dq, is_async=True)
-                dv_done, dk_done, dq_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
-                    0, deps=(dv, dk, dq, p_op, ds_op, do_t, q_t))
+                dq_at = (batch, m * BLOCK_M, head)
+                if HEAD_DIM == 128:  # consumer w: columns [64 w, 64 w + 64) of every tile
+                    dv_done, dk_done, p_op, ds_op = _dq_tile(
+                        dv, dk, p_op, ds_op, do_t, q_t, ds_smem, ds_first, k_all, dq_smem, dq_desc,
+                        dq_at, WG * 64, empty.index(slot), softmax_scale, BLOCK_M, HEAD_DIM)
+                elif it % 2 == WG:  # head dim 64: the whole of every other tile's dQ
+                    dv_done, dk_done, p_op, ds_op = _dq_tile(
+                        dv, dk, p_op, ds_op, do_t, q_t, ds_smem, ds_first, k_all, dq_smem, dq_desc,
+                        dq_at, 0, empty.index(slot), softmax_scale, BLOCK_M, HEAD_DIM)
+                else:
+                    dv_done, dk_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
+                        0, deps=(dv, dk, p_op, ds_op, do_t, q_t))
+                    mbarrier.arrive(empty.index(slot))
                 dv = warpgroup_mma_init(dv_done)
                 dk = warpgroup_mma_init(dk_done)
-                mbarrier.arrive(empty.index(slot))
-                dq_tile = dq_smem.reshape([BLOCK_M, 64])
-                tma.store_wait(0)  # the tile before's reduction has read the slot
-                dq_tile.store(dq_done * softmax_scale)
-                fence_async_shared()
-                # The reduction takes at most 128 bytes of a row per op (the swizzle's span): two
-                # ops, each over one 32-column half of the slot (TMA's column chunks).
-                for half in gl.static_range(2):
-                    _tma_reduce_add(dq_desc, [batch, m * BLOCK_M, head, WG * 64 + half * 32],
-                                    dq_smem.slice(half * 32, 32, dim=3))
             elif not OVERLAP:
                 dv_done, dk_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
                     0, deps=(dv, dk, p_op, ds_op, do_t, q_t))
@@ -415,7 +443,8 @@ def _launch_options(variant: GluonBackwardVariant) -> dict:
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causal: bool,
-               variant: GluonBackwardVariant | None = None, dq_accum: torch.Tensor | None = None) -> None:
+               variant: GluonBackwardVariant | None = None,
+               dq_accum: torch.Tensor | None = None) -> None:
     """dK, dV of attention into ``dk``/``dv`` (B, Sk, Hk, D, TMA-addressable) for inputs
     ``supported`` takes; ``lse`` (natural log) and ``delta`` = rowsum(dO * O): (B, H, Sq) float32
     with one layout and a contiguous last dim. A ``fused_dq`` variant also adds dQ (scaled) into
@@ -453,9 +482,9 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
         (_tma_rows(lse), (1, 1, variant.block_m), _row_layout()),
         (_tma_rows(delta), (1, 1, variant.block_m), _row_layout())))
     # Causal: one (batch, KV head) row of key blocks after another, longest first within a row.
-    # Launching the longest blocks of all rows first was 3-18% slower at 2k-16k (the CTAs at work
-    # then add dQ into every head's rows at once, far beyond L2), in groups of rows no faster
-    # (gluon-bwd-check-h200-20261130-e/-f).
+    # Launching the longest blocks of all rows first was 15-17% slower at 2k and -9..+7% from 4k
+    # (the CTAs at work then add dQ into every head's rows at once, far beyond L2), in groups of
+    # rows no faster (gluon-bwd-check-h200-20261130-e/-f).
     grid = (-(-seqlen_k // 128), heads_k, batch)  # programs(q, k) in all
     scalars = (seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E, softmax_scale)
     on_other_device = q.device.index != torch.cuda.current_device()

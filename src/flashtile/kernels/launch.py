@@ -82,8 +82,8 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
 
     ``tensors``: the kernel's pointer parameters, first in its signature after any tensor
     descriptors: CUDA tensors on one device (the first not None) or None; may be empty when
-    descriptors are given. ``scalars``: the rest,
-    each position always given the same type by its call site (an int is never a float there: the
+    descriptors are given. ``scalars``: the rest, each position always given the same type by its
+    call site (an int is never a float there: the
     key compares values). ``options`` (constexprs and launch options) is keyed by identity: pass the
     same dict object for the same options (a cached plan's), never mutate it. ``descriptors``: TMA
     tensor descriptors (Gluon's), whose block shape and layout ``options`` must determine (their
@@ -93,7 +93,8 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
         jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
     device = torch._C._cuda_getDevice()
-    if (tensors[0] if tensors else descriptors[0].base).get_device() != device:  # the JIT's path (and its checks) for another GPU's tensors
+    first = tensors[0] if tensors else descriptors[0].base
+    if first.get_device() != device:  # the JIT's path (and its checks) for another GPU's tensors
         jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
     ptrs = [None if t is None else t.data_ptr() for t in tensors]
