@@ -570,8 +570,11 @@ def run_training_extras(device: torch.device, log: Callable[[str], None] = print
         lengths = torch.tensor([seqlen // 2, seqlen - 1], dtype=torch.int32, device=device)
 
         def layer(q, k, v):
-            a = flashtile.flash_attn_func(q, k, v, causal=True)
-            b = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, seqlen, seqlen, causal=True)
+            # deterministic: the default backward may add dQ by atomic reductions (the Gluon one on
+            # sm_90), whose order differs run to run; bitwise equality needs the reproducible one.
+            a = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+            b = flashtile.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, seqlen, seqlen, causal=True,
+                                                 deterministic=True)
             c = flashtile.flash_attn_with_kvcache(q[:, -1:].detach(), cache_k, cache_v,
                                                   cache_seqlens=lengths)  # inference only
             return a, b, c
