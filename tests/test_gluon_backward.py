@@ -35,3 +35,19 @@ def test_fused_dq_variants_exist_for_every_dispatched_head_dim():
         args = {"head_dim": 128, "fused_dq": True, **bad}
         with pytest.raises(ValueError, match="fused_dq"):
             gluon_backward.GluonBackwardVariant(**args)
+
+
+def test_lse_rows_are_copied_to_tma_aligned_rows_only_when_needed():
+    """TMA wants 16-byte row strides: LSE/Delta of Sq not a multiple of 4 go to a padded copy."""
+    aligned = torch.randn(2, 3, 64)
+    assert gluon_backward._tma_rows(aligned) is aligned
+    odd = torch.randn(2, 3, 257)
+    rows = gluon_backward._tma_rows(odd)
+    assert rows is not odd and torch.equal(rows, odd)
+    assert rows.stride() == (3 * 260, 260, 1) and gluon_backward._tma_ok(rows)
+
+
+def test_programs_counts_one_cta_per_128_keys_per_kv_head():
+    q = torch.empty(3, 100, 12, 64)
+    k = torch.empty(3, 300, 2, 64)
+    assert gluon_backward.programs(q, k) == 3 * 2 * 3
