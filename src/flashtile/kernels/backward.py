@@ -497,6 +497,7 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     if flags["HAS_RIGHT"] and (window_right != 0 or diag_offset != k.shape[1] - q.shape[1]):
         return None
     from . import gluon_backward
+    from .gluon_forward import _sm_count
     if not gluon_backward.supported(q, k, v, dout):
         return None
     fused = fused and q.shape[-1] in gluon_backward.FUSED_HEAD_DIMS
@@ -509,11 +510,6 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     if fused:
         return "fused"
     return "dkdv" if GLUON_DKDV else None
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) -> str:

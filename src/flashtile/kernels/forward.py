@@ -495,7 +495,7 @@ def gluon_fp8_applies(q, k, v, *, window_left, window_right, diag_offset, scale_
     if window_right >= 0 and not causal:
         return False
     from . import gluon_forward
-    if not gluon_forward._GLUON or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not gluon_forward._GLUON or _arch(q.device.index) != 90:
         return False
     return gluon_forward.fp8_shapes_supported(q, k, v, scale_blocks, causal)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .forward import _arch
 from .gluon_forward import _GLUON, _Descriptor, _smem_layout, _tma_ok, qkv_shapes_ok
 from .launch import launch
 
@@ -398,7 +399,7 @@ def supported(q, k, v, dout, *, head_dims: tuple = HEAD_DIMS) -> bool:
         return False
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in tensors):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _arch(q.device.index) != 90:
         return False
     return dout.shape == q.shape and qkv_shapes_ok(q, k, v, head_dims) and all(_tma_ok(t) for t in tensors)
 

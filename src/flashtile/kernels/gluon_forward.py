@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 import torch
 
+from .forward import _arch
 from .launch import launch
 
 try:  # Gluon ships with triton >= 3.5; keep the module importable without it
@@ -930,7 +931,7 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return False
-    if len({t.device for t in tensors}) != 1 or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if len({t.device for t in tensors}) != 1 or _arch(q.device.index) != 90:
         return False
     return shapes_supported(q, k, v)
 
