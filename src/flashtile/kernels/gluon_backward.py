@@ -295,7 +295,8 @@ if _GLUON:
                     dv_done, dk_done, p_op, ds_op = _dq_tile(
                         dv, dk, p_op, ds_op, do_t, q_t, ds_smem, ds_first, k_all, dq_smem, dq_desc,
                         dq_at, 0, empty.index(slot), softmax_scale, BLOCK_M, HEAD_DIM)
-                else:
+                else:  # the tile's own wait, as without FUSED_DQ (a merged branch compiled the
+                    # dQ code for the stand-in buffers of non-fused variants)
                     dv_done, dk_done, p_op, ds_op, _, _ = warpgroup_mma_wait(
                         0, deps=(dv, dk, p_op, ds_op, do_t, q_t))
                     mbarrier.arrive(empty.index(slot))
@@ -427,9 +428,9 @@ def _tma_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _dq_layout(block_m: int):
-    # 128-byte swizzle, the one get_default_for gives the 64-column staging slot of which each
-    # 32-column half is one reduction's box.
+def _dq_layout():
+    # 128-byte swizzle, the one get_default_for gives the 64-column float32 staging slot, of
+    # which each 32-column half is one reduction's box.
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
 
 
@@ -475,7 +476,7 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
         raise ValueError("gluon_dkdv: dq_accum must be a TMA-addressable float32 tensor of q's shape")
     q_layout, kv_layout = _layouts(variant.block_m, head_dim, q.dtype)
     q_block, kv_block = (1, variant.block_m, 1, head_dim), (1, 64, 1, head_dim)
-    dq_target = ((dq_accum, (1, variant.block_m, 1, 32), _dq_layout(variant.block_m))
+    dq_target = ((dq_accum, (1, variant.block_m, 1, 32), _dq_layout())
                  if dq_accum is not None else (dk, kv_block, kv_layout))
     descriptors = tuple(_Descriptor(t, t.shape, t.stride(), block, layout) for t, block, layout in (
         (q, q_block, q_layout), (k, kv_block, kv_layout), (v, kv_block, kv_layout),
@@ -511,7 +512,7 @@ def compile_for_sm90(variant: GluonBackwardVariant):
         return f"tensordesc<{dt}[{', '.join(map(str, block))}],{layout!r}>"
 
     q_sig, kv_sig = desc((1, variant.block_m, 1, d), q_layout), desc((1, 64, 1, d), kv_layout)
-    dq_sig = (f"tensordesc<fp32[1, {variant.block_m}, 1, 32],{_dq_layout(variant.block_m)!r}>"
+    dq_sig = (f"tensordesc<fp32[1, {variant.block_m}, 1, 32],{_dq_layout()!r}>"
               if variant.fused_dq else kv_sig)
     fn = _attn_bwd_dkdv_gluon
     row_sig = f"tensordesc<fp32[1, 1, {variant.block_m}],{_row_layout()!r}>"
