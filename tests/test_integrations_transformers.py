@@ -86,8 +86,9 @@ def test_greedy_decode_eight_steps(name, padded):
     if padded:
         mask[1, :4] = 0
     with torch.no_grad():
-        gen = ft.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=0)
+        # min_new_tokens: a random model may emit its EOS token and end the generation early
+        gen = ft.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     seq = gen.sequences
     assert seq.shape == (2, 20)
     full_mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long)], dim=1)
