@@ -182,7 +182,14 @@ def _check_case_fp8(q, k, v, causal, variant, order=None):
 
 
 def _inputs(batch, seqlen_q, seqlen_k, heads, heads_k, d, dtype, packed=False):
+    """packed: q, k, v as slices of one tensor; "rising": keys scaled by 1 + 3 * position / Sk,
+    so that each row's running max keeps growing over the key tiles (by ~17 in log2 units at
+    d128: the lazy rescale's reference has to move several times)."""
     import torch
+    if packed == "rising":
+        q, k, v = _inputs(batch, seqlen_q, seqlen_k, heads, heads_k, d, dtype)
+        ramp = 1 + 3 * torch.arange(seqlen_k, device="cuda", dtype=torch.float32) / seqlen_k
+        return q, (k.float() * ramp[None, :, None, None]).to(dtype), v
     if packed:  # q, k, v sliced out of one (B, S, 3, H, D) tensor: row stride 3 * H * D
         qkv = torch.randn(batch, seqlen_q, 3, heads, d, device="cuda", dtype=dtype)
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -209,6 +216,9 @@ def _check_cases(variant):
                   ("tiny 1x1", 1, 1, 1, 4, 4, False, None),
                   ("17x200", 3, 17, 200, 4, 2, False, None),
                   ("packed qkv 777", 2, 777, 777, 8, 8, True, None)]
+    if variant.lazy_rescale:
+        cases += [("rising scores", 2, 2048, 2048, 8, 8, "rising", None),
+                  ("rising Sq<Sk", 1, 700, 3000, 8, 4, "rising", None)]
     if variant.causal and variant.persistent:
         cases += [("4096 heads-outer", 2, 4096, 4096, 16, 16, False, {"head_group": 1}),
                   ("GQA blocks-outer", 2, 2048, 2048, 32, 8, False, {"head_group": 0}),

@@ -215,3 +215,12 @@ def test_three_consumer_groups_follow_the_model():
         assert gluon_forward.head_group_order(variant, n, n, 16384 // n * 32, 132) > 1
     full = gluon_forward.default_variant(64, "bf16", False)
     assert gluon_forward.head_group_order(full, 4096, 4096, 128, 132) == 128
+
+
+def test_lazy_rescale_is_for_16_bit_inputs():
+    """FlashAttention-4's lazy rescale lets P reach 2^8 against a stale reference max: 16-bit only."""
+    with pytest.raises(ValueError, match="lazy rescale"):
+        gluon_forward.GluonVariant(128, "fp8", lazy_rescale=True)
+    lazy = gluon_forward.GluonVariant(128, "bf16", lazy_rescale=True)
+    assert lazy.name.endswith("-lazy")
+    assert gluon_forward._kernel_constexprs(lazy)["LAZY_RESCALE"] is True

@@ -64,6 +64,9 @@ try:  # Gluon ships with triton >= 3.5; keep the module importable without it
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _GLUON = True
     _LN2 = gl.constexpr(0.6931471805599453)  # natural log of the base-2 LSE, inside the kernel
+    # Lazy rescale: P may reach 2^8 against a stale reference max (FlashAttention-4's value); bf16
+    # and fp16 hold that, and the fp32 sums lose nothing.
+    RESCALE_THRESHOLD = gl.constexpr(8.0)
 except ImportError:  # pragma: no cover - depends on the installed triton
     _GLUON = False
 
@@ -107,12 +110,19 @@ class GluonVariant:
     # Causal: each consumer warpgroup stops at the last key tile its own 64 rows see (and only
     # releases the block's later tiles), instead of every consumer running the whole block's range.
     own_range: bool = False
+    # FlashAttention-4's lazy rescale (16-bit only): the reference max of a consumer's rows moves
+    # only when some row's running max grew by more than RESCALE_THRESHOLD (log2 units) over it, so
+    # most key tiles skip the O *= alpha pass; exact, because the final division by the running
+    # sum (kept against the same reference) cancels it, and P stays below 2^RESCALE_THRESHOLD.
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
             raise ValueError("snake order needs persistent CTAs")
         if self.own_range and (self.pingpong or not self.causal or not self.warp_specialize):
             raise ValueError("own key ranges need causal consumers without ping-pong")
+        if self.lazy_rescale and self.fp8:
+            raise ValueError("the lazy rescale is for 16-bit inputs (e4m3 P must stay within 1)")
 
     @property
     def block_m(self) -> int:
@@ -141,6 +151,8 @@ class GluonVariant:
             sched += "-pq"
         if self.warp_specialize and self.consumers != 2:
             sched += f"-c{self.consumers}"
+        if self.lazy_rescale:
+            sched += "-lazy"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -163,6 +175,14 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
     config = {"block_n": 64 if head_dim > 128 else 128, "stages": 3 if head_dim <= 64 else 2,
               "persistent": True,
               "prefetch_q": head_dim == 128 and not causal and dtype != "fp8", "snake": causal}
+    if head_dim >= 128 and dtype != "fp8":
+        # FlashAttention-4's lazy rescale, as medians of five shuffled rounds against the same
+        # schedule without it (gluon-ab-lazy-h200-20261130.json, 2k/4k/8k/16k): d128 non-causal
+        # +2.1/+0.0/+0.4/+2.0%, causal +1.9/+0.6/+2.9/+0.5%; d256 non-causal -1.6/+1.3/-0.7/+2.7%,
+        # causal +0.2/+3.2/+3.0/+3.4%. (d256 keeps one register in 8 bytes of stack, stored once
+        # and loaded once per call, outside the key loop.) At d64 the three 160-register
+        # consumers spill in the loop with it: -9 to -11%, not used.
+        config.update(lazy_rescale=True, max_stack=8 if head_dim > 128 else 0)
     if head_dim <= 64 and dtype != "fp8":
         # d64: three consumer warpgroups (192-row blocks, FA3's layout where the softmax dominates),
         # 160 registers each, no ping-pong: +8-10% non-causal at 2k-16k, causal -1% at 2k, +0-7%
@@ -256,7 +276,10 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [dataclasses.replace(default_variant(d, "bf16", True), snake=False)
                      for d in (128, 64, 256)]
                   # every consumer over the whole block's key range
-                  + [dataclasses.replace(default_variant(64, "bf16", True), own_range=False)])
+                  + [dataclasses.replace(default_variant(64, "bf16", True), own_range=False)]
+                  # the d128 and d256 defaults without the lazy rescale (before 2026-11-30's A/B)
+                  + [dataclasses.replace(default_variant(d, "bf16", c), lazy_rescale=False, max_stack=0)
+                     for d in (128, 256) for c in (False, True)])
 # Everything dispatch can run (gluon_check gives these its full case list).
 DISPATCHED = frozenset([default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
                         for c in (False, True)]
@@ -421,13 +444,18 @@ if _GLUON:
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
-                      MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                      MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
+                      LAZY: gl.constexpr = False):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
         visible key so far gets alpha = 1 and p = exp2(-inf) = 0 rather than NaN.
         FP8: p comes out times V's relative descale ``v_rel`` (in (0, 1], so P still fits e4m3), by
         shifting the exponent; the running sum takes p without it.
+        LAZY: each row's m is a reference that moves only when the row's max exceeds it by more
+        than RESCALE_THRESHOLD (p stays below 2^RESCALE_THRESHOLD); alpha is exactly 1 where it
+        did not move. A decision per row needs no exchange between the warps here, on the
+        softmax's path; the caller asks once per tile whether any row moved.
         """
         if MASKED:
             keys = n0 + cols
@@ -436,6 +464,8 @@ if _GLUON:
                 keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows_pos, 1))
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        if LAZY:
+            m_new = gl.where(m_new - m_i > RESCALE_THRESHOLD, m_new, m_i)
         alpha = gl.exp2(m_i - m_new)
         if FP8:
             # One FMA per score (LLVM left this one as a multiply and a subtract).
@@ -498,7 +528,8 @@ if _GLUON:
                       k_scales, v_scales, scale_shift_k,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                      LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr):
+                      LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
+                      LAZY: gl.constexpr = False):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
@@ -525,18 +556,24 @@ if _GLUON:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES,
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
-                                           tile_scale, v_rel, MASKED, CAUSAL, FP8)
+                                           tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
         else:
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
+            if LAZY:  # whether any row's reference moved: warps exchange it while P V still runs
+                rescale = gl.min(alpha, 0) < 1.0
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
         mbarrier.arrive(v_empty.index(prev))
         if LOADS:
             _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
                              ring - 1 + STAGES, BLOCK_N, STAGES, j - 1 + STAGES < num_tiles, FP8)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if LAZY:
+            if rescale:
+                o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        else:
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         return o, p_next, m_i, l_i
 
     @gluon.jit
@@ -549,7 +586,8 @@ if _GLUON:
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
-                      Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False):
+                      Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
+                      LAZY: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -624,13 +662,13 @@ if _GLUON:
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT)
+                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT)
+                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -693,7 +731,7 @@ if _GLUON:
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
-                  OWN_RANGE: gl.constexpr = False):
+                  OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -743,7 +781,7 @@ if _GLUON:
                           stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, seqlen_k,
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE)
+                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY)
             ring += num_tiles
             event += num_tiles + 1
         if Q_BUFS == 2:
@@ -764,7 +802,7 @@ if _GLUON:
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
                         CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
-                        OWN_RANGE: gl.constexpr = False):
+                        OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -828,13 +866,13 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE)),
+                             OWN_RANGE, LAZY_RESCALE)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE)),
+                             OWN_RANGE, LAZY_RESCALE)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE)),
+                             OWN_RANGE, LAZY_RESCALE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -847,9 +885,11 @@ if _GLUON:
             NO_LOADS: gl.constexpr = False
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE)),
+                             CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
+                             OWN_RANGE, LAZY_RESCALE)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE)),
+                             CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
+                             OWN_RANGE, LAZY_RESCALE)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -857,7 +897,7 @@ if _GLUON:
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
-                      False, True, FP8, False, Q_BUFS, SNAKE)
+                      False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -898,7 +938,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "FP8": (2 if variant.p_in_registers else 3 if variant.p_slots == 1 else 1) if variant.fp8 else 0,
             "JOINT_RELEASE": variant.joint_release and variant.warp_specialize,
             "Q_BUFS": 2 if variant.prefetch_q else 1, "CONSUMERS": variant.consumers,
-            "SNAKE": variant.snake, "OWN_RANGE": variant.own_range}
+            "SNAKE": variant.snake, "OWN_RANGE": variant.own_range,
+            "LAZY_RESCALE": variant.lazy_rescale}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
