@@ -224,3 +224,62 @@ def test_lazy_rescale_is_for_16_bit_inputs():
     lazy = gluon_forward.GluonVariant(128, "bf16", lazy_rescale=True)
     assert lazy.name.endswith("-lazy")
     assert gluon_forward._kernel_constexprs(lazy)["LAZY_RESCALE"] is True
+
+
+@pytest.mark.parametrize("shape", [
+    # (B, Sq, Sk, H, Hk, D, causal, dtype)
+    (1, 2048, 2048, 12, 2, 128, True, torch.bfloat16),
+    (2, 1000, 3000, 8, 8, 64, True, torch.float16),
+    (3, 777, 300, 4, 1, 256, False, torch.bfloat16),
+    (4, 4096, 4096, 32, 32, 64, True, torch.bfloat16),
+    (2, 129, 129, 16, 4, 128, False, torch.float16),
+])
+def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatch, shape):
+    """The cached plan of a plain call gives the launch the general path would make (same kernel,
+    grid, options, scalars, descriptor geometry), checked on the CPU with the GPU parts stubbed."""
+    b, sq, sk, h, hk, d, causal, dtype = shape
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    k = torch.randn(b, sk, hk, d, dtype=dtype)
+    v = torch.randn(b, sk, hk, d, dtype=dtype)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "supported", lambda *a, **kw: gluon_forward.shapes_supported(*a[:3]))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    monkeypatch.setattr(gluon_forward, "_PLAIN", {})
+    scale = d ** -0.5
+    for _ in range(2):  # the second call takes the cached plan
+        out, lse = gluon_forward.plain_forward(q, k, v, scale, causal)
+    ref_out, ref_lse = gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=scale, causal=causal)
+    assert len(launches) == 3 and len(gluon_forward._PLAIN) == 1
+    plain, cached, general = launches
+    for got in (plain, cached):
+        jit, grid, tensors, scalars, options, descriptors = got
+        assert (jit, grid, scalars) == general[:2] + general[3:4]
+        assert options is general[4]
+        assert len(tensors) == 4 and all(t.shape == ref_lse.shape for t in tensors)
+        for mine, theirs in zip(descriptors, general[5]):
+            assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
+                   (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
+        assert [x.base is y for x, y in zip(descriptors[:3], (q, k, v))] == [True] * 3
+    assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and out.dtype == dtype
+    assert lse.shape == ref_lse.shape and lse.stride() == ref_lse.stride()
+
+
+def test_plain_forward_declines_what_the_kernel_does_not_take(monkeypatch):
+    """None (nothing launched) for a head dim outside HEAD_DIMS, a misaligned base or a
+    non-positive scale; the caller then runs the general path."""
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "supported", lambda *a, **kw: gluon_forward.shapes_supported(*a[:3]))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(gluon_forward, "_PLAIN", {})
+    q, k, v = _qkv(d=96)
+    assert gluon_forward.plain_forward(q, k, v, 0.1, False) is None
+    q, k, v = _qkv()
+    assert gluon_forward.plain_forward(q, k, v, -0.1, False) is None
+    flat = torch.randn(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)
+    assert gluon_forward.plain_forward(flat[1:].view(2, 64, 4, 128), k, v, 0.1, False) is None
+    assert not launches

@@ -81,6 +81,8 @@ def _check_attention_match(q, k, v, k_shape, v_shape, names, kv_dtype=None) -> N
 def _check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
     if softmax_scale is None:
         return head_dim ** -0.5
+    if type(softmax_scale) is float and 0 < softmax_scale < math.inf:  # skips the ABC check below
+        return softmax_scale
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
         raise TypeError(f"{name} must be a float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
@@ -105,6 +107,8 @@ def _check_window(window_size, causal: bool) -> tuple[int, int]:
 
 
 def _check_softcap(softcap) -> float:
+    if softcap == 0 and (type(softcap) is float or type(softcap) is int):  # the default, cheaply
+        return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     if not math.isfinite(softcap) or softcap < 0:
@@ -128,6 +132,8 @@ def _check_alibi(alibi_slopes, batch: int, heads: int, device: torch.device):
 
 
 def _check_dropout(dropout_p) -> float:
+    if dropout_p == 0 and (type(dropout_p) is float or type(dropout_p) is int):  # the default, cheaply
+        return 0.0
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
@@ -146,15 +152,15 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
         return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, descales, names)
-    if any(d is not None for d in descales):
+    if descales[0] is not None or descales[1] is not None or descales[2] is not None:
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_attention_inputs(q, k, v, names)
     dropout_p = _check_dropout(dropout_p)
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
-    alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    seed = ops.new_dropout_seed(dropout_p, q.device)
+    alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device) if alibi_slopes is not None else None
+    seed = ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, None, None, 0, 0,
                            dropout_p, seed, None, _check_deterministic(deterministic))
     if not return_attn_probs:

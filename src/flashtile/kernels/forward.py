@@ -453,6 +453,7 @@ def _tma_eligible(tensors, strides) -> bool:
 # head dims 64/128/256, full or bottom-right causal, nothing else); FLASHTILE_GLUON=0 keeps every call on
 # the portable Triton kernel.
 GLUON_ENABLED = os.environ.get("FLASHTILE_GLUON", "1") not in ("", "0")
+_PLAIN_GLUON = GLUON_ENABLED and not _INTERPRET
 
 
 def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_offset, softcap=0.0,
@@ -550,6 +551,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     k and v (B, Hk, Sk blocks)) float32, one per ``scale_blocks`` = (queries, keys) tokens, each a
     multiple of the kernel's tile; out is bfloat16.
     """
+    if (_PLAIN_GLUON and out is None and lse is None and config is None and cu_seqlens_q is None
+            and dropout_seed is None and block_table is None and descales is None and not softcap
+            and alibi_slopes is None and window_left < 0):
+        # flash_attn_func's plain call: the Gluon kernel's plan looked up by the inputs' geometry
+        causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
+        if window_right < 0 or causal:
+            from . import gluon_forward
+            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal)
+            if result is not None:
+                return result
     if gluon_applies(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                      window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                      alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,

@@ -1051,6 +1051,103 @@ def _layouts(block_m: int, block_n: int, head_dim: int, torch_dtype):
     return q_layout, kv_layout, kv_layout, q_layout
 
 
+_NO_SCALES = (0, 0, 0, 0, 0, 0, 0)  # the e4m3 scale arguments of a 16-bit launch (never read)
+
+
+class _Geometry(NamedTuple):
+    """What a launch takes that depends only on the variant and the problem's sizes."""
+    grid: tuple
+    q_block: tuple
+    kv_block: tuple
+    layouts: tuple  # shared layouts of the Q, K, V and output tiles
+    num_m_blocks: int
+    head_group: int  # (batch, head) pairs per group of causal work tiles, at most all of them
+    options: dict
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(variant: GluonVariant, batch: int, seqlen_q: int, seqlen_k: int, heads: int,
+              sm_count: int, head_group: int | None, torch_dtype) -> _Geometry:
+    rows = _rows_per_consumer(variant)
+    num_m_blocks = -(-seqlen_q // variant.block_m)
+    work_tiles = num_m_blocks * heads * batch
+    if head_group is None:
+        head_group = head_group_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
+    elif head_group == 0:
+        head_group = heads * batch
+    return _Geometry((min(work_tiles, sm_count) if variant.persistent else work_tiles,),
+                     (1, rows, 1, variant.head_dim), (1, variant.block_n, 1, variant.head_dim),
+                     _layouts(rows, variant.block_n, variant.head_dim, torch_dtype), num_m_blocks,
+                     min(head_group, heads * batch), _launch_options(variant))
+
+
+class _PlainPlan(NamedTuple):
+    geometry: _Geometry
+    device: torch.device
+    device_index: int
+    lse_shape: tuple
+    out_strides: tuple
+    scalars_head: tuple  # the launch's scalars before the score scale
+    scalars_tail: tuple  # and after it
+
+
+# Plain calls by (shapes, strides, dtypes, device, causal) of q, k, v: their plan, or None where
+# ``supported`` refuses such tensors. Bounded like launch's caches (varlen-free prefill sees few
+# geometries; a growing-cache caller could see many).
+_PLAIN: dict = {}
+_MAX_PLAIN = 1024
+
+
+def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                  causal: bool):
+    """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)`` (fresh out
+    and LSE, the shipped variant) with everything that depends only on the tensors' shapes,
+    strides, dtypes and device looked up rather than worked out again: ``supported``'s checks
+    and the launch geometry cost ~20 us of host time a call, as much as the kernel itself at 1-2k
+    tokens. Returns None, having launched nothing, where ``supported`` refuses the inputs or they
+    sit on another than the current device: the caller then takes the general path."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
+        return None
+    q_shape, k_shape, q_strides, k_strides, v_strides = q.shape, k.shape, q.stride(), k.stride(), v.stride()
+    key = (q_shape, k_shape, v.shape, q_strides, k_strides, v_strides, q.dtype, k.dtype, v.dtype,
+           q.get_device(), causal)
+    plan = _PLAIN.get(key, False)
+    if plan is False:
+        plan = _plain_plan(q, k, v, causal)
+        if len(_PLAIN) >= _MAX_PLAIN:
+            _PLAIN.clear()
+        _PLAIN[key] = plan
+    if plan is None or plan.device_index != torch._C._cuda_getDevice():
+        return None
+    geo = plan.geometry
+    out = torch.empty(q_shape, dtype=q.dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    q_layout, k_layout, v_layout, o_layout = geo.layouts
+    descriptors = (_Descriptor(q, q_shape, q_strides, geo.q_block, q_layout),
+                   _Descriptor(k, k_shape, k_strides, geo.kv_block, k_layout),
+                   _Descriptor(v, k_shape, v_strides, geo.kv_block, v_layout),
+                   _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
+    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse),
+           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+    return out, lse
+
+
+def _plain_plan(q, k, v, causal: bool) -> _PlainPlan | None:
+    if not supported(q, k, v, causal=causal):
+        return None
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or heads == 0 or seqlen_k == 0:
+        return None  # gluon_attention_forward's conventions for empty inputs, on the general path
+    variant = default_variant(head_dim, _DTYPES[q.dtype], causal)
+    geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
+    # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
+    return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
+                      (seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1),
+                      (heads * seqlen_q, seqlen_q, seqlen_q, seqlen_k, heads // heads_k, heads,
+                       geo.num_m_blocks, batch), (*_NO_SCALES, geo.head_group))
+
+
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                             causal: bool, variant: GluonVariant | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -1099,28 +1196,19 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         variant = default_variant(head_dim, dtype, causal)
     elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
+    if head_group is not None and head_group < 0:
+        raise ValueError("head_group must be >= 0")
 
-    rows = _rows_per_consumer(variant)
-    q_layout, k_layout, v_layout, o_layout = _layouts(rows, variant.block_n, head_dim, q.dtype)
-    q_block, kv_block = (1, rows, 1, head_dim), (1, variant.block_n, 1, head_dim)
+    geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
+    q_layout, k_layout, v_layout, o_layout = geo.layouts
     if fp8:  # V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
         vt = v.permute(0, 2, 3, 1)
         v_descriptor = _Descriptor(vt, vt.shape, vt.stride(), (1, 1, head_dim, variant.block_n), v_layout)
     else:
-        v_descriptor = _Descriptor(v, v.shape, v.stride(), kv_block, v_layout)
-    descriptors = (_Descriptor(q, q.shape, q.stride(), q_block, q_layout),
-                   _Descriptor(k, k.shape, k.stride(), kv_block, k_layout), v_descriptor,
-                   _Descriptor(out, out.shape, out.stride(), q_block, o_layout))
-    num_m_blocks = -(-seqlen_q // variant.block_m)
-    work_tiles = num_m_blocks * heads * batch
-    sm_count = _sm_count(q.device)
-    grid = (min(work_tiles, sm_count) if variant.persistent else work_tiles,)
-    if head_group is None:
-        head_group = head_group_order(variant, seqlen_q, seqlen_k, heads * batch, sm_count)
-    elif head_group < 0:
-        raise ValueError("head_group must be >= 0")
-    elif head_group == 0:
-        head_group = heads * batch
+        v_descriptor = _Descriptor(v, v.shape, v.stride(), geo.kv_block, v_layout)
+    descriptors = (_Descriptor(q, q.shape, q.stride(), geo.q_block, q_layout),
+                   _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout), v_descriptor,
+                   _Descriptor(out, out.shape, out.stride(), geo.q_block, o_layout))
     if fp8:
         q_d, k_d, v_d = descales
         scales = (q_d, k_d, v_d)
@@ -1129,13 +1217,13 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                          -(-seqlen_k // scale_blocks[1]))
     else:  # never read
         scales = (lse, lse, lse)
-        scale_scalars = (0, 0, 0, 0, 0, 0, 0)
-    scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads, num_m_blocks,
-               batch, softmax_scale * LOG2E, *scale_scalars, min(head_group, heads * batch))
+        scale_scalars = _NO_SCALES
+    scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads,
+               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group)
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_fwd_gluon, grid, (lse, *scales), scalars, _launch_options(variant), descriptors)
+        launch(_attn_fwd_gluon, geo.grid, (lse, *scales), scalars, geo.options, descriptors)
     return out, lse
 
 
