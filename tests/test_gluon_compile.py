@@ -218,7 +218,7 @@ def test_three_consumer_groups_follow_the_model():
 
 
 def test_lazy_rescale_is_for_16_bit_inputs():
-    """FlashAttention-4's lazy rescale lets P reach 2^8 against a stale reference max: 16-bit only."""
+    """e4m3 kernels measured slower with FlashAttention-4's lazy rescale: refused there."""
     with pytest.raises(ValueError, match="lazy rescale"):
         gluon_forward.GluonVariant(128, "fp8", lazy_rescale=True)
     lazy = gluon_forward.GluonVariant(128, "bf16", lazy_rescale=True)
