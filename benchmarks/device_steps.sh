@@ -5,7 +5,7 @@
 #     PYTHONPATH=src bash benchmarks/device_steps.sh train-quick ring-quick fp8-accuracy ...
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
-# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, tune-paged-shift, tune-paged-ab, tune-paged-pdl, tune-decode-merged, tune-decode-wave, tune-paged-wave, tune-paged-w2, tune-paged-b1, tune-paged-mid, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check, gluon-bwd-sanitize, train-profile, train-cprofile, sanitize-gluon-pq, gluon-ab, gluon-ab-lazy, gluon-check-lazy, sanitize-gluon-lazy, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, prefill-host, decode-host, decode-probe(-paged, -fp8(-warps, -plan), -bf16-w2(-ab, -ab2, -unsplit), -unsplit-tiles, -wave-w2, -b64, -fp8-mid, -mid-pairs, -mid-plan, -trigger, -combine(-warps)), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
+# tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, tune-paged-shift, tune-paged-ab, tune-paged-pdl, tune-decode-merged, tune-decode-wave, tune-paged-wave, tune-paged-w2, tune-paged-b1, tune-paged-mid, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check(-only), gluon-bwd-sanitize, train-profile, train-cprofile, sanitize-gluon-pq, gluon-ab, gluon-ab-lazy, gluon-check-lazy, sanitize-gluon-lazy, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, prefill-host, decode-host, decode-probe(-paged, -fp8(-warps, -plan), -bf16-w2(-ab, -ab2, -unsplit), -unsplit-tiles, -wave-w2, -b64, -fp8-mid, -mid-pairs, -mid-plan, -trigger, -combine(-warps)), gluon-debug, ncu-decode, ncu-gluon. Set STEP_LIMIT (seconds) to change
 # the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
 # only a few files per call).
 set -u
@@ -56,6 +56,7 @@ command_for() {
         sanitize-quick) echo "${SANITIZER[*]} python benchmarks/sanitize.py --quick" ;;
         sanitize-gluon) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only" ;;
         sanitize-gluon-fp8) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only --only=fp8" ;;
+        gluon-bwd-check-only) echo "python benchmarks/gluon_bwd_check.py --out $OUT --phase check" ;;
         gluon-bwd-check) echo "python benchmarks/gluon_bwd_check.py --out $OUT" ;;
         gluon-bwd-sanitize) echo "${SANITIZER[*]} python benchmarks/gluon_bwd_check.py --phase check --small --out $OUT" ;;
         train-profile) echo "python benchmarks/train_profile.py --out $OUT" ;;

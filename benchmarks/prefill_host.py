@@ -89,7 +89,7 @@ def main() -> int:
     key = (jit, id(options), torch.cuda.current_device(), grid, scalars,
            *[d.base.dtype for d in descriptors],
            *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
-    kernel, tail, _ = launch_mod._KERNELS[key]
+    kernel, tail = launch_mod._KERNELS[key][:2]
     ptrs = [t.data_ptr() for t in tensors]
     stream = torch.cuda.current_stream().cuda_stream
     g = grid + (1,) * (3 - len(grid))
@@ -100,7 +100,7 @@ def main() -> int:
             q, k, k, softmax_scale=0.088, causal=causal, out=out, lse=lse),
         "launch.launch (prepared arguments)": lambda: launch_mod.launch(
             jit, grid, tensors, scalars, options, descriptors),
-        "kernel.run (prepared arguments)": lambda: kernel.run(
+        "kernel.run (Triton's launcher: encodes the descriptors)": lambda: kernel.run(
             g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
             *descriptors, *ptrs, *scalars, *tail),
     }

@@ -56,3 +56,56 @@ def test_scalar_classes_are_at_least_as_fine_as_tritons_specialization():
     assert launch.scalar_classes((1000, 4096, 0.5)) == launch.scalar_classes((1002, 8192, 0.25))
     assert launch.scalar_classes((16,)) != launch.scalar_classes((17,))
     assert launch.scalar_classes((1,)) != launch.scalar_classes((2,))
+
+
+def test_raw_launcher_reproduces_tritons_descriptor_wrapping(monkeypatch):
+    """Behind Triton 3.6's launcher, wrap_handle_tensordesc expands each descriptor parameter into
+    (encoded map, shape, strides) before the C launcher; raw_launcher finds that C launcher, and
+    launch's cached encoding hands it the same arguments the wrapper would."""
+    import torch
+    from triton.backends.nvidia import driver
+
+    calls = []
+
+    def c_launcher(*args):
+        calls.append(args)
+
+    def encode(arg, meta):  # stands in for cuTensorMapEncodeTiled (needs a GPU)
+        return [("map", arg.base.data_ptr(), meta["swizzle"]), *arg.shape, *arg.strides]
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(launch, "make_tensordesc_arg", encode)
+    signature = {"a_desc": "tensordesc<bf16[64, 64]>", "b_desc": "tensordesc<bf16[64, 64]>",
+                 "ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+
+    class Run:  # the attributes CudaLauncher.__call__ reads
+        launch = driver.wrap_handle_tensordesc(c_launcher, signature, metas)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+    class Kernel:
+        run = Run()
+    raw = launch.raw_launcher(Kernel)
+    assert raw is not None and raw[0] is c_launcher and raw[1] == tuple(metas) and raw[2:] == (False, True)
+
+    from flashtile.kernels.gluon_forward import _Descriptor
+    a, b = torch.zeros(64, 64), torch.zeros(128, 64)
+    descs = (_Descriptor(a, a.shape, a.stride(), (64, 64), None),
+             _Descriptor(b, b.shape, b.stride(), (64, 64), None))
+    base = (1, 2, 3, 7, 9, False, True, None, None, "meta", None, None, None)
+    Run.launch(*base, *descs, 1234, 5, 64)  # what Triton's own path passes to the C launcher
+    tritons = calls.pop()
+    launcher, found_metas, cooperative, pdl = raw
+    encoded = []
+    for i, d in enumerate(descs):
+        encoded += tuple(launch.make_tensordesc_arg(d, found_metas[i]))
+    launcher(1, 2, 3, 7, 9, cooperative, pdl, None, None, "meta", None, None, None, *encoded, 1234, 5, 64)
+    assert calls.pop() == tritons
+
+
+def test_raw_launcher_steps_aside_for_unexpected_wrappers():
+    class Plain:  # no descriptor wrapping: launches keep going through kernel.run
+        class run:
+            launch = staticmethod(lambda *args: None)
+            global_scratch_size = profile_scratch_size = 0
+    assert launch.raw_launcher(Plain) is None

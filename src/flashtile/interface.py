@@ -107,7 +107,7 @@ def _check_window(window_size, causal: bool) -> tuple[int, int]:
 
 
 def _check_softcap(softcap) -> float:
-    if softcap == 0 and (type(softcap) is float or type(softcap) is int):  # the default, cheaply
+    if (type(softcap) is float or type(softcap) is int) and softcap == 0:  # the default, cheaply
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
@@ -132,7 +132,7 @@ def _check_alibi(alibi_slopes, batch: int, heads: int, device: torch.device):
 
 
 def _check_dropout(dropout_p) -> float:
-    if dropout_p == 0 and (type(dropout_p) is float or type(dropout_p) is int):  # the default, cheaply
+    if (type(dropout_p) is float or type(dropout_p) is int) and dropout_p == 0:  # the default, cheaply
         return 0.0
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")

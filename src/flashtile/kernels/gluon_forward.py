@@ -1112,7 +1112,7 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
         return None
     q_shape, k_shape, q_strides, k_strides, v_strides = q.shape, k.shape, q.stride(), k.stride(), v.stride()
     key = (q_shape, k_shape, v.shape, q_strides, k_strides, v_strides, q.dtype, k.dtype, v.dtype,
-           q.get_device(), causal)
+           q.get_device(), k.get_device(), v.get_device(), causal)
     plan = _PLAIN.get(key, False)
     if plan is False:
         plan = _plain_plan(q, k, v, causal)

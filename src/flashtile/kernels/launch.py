@@ -13,6 +13,13 @@ cache that grows every step) no longer send every call through the JIT. Only the
 class key goes through the JIT, which compiles and picks the kernel; both keys are at least as fine
 as Triton's own, so the kernel found for them is the kernel the JIT would have launched.
 
+Kernels with TMA descriptor parameters (the Gluon ones) skip one more layer: Triton's launcher
+encodes every descriptor (cuTensorMapEncodeTiled behind a few Python calls) on every launch; here the
+encoded descriptor of each (parameter, address, shape, strides) is kept with the kernel's entry and
+handed straight to the C launcher underneath (Triton 3.6's ``CudaLauncher`` and
+``wrap_handle_tensordesc``, whose wrapping this reads: where it does not look as expected, or the
+kernel needs scratch memory, launches go through ``kernel.run`` as before).
+
 The JIT path is kept when kernels run in the interpreter, when Triton's launch hooks are set (a
 profiler such as proton needs them), with a Triton other than 3.6 and with ``FLASHTILE_DIRECT_LAUNCH=0``.
 """
@@ -27,6 +34,11 @@ from triton import knobs
 
 from .forward import interpreting
 
+try:  # Triton's own descriptor encoding (NVIDIA backend), used when a cached one is missing
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+except ImportError:  # pragma: no cover - depends on the installed triton
+    make_tensordesc_arg = None
+
 # The launcher's calling convention and the JIT's caches are Triton internals: used only with the
 # Triton release this was written and checked against (3.6), the JIT's path with any other.
 ENABLED = (os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") not in ("", "0")
@@ -40,6 +52,10 @@ _MAX_KERNELS = 4096
 # The same entries by class key (scalars by specialization class, no grid: the grid is a launch
 # argument, not part of what Triton compiles for).
 _BY_CLASS: dict = {}
+
+# Encoded TMA descriptors kept per kernel entry (training sees each layer's activations at the
+# same addresses step after step; a benchmark loop, the same few).
+_MAX_TMAPS = 256
 
 _I32 = (-2 ** 31, 2 ** 31)
 _I64 = (-2 ** 63, 2 ** 63)
@@ -116,18 +132,53 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
             if len(_BY_CLASS) >= _MAX_KERNELS:
                 _BY_CLASS.clear()
             # The entry holds ``options`` so that its id stays unique while the entry lives.
-            entry = (kernel, values[len(descriptors) + len(tensors) + len(scalars):], options)
+            entry = (kernel, values[len(descriptors) + len(tensors) + len(scalars):], options,
+                     raw_launcher(kernel) if descriptors else None, {})
             _BY_CLASS[class_key] = entry
             _remember(key, entry)
             return
         _remember(key, entry)
-    kernel, tail, _ = entry
+    kernel, tail, _, raw, tmaps = entry
     g = grid + (1,) * (3 - len(grid))
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    if raw is not None:
+        launcher, metas, cooperative, pdl = raw
+        encoded = []
+        for i, d in enumerate(descriptors):
+            key = (i, d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
+            arg = tmaps.get(key)
+            if arg is None:
+                if len(tmaps) >= _MAX_TMAPS:
+                    tmaps.clear()
+                arg = tmaps[key] = tuple(make_tensordesc_arg(d, metas[i]))
+            encoded += arg
+        launcher(g[0], g[1], g[2], stream, kernel.function, cooperative, pdl, None, None,
+                 kernel.packed_metadata, None, None, None, *encoded, *ptrs, *scalars, *tail)
+        return
     # Pointers as ints: given a tensor, the launcher calls its data_ptr() and asks the driver about
     # the address (cuPointerGetAttribute), a microsecond per pointer. The callers' argument checks
     # have put every tensor on the first one's device, the current one.
-    kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), kernel.function,
-               kernel.packed_metadata, None, None, None, *descriptors, *ptrs, *scalars, *tail)
+    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+               *descriptors, *ptrs, *scalars, *tail)
+
+
+def raw_launcher(kernel):
+    """(C launcher, descriptor metadata, cooperative, pdl) under a compiled kernel whose first
+    parameters are its TMA descriptors, as Triton 3.6's launcher wraps it; None where the wrapping
+    is not that one (or the kernel needs scratch memory), and launches keep going through it."""
+    run = kernel.run
+    inner = getattr(run, "launch", None)
+    code = getattr(inner, "__code__", None)
+    if (make_tensordesc_arg is None or code is None or not inner.__closure__
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in inner.__closure__)))
+    if code.co_name != "inner" or not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+        return None
+    indices, metas = cells["tensordesc_indices"], cells["tensordesc_meta"]
+    if sorted(indices) != list(range(len(indices))) or not metas or any(m is None for m in metas):
+        return None
+    return cells["launcher"], tuple(metas), run.launch_cooperative_grid, run.launch_pdl
 
 
 def _remember(key, entry) -> None:
