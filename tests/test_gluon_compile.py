@@ -226,6 +226,49 @@ def test_lazy_rescale_is_for_16_bit_inputs():
     assert gluon_forward._kernel_constexprs(lazy)["LAZY_RESCALE"] is True
 
 
+def _emulate_exp2_poly(x: torch.Tensor) -> torch.Tensor:
+    """The polynomial half of exp2_ptx step by step in fp32 (each PTX instruction rounds to fp32;
+    the FMAs are single-rounding, done here in float64 and rounded once)."""
+    c3, c2, c1, c0 = (torch.tensor([int(c[2:], 16)], dtype=torch.int32).view(torch.float32).double()
+                      for c in gluon_forward._EXP2_POLY)
+    magic = torch.tensor(12582912.0, dtype=torch.float32)
+    t = torch.clamp(x, min=-125.0)
+    r = t + magic
+    n = r - magic
+    f = (t - n).double()
+    p = (f * c3 + c2).float().double()
+    p = (p * f + c1).float().double()
+    p = (p * f + c0).float()
+    return (p.view(torch.int32) + (r.view(torch.int32) << 23)).view(torch.float32)
+
+
+def test_exp2_polynomial_matches_exp2_to_1e_4():
+    """The FMA-pipe exponential (FlashAttention-4's) within 8e-5 relative of 2^x over the scores a
+    softmax tile produces (x <= 8 with the lazy rescale's reference), normal down to the clamp."""
+    x = torch.cat([torch.rand(200_000) * 133.0 - 125.0, torch.arange(-125, 9).float(),
+                   torch.arange(-125, 9).float() + 0.5, torch.tensor([-0.0, -1e-7, 1e-7])])
+    got = _emulate_exp2_poly(x).double()
+    want = torch.exp2(x.double())
+    assert torch.all((got - want).abs() / want <= 8e-5)
+    below = _emulate_exp2_poly(torch.tensor([-126.0, -1000.0, float("-inf")]))
+    assert torch.all((below > 0) & (below < 2.0 ** -124))  # clamped, never a wrapped exponent
+
+
+def test_exp2_ptx_splits_each_group_between_mufu_and_the_polynomial():
+    for poly in range(9):
+        ptx = gluon_forward.exp2_ptx(8, poly)
+        assert ptx.count("ex2.approx") == 8 - poly
+        assert ptx.count("0f4B400000") == 2 * poly
+        outs = {int(tok[1:].rstrip(",;")) for line in ptx.splitlines() for tok in line.split()[1:2]
+                if tok.startswith("$")}
+        assert outs == set(range(8))  # every output written once per group
+    with pytest.raises(ValueError, match="exp2_poly"):
+        gluon_forward.GluonVariant(128, "fp8", exp2_poly=9)
+    variant = gluon_forward.GluonVariant(128, "fp8", exp2_poly=2)
+    assert variant.name.endswith("-poly2")
+    assert gluon_forward._kernel_constexprs(variant)["EXP2_POLY"] == 2
+
+
 @pytest.mark.parametrize("shape", [
     # (B, Sq, Sk, H, Hk, D, causal, dtype)
     (1, 2048, 2048, 12, 2, 128, True, torch.bfloat16),

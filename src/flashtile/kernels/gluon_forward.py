@@ -75,6 +75,36 @@ LOG2E = 1.4426950408889634
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
 
 
+# 2^x = 2^n * 2^f with n = round(x) and f in [-1/2, 1/2]: 2^f by a cubic fitted for relative
+# error on that interval (7.5e-5 at most), n added to the exponent field. round() is the fp32
+# addition of 1.5 * 2^23, which leaves n in the low mantissa bits, so n << 23 is that sum's bits
+# shifted. x is clamped at -125 first, so the result stays a normal number (<= 2^-124.5 there
+# rather than 0: callers use it only where x is finite).
+_EXP2_POLY = ("0f3D61FB53", "0f3E786EE6", "0f3F31798D", "0f3F7FFB4A")  # f^3, f^2, f, 1
+
+
+def exp2_ptx(pack: int, poly: int) -> str:
+    """PTX for an inline-asm element group of ``pack`` fp32 values ($0.. out, $pack.. in): the
+    first pack - poly by ex2.approx (MUFU), the last ``poly`` by the polynomial (FMA and integer
+    pipes), FlashAttention-4's split of the exponentials between the two."""
+    lines = ["{", ".reg .f32 t, r, n, f, p;", ".reg .b32 e, b;"]
+    for i in range(pack - poly):
+        lines.append(f"ex2.approx.ftz.f32 ${i}, ${pack + i};")
+    c3, c2, c1, c0 = _EXP2_POLY
+    for i in range(pack - poly, pack):
+        lines += [f"max.ftz.f32 t, ${pack + i}, 0fC2FA0000;",
+                  "add.rn.ftz.f32 r, t, 0f4B400000;",
+                  "sub.rn.ftz.f32 n, r, 0f4B400000;",
+                  "sub.rn.ftz.f32 f, t, n;",
+                  f"fma.rn.ftz.f32 p, f, {c3}, {c2};",
+                  f"fma.rn.ftz.f32 p, p, f, {c1};",
+                  f"fma.rn.ftz.f32 p, p, f, {c0};",
+                  "mov.b32 e, r;", "shl.b32 e, e, 23;", "mov.b32 b, p;", "add.s32 b, b, e;",
+                  f"mov.b32 ${i}, b;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class GluonVariant:
     """One compiled specialization of the kernel.
@@ -115,6 +145,11 @@ class GluonVariant:
     # most key tiles skip the O *= alpha pass; exact, because the final division by the running
     # sum (kept against the same reference) cancels it, and P stays below 2^RESCALE_THRESHOLD.
     lazy_rescale: bool = False
+    # FlashAttention-4's exponential on the FMA pipe: of every 8 exponentials a thread computes on
+    # an unmasked key tile, this many come from a cubic polynomial (2^n * p(f), n = round(x)) instead
+    # of MUFU.EX2, whose 16 results per clock per SM bound the softmax when the tensor cores are
+    # fast relative to it (head dim 64, e4m3). Relative error 7.5e-5, far under bf16's rounding.
+    exp2_poly: int = 0
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -125,6 +160,8 @@ class GluonVariant:
             # e4m3 would hold P <= 2^8, but the e4m3 kernels ran 4-15% slower with it at d128 causal
             # and d256 (gluon-ab-lazy-fp8-h200-20261130.json), so they keep the plain rescale.
             raise ValueError("the lazy rescale is for 16-bit inputs")
+        if not 0 <= self.exp2_poly <= 8:
+            raise ValueError("exp2_poly counts exponentials out of every 8")
 
     @property
     def block_m(self) -> int:
@@ -155,6 +192,8 @@ class GluonVariant:
             sched += f"-c{self.consumers}"
         if self.lazy_rescale:
             sched += "-lazy"
+        if self.exp2_poly:
+            sched += f"-poly{self.exp2_poly}"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -190,8 +229,11 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         # 160 registers each, no ping-pong: +8-10% non-causal at 2k-16k, causal -1% at 2k, +0-7%
         # from 4k, as medians of five shuffled rounds (gluon-ab-d64-h200-20261130.json).
         # (Causal spills 24 bytes of stack at 160 registers, the most three consumers can have.)
+        # Causal: the next work tile's Q loads during this one (the causal work tiles are short):
+        # -1.2/+0.9/+2.3/+2.7% at 2k/4k/8k/16k, 32 heads, medians of five shuffled rounds
+        # (gluon-ab-pq-d64-h200-20261130.json), and 8 stack bytes instead of 24.
         config.update(consumers=3, pingpong=False, consumer_regs=160, max_stack=32 if causal else 0,
-                      own_range=causal)
+                      own_range=causal, prefetch_q=causal)
     if dtype == "fp8":
         # e4m3 at d128, causal: 128-key tiles, Q 2 x 8 KB, bf16 output staging 2 x 16 KB, P in two
         # slots per consumer 4 x 8 KB, K/V 3 x 32 KB (176 KB). Non-causal: 256-key tiles (half the
@@ -208,6 +250,14 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         else:
             config.update(block_n=256, stages=2, pingpong=False, p_slots=1, max_stack=128,
                           persistent=False)
+        if head_dim == 128:
+            # 2 (non-causal) or 1 (causal) of every 8 exponentials on the FMA pipe (exp2_poly):
+            # medians of five shuffled rounds over the same schedule with MUFU only, 2k/4k/8k/16k,
+            # in two runs (gluon-ab-poly-h200-20261130.json, -poly-b): non-causal +8/+18/+2/+6% and
+            # +7/+9/+6/+6% with 2 of 8 (1 of 8: +6/+3/-5/+2%, 3 of 8: 0/+7/-3/-8%); causal with 2 of
+            # 8 +0.5/+5.5/+2.7/+0.9% and +0.8/+9.4/+1.1/+0.7%, with 1 of 8 +2.6/+12/+4.5/+3.7% (one
+            # run). The 16-bit kernels lost 3-14% with it (d64 three consumers, d128 ping-pong).
+            config.update(exp2_poly=1 if causal else 2)
         if head_dim > 128:  # d256: 64-key tiles, two stages (the d128 tiles need 330-390 KB); causal
             # frees K early (its joint-release form never finished a check: see FP8_DISPATCH)
             config.update(block_n=64, stages=2, joint_release=False)
@@ -221,7 +271,7 @@ def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
 
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0,
-                               own_range=False)
+                               own_range=False, prefetch_q=False)
 
 
 def _alternates(head_dim: int, causal: bool) -> list[GluonVariant]:
@@ -262,26 +312,37 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                    for c in (False, True)]
                   + [alt for d in (128, 64, 256) for c in (False, True) for alt in _alternates(d, c)]
                   + [default_variant(d, "fp8", c) for d in (128, 256, 64) for c in (False, True)]
-                  + [dataclasses.replace(default_variant(128, "fp8", False), **change) for change in (
+                  + [dataclasses.replace(default_variant(128, "fp8", False), exp2_poly=0, **change)
+                     for change in (
                       {"block_n": 128, "stages": 2, "p_slots": 2},
                       {"block_n": 128, "stages": 3, "p_slots": 2, "pingpong": True},
                       {"block_n": 128, "stages": 3, "p_in_registers": True})]
-                  + [dataclasses.replace(default_variant(128, "fp8", True), joint_release=False, **change)
+                  + [dataclasses.replace(default_variant(128, "fp8", True), joint_release=False, exp2_poly=0,
+                                         **change)
                      for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})]
                   # persistent CTAs loading the next work tile's Q during the current one (the causal
                   # ones, within noise in gluon-ab-h200-20261130.json, were dropped with the snake order)
                   + [dataclasses.replace(default_variant(128, "fp8", False), persistent=True,
-                                         prefetch_q=True)]
+                                         prefetch_q=True, exp2_poly=0)]
                   + [dataclasses.replace(_two_consumers(default_variant(64, "bf16", c)), persistent=True,
                                          prefetch_q=True) for c in (False, True)]
                   # causal work tiles dealt in sorted order (the order before the snake)
-                  + [dataclasses.replace(default_variant(d, "bf16", True), snake=False)
+                  + [dataclasses.replace(default_variant(d, "bf16", True), snake=False, prefetch_q=False)
                      for d in (128, 64, 256)]
                   # every consumer over the whole block's key range
-                  + [dataclasses.replace(default_variant(64, "bf16", True), own_range=False)]
+                  + [dataclasses.replace(default_variant(64, "bf16", True), own_range=False,
+                                         prefetch_q=False)]
                   # the d128 and d256 defaults without the lazy rescale (before 2026-11-30's A/B)
                   + [dataclasses.replace(default_variant(d, "bf16", c), lazy_rescale=False, max_stack=0)
-                     for d in (128, 256) for c in (False, True)])
+                     for d in (128, 256) for c in (False, True)]
+                  # the d128 e4m3 defaults with MUFU alone and with the other measured share on the FMA
+                  # pipe (exp2_poly 1 / 2)
+                  + [dataclasses.replace(default_variant(128, "fp8", c), exp2_poly=k)
+                     for c in (False, True) for k in (0, 3 - default_variant(128, "fp8", c).exp2_poly)]
+                  # d64, three consumers: the other Q mode (non-causal: the next work tile's Q
+                  # during this one, within 1% at 2k-16k; causal: without it, the default before)
+                  + [dataclasses.replace(default_variant(64, "bf16", c), prefetch_q=not c)
+                     for c in (False, True)])
 # Everything dispatch can run (gluon_check gives these its full case list).
 DISPATCHED = frozenset([default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
                         for c in (False, True)]
@@ -444,10 +505,26 @@ if _GLUON:
         else:
             return qk_scale, 1.0
 
+    _EXP2_ASM = tuple(exp2_ptx(8, poly) for poly in range(9))
+
+    @gluon.constexpr_function
+    def _exp2_asm(poly):
+        return _EXP2_ASM[poly]
+
+    @gluon.jit
+    def _exp2(x, POLY: gl.constexpr):
+        """2^x; POLY of every 8 per thread by the FMA-pipe polynomial (see exp2_ptx), only where x
+        is finite (unmasked tiles: a masked score's -inf needs MUFU's exact 0)."""
+        if POLY == 0:
+            return gl.exp2(x)
+        else:
+            return gl.inline_asm_elementwise(_exp2_asm(POLY), "=f," * 8 + "f," * 7 + "f", [x],
+                                             dtype=gl.float32, is_pure=True, pack=8)
+
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
                       MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
-                      LAZY: gl.constexpr = False):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
@@ -472,10 +549,10 @@ if _GLUON:
         if FP8:
             # One FMA per score (LLVM left this one as a multiply and a subtract).
             shift = gl.expand_dims(gl.log2(v_rel) - m_new, 1)
-            p = gl.exp2(gl.fma(s, qk_scale, shift))
+            p = _exp2(gl.fma(s, qk_scale, shift), 0 if MASKED else EXP_POLY)
             l_new = l_i * alpha + gl.sum(p, 1) * (1.0 / v_rel)
         else:
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+            p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), 0 if MASKED else EXP_POLY)
             l_new = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_new, alpha
 
@@ -531,7 +608,7 @@ if _GLUON:
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
-                      LAZY: gl.constexpr = False):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
@@ -558,7 +635,8 @@ if _GLUON:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES,
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
-                                           tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY)
+                                           tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY,
+                                           EXP_POLY)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
@@ -589,7 +667,7 @@ if _GLUON:
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
-                      LAZY: gl.constexpr = False):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -664,13 +742,13 @@ if _GLUON:
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY)
+                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY)
+                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -733,7 +811,8 @@ if _GLUON:
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
-                  OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False):
+                  OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
+                  EXP_POLY: gl.constexpr = 0):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -783,7 +862,8 @@ if _GLUON:
                           stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, seqlen_k,
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY)
+                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
+                          EXP_POLY)
             ring += num_tiles
             event += num_tiles + 1
         if Q_BUFS == 2:
@@ -804,7 +884,8 @@ if _GLUON:
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
                         CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
-                        OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False):
+                        OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
+                        EXP2_POLY: gl.constexpr = 0):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -868,13 +949,13 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -888,10 +969,10 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -899,7 +980,8 @@ if _GLUON:
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
-                      False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE)
+                      False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
+                      EXP2_POLY)
 
 
 # --------------------------------------------------------------------------------------------
@@ -941,7 +1023,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "JOINT_RELEASE": variant.joint_release and variant.warp_specialize,
             "Q_BUFS": 2 if variant.prefetch_q else 1, "CONSUMERS": variant.consumers,
             "SNAKE": variant.snake, "OWN_RANGE": variant.own_range,
-            "LAZY_RESCALE": variant.lazy_rescale}
+            "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
