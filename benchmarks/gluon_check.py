@@ -23,7 +23,7 @@ budget is 2x the larger of the portable Triton e4m3 kernel's error on the same t
 e4m3 in both) and the textbook attention's in bf16; LSE as above. Their bench rows (d128) time
 the e4m3 variants, the portable e4m3 kernel, the bf16 default (flashtile's bf16 path) and SDPA.
 
-``--only A,B`` restricts both phases to the variants whose name contains A or B; ``--check-limit``
+``--only A,B`` restricts both phases to the variants whose name contains A or B (``A$``: ends in A); ``--check-limit``
 raises the check phase's time limit (a phase that runs out marks its running variant as hung).
 
 Writes $OUT/gluon-check.json and prints a compact table last.
@@ -62,7 +62,9 @@ def _save(path, data):
 def _variants():
     from flashtile.kernels.gluon_forward import GLUON_VARIANTS
     only = os.environ.get("GLUON_CHECK_ONLY", "").split(",")
-    return [v for v in GLUON_VARIANTS if any(part in v.name for part in only)]
+    # "A$": names ending in A (so that a default's name does not also pick its suffixed alternates)
+    return [v for v in GLUON_VARIANTS
+            if any(v.name.endswith(part[:-1]) if part.endswith("$") else part in v.name for part in only)]
 
 
 def _sample_rows(seqlen_q, device, count=160):

@@ -269,6 +269,20 @@ def test_exp2_ptx_splits_each_group_between_mufu_and_the_polynomial():
     assert gluon_forward._kernel_constexprs(variant)["EXP2_POLY"] == 2
 
 
+def test_p_pack_is_the_default_and_its_alternate_is_named():
+    """16-bit P packed per pair in PTX by default (the PRMT-free conversion); the old conversion
+    stays as a "-prmt" alternate for A/B runs; e4m3 names do not change (P goes through shared
+    memory there)."""
+    for d in (64, 128, 256):
+        for c in (False, True):
+            variant = gluon_forward.default_variant(d, "bf16", c)
+            assert variant.p_pack_asm and gluon_forward._kernel_constexprs(variant)["P_PACK_ASM"]
+            names = {v.name for v in gluon_forward.GLUON_VARIANTS}
+            assert variant.name + "-prmt" in names
+    fp8 = gluon_forward.GluonVariant(128, "fp8", p_pack_asm=False)
+    assert not fp8.name.endswith("-prmt")
+
+
 @pytest.mark.parametrize("shape", [
     # (B, Sq, Sk, H, Hk, D, causal, dtype)
     (1, 2048, 2048, 12, 2, 128, True, torch.bfloat16),

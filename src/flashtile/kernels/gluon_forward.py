@@ -150,6 +150,10 @@ class GluonVariant:
     # of MUFU.EX2, whose 16 results per clock per SM bound the softmax when the tensor cores are
     # fast relative to it (head dim 64, e4m3). Relative error 7.5e-5, far under bf16's rounding.
     exp2_poly: int = 0
+    # 16-bit P packed by one cvt.rn.{bf16,f16}x2 per pair in inline PTX, in the register order the
+    # P V operand takes; Triton's own conversion packs each pair the other way round and swaps the
+    # halves back with a PRMT (32 per thread per 128-key tile).
+    p_pack_asm: bool = True
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -194,6 +198,8 @@ class GluonVariant:
             sched += "-lazy"
         if self.exp2_poly:
             sched += f"-poly{self.exp2_poly}"
+        if not self.p_pack_asm and not self.fp8:
+            sched += "-prmt"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -339,6 +345,9 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # pipe (exp2_poly 1 / 2)
                   + [dataclasses.replace(default_variant(128, "fp8", c), exp2_poly=k)
                      for c in (False, True) for k in (0, 3 - default_variant(128, "fp8", c).exp2_poly)]
+                  # 16-bit P converted by Triton (a PRMT per pair), the defaults before 2026-11-30
+                  + [dataclasses.replace(default_variant(d, "bf16", c), p_pack_asm=False)
+                     for d in (64, 128, 256) for c in (False, True)]
                   # d64, three consumers: the other Q mode (non-causal: the next work tile's Q
                   # during this one, within 1% at 2k-16k; causal: without it, the default before)
                   + [dataclasses.replace(default_variant(64, "bf16", c), prefetch_q=not c)
@@ -566,6 +575,19 @@ if _GLUON:
             return v_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
+    def _to_16bit(p, dtype: gl.constexpr, PACK: gl.constexpr):
+        """fp32 P to the input dtype; PACK: one cvt per pair, element 0 in the low half (cvt puts
+        its first source in the high half)."""
+        if PACK and dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p],
+                                             dtype=gl.bfloat16, is_pure=True, pack=2)
+        elif PACK and dtype == gl.float16:
+            return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [p],
+                                             dtype=gl.float16, is_pure=True, pack=2)
+        else:
+            return p.to(dtype)
+
+    @gluon.jit
     def _stage_p(p, p_op, p_bufs, j, WG: gl.constexpr, FP8: gl.constexpr):
         """P of key tile j as the A operand of its P V: 16-bit P stays in registers (returned in
         the operand layout); e4m3 P goes to this consumer's shared-memory slot j % 2 of p_bufs (the
@@ -608,7 +630,8 @@ if _GLUON:
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
-                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
+                      P_PACK: gl.constexpr = True):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
@@ -641,7 +664,7 @@ if _GLUON:
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
         else:
-            p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
+            p_next = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, j, WG, FP8)
             if LAZY:  # whether any row's reference moved: warps exchange it while P V still runs
                 rescale = gl.min(alpha, 0) < 1.0
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
@@ -667,7 +690,8 @@ if _GLUON:
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
-                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
+                      P_PACK: gl.constexpr = True):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -730,7 +754,10 @@ if _GLUON:
             p_op = gl.zeros([ROWS], gl.float32, row_layout)
         else:
             p_op = gl.zeros([ROWS, BLOCK_N], q_tile.dtype, p_layout)
-        p_op = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, 0, WG, FP8)
+        if FP8:
+            p_op = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, 0, WG, FP8)
+        else:
+            p_op = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, 0, WG, FP8)
 
         block_tiles = num_tiles
         if OWN_RANGE:
@@ -742,13 +769,13 @@ if _GLUON:
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY)
+                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY)
+                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -812,7 +839,7 @@ if _GLUON:
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
-                  EXP_POLY: gl.constexpr = 0):
+                  EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -863,7 +890,7 @@ if _GLUON:
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
                           CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                          EXP_POLY)
+                          EXP_POLY, P_PACK)
             ring += num_tiles
             event += num_tiles + 1
         if Q_BUFS == 2:
@@ -885,7 +912,7 @@ if _GLUON:
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
                         CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
-                        EXP2_POLY: gl.constexpr = 0):
+                        EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -949,13 +976,13 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -969,10 +996,10 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -981,7 +1008,7 @@ if _GLUON:
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
                       False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
-                      EXP2_POLY)
+                      EXP2_POLY, P_PACK_ASM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1023,7 +1050,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "JOINT_RELEASE": variant.joint_release and variant.warp_specialize,
             "Q_BUFS": 2 if variant.prefetch_q else 1, "CONSUMERS": variant.consumers,
             "SNAKE": variant.snake, "OWN_RANGE": variant.own_range,
-            "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly}
+            "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
+            "P_PACK_ASM": variant.p_pack_asm}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
