@@ -269,6 +269,18 @@ def test_exp2_ptx_splits_each_group_between_mufu_and_the_polynomial():
     assert gluon_forward._kernel_constexprs(variant)["EXP2_POLY"] == 2
 
 
+def test_consumers_without_rows_skip_the_key_range_only_with_own_ranges():
+    """OWN_RANGE 2: a consumer whose rows all lie past the query length runs tile 0 only (d64 causal
+    default); 1: the whole own range regardless (the "-own-allrows" alternate); 0: no own ranges."""
+    default = gluon_forward.default_variant(64, "bf16", True)
+    assert default.own_range and default.skip_empty_rows
+    assert gluon_forward._kernel_constexprs(default)["OWN_RANGE"] == 2
+    allrows = [v for v in gluon_forward.GLUON_VARIANTS if "-own-allrows" in v.name]
+    assert len(allrows) == 1 and gluon_forward._kernel_constexprs(allrows[0])["OWN_RANGE"] == 1
+    plain = gluon_forward.default_variant(128, "bf16", True)
+    assert gluon_forward._kernel_constexprs(plain)["OWN_RANGE"] == 0
+
+
 def test_p_pack_is_the_default_and_its_alternate_is_named():
     """16-bit P packed per pair in PTX by default (the PRMT-free conversion); the old conversion
     stays as a "-prmt" alternate for A/B runs; e4m3 names do not change (P goes through shared
