@@ -238,10 +238,11 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
         # d64: three consumer warpgroups (192-row blocks, FA3's layout where the softmax dominates),
         # 160 registers each, no ping-pong: +8-10% non-causal at 2k-16k, causal -1% at 2k, +0-7%
         # from 4k, as medians of five shuffled rounds (gluon-ab-d64-h200-20261130.json).
-        # (Causal spills 24 bytes of stack at 160 registers, the most three consumers can have.)
+        # (Causal spilled 24 bytes of stack at 160 registers, the most three consumers can have;
+        # 8 with the Q prefetch, 0 once P was packed without Triton's half swaps.)
         # Causal: the next work tile's Q loads during this one (the causal work tiles are short):
         # -1.2/+0.9/+2.3/+2.7% at 2k/4k/8k/16k, 32 heads, medians of five shuffled rounds
-        # (gluon-ab-pq-d64-h200-20261130.json), and 8 stack bytes instead of 24.
+        # (gluon-ab-pq-d64-h200-20261130.json).
         config.update(consumers=3, pingpong=False, consumer_regs=160, max_stack=32 if causal else 0,
                       own_range=causal, prefetch_q=causal)
     if dtype == "fp8":
@@ -702,7 +703,8 @@ if _GLUON:
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
         store itself. ``OWN_RANGE``: run only the key tiles these rows see (a causal block's first
-        consumers see fewer than its last), then release the block's remaining tiles unread.
+        consumers see fewer than its last), then release the block's remaining tiles unread; 2:
+        rows that all lie past the query length run tile 0 only.
         FP8: ``q_scales`` points at this (batch, head)'s query-block descales, ``k_scales`` and
         ``v_scales`` at its KV head's key-block ones (V's relative to their largest, which sits at
         ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys."""
