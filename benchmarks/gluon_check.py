@@ -60,11 +60,8 @@ def _save(path, data):
 
 
 def _variants():
-    from flashtile.kernels.gluon_forward import GLUON_VARIANTS
-    only = os.environ.get("GLUON_CHECK_ONLY", "").split(",")
-    # "A$": names ending in A (so that a default's name does not also pick its suffixed alternates)
-    return [v for v in GLUON_VARIANTS
-            if any(v.name.endswith(part[:-1]) if part.endswith("$") else part in v.name for part in only)]
+    from flashtile.kernels.gluon_forward import variants_named
+    return variants_named(os.environ.get("GLUON_CHECK_ONLY", "").split(","))
 
 
 def _sample_rows(seqlen_q, device, count=160):

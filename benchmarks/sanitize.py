@@ -267,9 +267,7 @@ def gluon_cases(dev) -> int:
         return 0
     failures = cases = 0
     only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), "").split(",")
-    variants = [v for v in gluon_forward.GLUON_VARIANTS  # "A$": names ending in A
-                if any(v.name.endswith(part[:-1]) if part.endswith("$") else part in v.name
-                       for part in only)]
+    variants = gluon_forward.variants_named(only)
     for variant in variants:
         dtype = {"bf16": BF16, "fp16": F16, "fp8": BF16}[variant.dtype]
         # The last has more work tiles (144 at d128) than an H200 has SMs: persistent CTAs take a

@@ -285,12 +285,15 @@ def test_p_pack_is_the_default_and_its_alternate_is_named():
     """16-bit P packed per pair in PTX by default (the PRMT-free conversion); the old conversion
     stays as a "-prmt" alternate for A/B runs; e4m3 names do not change (P goes through shared
     memory there)."""
+    names = {v.name for v in gluon_forward.GLUON_VARIANTS}
     for d in (64, 128, 256):
         for c in (False, True):
             variant = gluon_forward.default_variant(d, "bf16", c)
             assert variant.p_pack_asm and gluon_forward._kernel_constexprs(variant)["P_PACK_ASM"]
-            names = {v.name for v in gluon_forward.GLUON_VARIANTS}
             assert variant.name + "-prmt" in names
+            # "$" picks the default alone; a plain part picks its "-prmt" alternate too
+            assert gluon_forward.variants_named([variant.name + "$"]) == [variant]
+            assert variant.name + "-prmt" in {v.name for v in gluon_forward.variants_named([variant.name])}
     fp8 = gluon_forward.GluonVariant(128, "fp8", p_pack_asm=False)
     assert not fp8.name.endswith("-prmt")
 

@@ -359,6 +359,16 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # during this one, within 1% at 2k-16k; causal: without it, the default before)
                   + [dataclasses.replace(default_variant(64, "bf16", c), prefetch_q=not c)
                      for c in (False, True)])
+
+
+def variants_named(parts: list[str]) -> list[GluonVariant]:
+    """The shipped variants whose name contains one of ``parts`` ("A$": ends in A, so that a
+    default's name does not also pick its suffixed alternates); for the device scripts' --only."""
+    return [v for v in GLUON_VARIANTS
+            if any(v.name.endswith(part[:-1]) if part.endswith("$") else part in v.name
+                   for part in parts)]
+
+
 # Everything dispatch can run (gluon_check gives these its full case list).
 DISPATCHED = frozenset([default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
                         for c in (False, True)]
