@@ -106,6 +106,11 @@ command_for() {
         ncu-decode) echo "python benchmarks/ncu_decode.py --all" ;;
         ncu-gluon) echo "python benchmarks/ncu_gluon.py --all" ;;
         gluon-debug) echo "python benchmarks/gluon_debug.py --out $OUT" ;;
+        gluon-decode-check) echo "python benchmarks/gluon_decode_check.py --out $OUT" ;;
+        gluon-decode-check-quick) echo "python benchmarks/gluon_decode_check.py --quick --out $OUT" ;;
+        gluon-decode-correct) echo "python benchmarks/gluon_decode_check.py --no-timing --out $OUT" ;;
+        gluon-decode-tune2) echo "python benchmarks/gluon_decode_check.py --skip-check --contiguous --out $OUT --points '20,32,8,4096;24,32,8,16384;16,32,8,1024;1,32,8,4096;1,12,2,4096;1,32,8,1024' --variants '64,3,2,1,1;64,3,4,1,1;64,4,1,1,1;32,4,2,1,1;64,4,2,1,1'" ;;
+        gluon-decode-tune) echo "python benchmarks/gluon_decode_check.py --skip-check --out $OUT --points '64,12,2,131072;64,12,2,16384;64,32,8,1024;16,32,8,32768;16,12,2,16384;1,12,2,16384;64,32,8,4096' --variants '64,4,1,1,1;64,6,1,1,1;64,3,2,1,1;32,4,2,1,1;32,6,2,1,1;128,3,1,1,1'" ;;
         decode-probe) echo "python benchmarks/decode_probe.py --out $OUT" ;;
         decode-probe-paged) echo "python benchmarks/decode_probe.py --mode paged --out $OUT" ;;
         decode-probe-fp8) echo "python benchmarks/decode_probe.py --mode fp8 --out $OUT" ;;

@@ -81,7 +81,7 @@ def training_and_packed_cases(dev) -> int:
     failures += sum(not torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
     with torch.no_grad():
         expected = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 130, 130, causal=True)
-        for page_size in (1, 16, 48):
+        for page_size in (1, 8, 16, 48, 64):  # on sm_90 pages of 8, 16 and 64 take the Gluon kernel
             pages = [-(-n // page_size) for n in lengths]
             table = torch.zeros(4, max(pages), dtype=torch.int32, device=dev)
             pool_k = torch.randn(sum(pages) + 2, page_size, 2, 64, device=dev, dtype=BF16)
@@ -103,7 +103,7 @@ def training_and_packed_cases(dev) -> int:
 
 
 def decode_cases(dev) -> int:
-    """flash_attn_with_kvcache: split and unsplit, contiguous and paged (page sizes 1, 16, 48),
+    """flash_attn_with_kvcache: split and unsplit, contiguous and paged (page sizes 1, 8, 16, 48, 64),
     appends with rotary, leftpad and batch_idx; each against the float64 reference."""
     import flashtile
     from flashtile.bench.decode import paginate
@@ -133,7 +133,7 @@ def decode_cases(dev) -> int:
         return call()
     runs = {f"contiguous splits {s}": twice(lambda s=s: flashtile.flash_attn_with_kvcache(
         q, k, v, cache_seqlens=seqlens, causal=True, num_splits=s)) for s in (0, 1, 3)}
-    for page_size in (1, 16, 48):
+    for page_size in (1, 8, 16, 48, 64):  # on sm_90 pages of 8, 16 and 64 take the Gluon kernel
         pool_k, pool_v, table = paginate(k, v, page_size)
         runs[f"paged {page_size}"] = twice(lambda: flashtile.flash_attn_with_kvcache(
             q, pool_k, pool_v, cache_seqlens=seqlens, block_table=table, causal=True))
@@ -147,6 +147,13 @@ def decode_cases(dev) -> int:
         runs[name] = twice(lambda cfg=cfg, paged=paged: decode_attention(
             q, pool_k if paged else k, pool_v if paged else v, seqlens, softmax_scale=d ** -0.5,
             window_left=-1, window_right=0, block_table=table if paged else None, config=cfg)[0])
+    # 132 (sequence, KV head) pairs, as many as the SMs: the Gluon paged plan with two CTAs per SM.
+    many_q = q.repeat(22, 1, 1, 1)
+    many_k, many_v = k.repeat(22, 1, 1, 1), v.repeat(22, 1, 1, 1)
+    pool_k, pool_v, table = paginate(many_k, many_v, 16)
+    many = twice(lambda: flashtile.flash_attn_with_kvcache(
+        many_q, pool_k, pool_v, cache_seqlens=seqlens.repeat(22), block_table=table, causal=True))
+    runs["paged 16, 132 pairs"] = many[:3]
     for name, out in runs.items():
         if not torch.isfinite(out).all() or (out.double() - expected).abs().max() > 0.05:
             failures += 1

@@ -11,18 +11,20 @@ import sys
 import pytest
 import torch
 
-from flashtile.kernels import gluon_backward, gluon_forward
+from flashtile.kernels import gluon_backward, gluon_decode, gluon_forward
 
 
-@pytest.mark.parametrize("module", ["gluon_forward", "gluon_backward"])
+@pytest.mark.parametrize("module", ["gluon_forward", "gluon_backward", "gluon_decode"])
 def test_gluon_variants_compile_for_sm90(module):
-    """Also the opt-in dK/dV kernel (kernels.gluon_backward), within each variant's spill allowance."""
+    """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
+    (kernels.gluon_decode), within each variant's spill allowance."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", f"flashtile.kernels.{module}"], env=env,
                           capture_output=True, text=True, timeout=600)
     lines = proc.stdout.splitlines()
-    variants = (gluon_forward.GLUON_VARIANTS if module == "gluon_forward"
-                else gluon_backward.GLUON_BACKWARD_VARIANTS)
+    variants = {"gluon_forward": gluon_forward.GLUON_VARIANTS,
+                "gluon_backward": gluon_backward.GLUON_BACKWARD_VARIANTS,
+                "gluon_decode": gluon_decode.CHECKED}[module]
     assert len(lines) == len(variants), proc.stdout + proc.stderr[-2000:]
     failed = [line for line in lines if "FAILED" in line]
     assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]

@@ -245,7 +245,7 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
               block_tables: dict) -> Step:
     """q (B, 1, H, D); lengths int32 (B,) on the device; block_tables: page size -> table."""
     import flashtile
-    from ..kernels.decode import planned_splits
+    from ..kernels.decode import describe_plan
 
     point = caches.point
     if name == CONTIGUOUS:
@@ -253,9 +253,8 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
             k, v = caches.nhd(layer)
             return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
 
-        splits = planned_splits(point.batch, point.heads_k, point.context, q.device)
         return Step(call, info={"layout": "(B, S, Hk, D) contiguous, S = context",
-                                "num_splits": splits})
+                                **describe_plan(q, *caches.nhd(0))})
     page_size = page_size_of(name)
     if page_size is not None:
         table = block_tables[page_size]
@@ -265,11 +264,10 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
             return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=table,
                                                      causal=True)
 
-        splits = planned_splits(point.batch, point.heads_k, table.shape[1] * page_size, q.device,
-                                paged=True)
         return Step(call, info={"layout": f"pages ({point.batch * point.context // page_size}, "
                                           f"{page_size}, Hk, D), shuffled block table",
-                                "page_size": page_size, "num_splits": splits})
+                                "page_size": page_size,
+                                **describe_plan(q, *caches.pools(0, page_size), table)})
     if name in ("sdpa-flash", "sdpa-cudnn"):
         q_t = q.transpose(1, 2).contiguous()  # (B, H, 1, D), made once outside the timed call
         gqa = point.heads != point.heads_k

@@ -12,6 +12,7 @@ be captured in a CUDA graph and replayed as the lengths grow.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .common import key_blocks
 from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting
 from .launch import launch
+
+
+def gluon_supported(q, k_cache, v_cache, **kwargs) -> bool:
+    """Whether the Gluon (TMA) decode kernel takes the call (gluon_decode.supported)."""
+    from . import gluon_decode
+    return gluon_decode.supported(q, k_cache, v_cache, **kwargs)
 
 
 @triton.jit
@@ -387,8 +394,12 @@ EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
-          one_launch, write_lse, page_size):
-    """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None)."""
+          one_launch, write_lse, page_size, gluon_ok=False, causal=False):
+    """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None,
+    the Gluon kernel's variant or None)."""
+    if gluon_ok and config is None:
+        return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
+                           page_size if paged else 0, causal, has_batch_idx, one_launch)
     cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim)
     if one_launch:
         splits = 1
@@ -420,7 +431,58 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
     merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
-    return splits, upcast, kernel, merge
+    return splits, upcast, kernel, merge, None
+
+
+# Paged caches on sm_90 go to the Gluon kernel (gluon_decode.py): TMA boxes of whole pages from a
+# producer warp. Same run against the Triton kernel's paged plan, page 16, us per layer
+# (gluon-decode-check-h200-20261130-c.json): B1 32/8 16k 26.1 -> 22.8, 32k 42.3 -> 38.9, B1 12/2 32k
+# 17.4 -> 16.3, B16 32/8 16k 261.3 -> 258.2, B16 12/2 16k 73.5 -> 72.9, B64 12/2 16k 264.5 -> 265.3,
+# B64 32/8 16k 996.4 -> 979.5. Its plans: 64-key tiles, 4 stages (one CTA per SM) and one wave of
+# programs (at most SMs // pairs splits, none shorter than 128 keys of the capacity) while the
+# (sequence, KV head) pairs are fewer than the SMs; from there 3 stages, two CTAs per SM, which ran
+# B64 32/8 1k 75.8 -> 69.6 us, 4k 258.1 -> 254.0 (gluon-decode-tune-h200-20261130.json).
+GLUON_PAGED = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
+# Contiguous caches take it where it measured faster than the Triton plans: short caches at batch
+# 1-ish and 1k caches with the SMs nearly filled by pairs. bench decode with it at every pair count
+# under the SMs up to 4k keys (decode-nvidia-h200-20261130-g.json) against the Triton plans (-f):
+# B1 32/8 1k +14%, 4k +3%, B1 12/2 1k +21%, 4k +14%, B16 32/8 1k +4%, but B16 32/8 4k -1.3%, B16
+# 12/2 1k -4%, 4k -0.7%; from 16k it was at parity or 1-2.5% slower
+# (gluon-decode-check-h200-20261130-b.json).
+
+
+def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int) -> bool:
+    """Whether a call of this shape goes to the Gluon kernel (if it supports the call). Paged: all
+    but 1-3x the SM count of (sequence, KV head) pairs, where its plans ran 10-18% slower than the
+    Triton kernel's tuned mid-range splits (B20 32/8 4k 85.5 / 104.9 us contiguous / Gluon paged,
+    B24 32/8 16k 374 / 417: gluon-decode-tune2-h200-20261130.json)."""
+    if paged:
+        return pairs < sms or pairs >= 3 * sms
+    return (pairs <= 8 and capacity <= 4096) or (96 <= pairs < sms and capacity <= 1024)
+GLUON_PAGED_MANY = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+
+
+def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
+                has_batch_idx, one_launch):
+    from . import gluon_decode
+
+    pairs = batch * heads_k
+    sms = _sm_count(device)
+    base = GLUON_PAGED_MANY if pairs >= sms else GLUON_PAGED
+    if one_launch:
+        splits = 1
+    elif num_splits > 0:
+        splits = num_splits
+    else:
+        most = max(1, min(128, base.programs_per_sm * sms // pairs))
+        splits = split_heuristic(batch, heads_k, capacity, device,
+                                 dataclasses.replace(base, max_splits=most))
+    variant = gluon_decode.DecodeVariant(
+        head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
+        min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
+        heads_first=True)
+    merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
+    return splits, False, None, merge, variant
 
 
 _OPTIONS: dict = {}
@@ -436,6 +498,16 @@ def _fp8_cache_mode(device: torch.device) -> int:
     return 3 if _arch(index) >= 89 else 2
 
 
+def describe_plan(q, k_cache, v_cache, block_table=None, causal: bool = True,
+                  in_graph: bool = True) -> dict:
+    """The kernel and split count a default flash_attn_with_kvcache call on these tensors gets (for
+    reports; ``in_graph``: as captured in a CUDA graph, where short caches keep their splits):
+    {"kernel": "gluon-tma" or "triton", "num_splits": n}."""
+    p = prepare_decode(q, k_cache, v_cache, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
+                       window_right=0 if causal else -1, block_table=block_table, in_graph=in_graph)
+    return {"kernel": "gluon-tma" if p.gluon is not None else "triton", "num_splits": p.splits}
+
+
 def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,
                    paged: bool = False) -> int:
     """The split count the default plan gives a decode call of this shape (for reports)."""
@@ -449,7 +521,7 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     (a model's layers at each step) prepares once and runs many times."""
     splits: int
     upcast: bool
-    kernel_options: dict
+    kernel_options: dict | None  # None: the Gluon kernel runs (``gluon``)
     combine_options: dict | None
     scalars: tuple  # the decode kernel's scalar arguments
     out_shape: tuple
@@ -457,14 +529,16 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     grid: tuple
     dtype: torch.dtype
     device: torch.device
+    gluon: tuple | None = None  # (variant, softmax_scale, causal) of the Gluon kernel, or None
 
 
 def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                    softmax_scale: float, window_left: int, window_right: int, softcap: float = 0.0,
                    alibi_slopes=None, block_table=None, cache_batch_idx=None, cache_leftpad=None,
                    num_splits: int = 0, config: DecodeConfig | None = None, k_descale=None,
-                   need_lse: bool = True) -> PreparedDecode:
-    """decode_attention's host work for one signature; see ``run_decode``."""
+                   need_lse: bool = True, in_graph: bool = False) -> PreparedDecode:
+    """decode_attention's host work for one signature; see ``run_decode``. ``in_graph``: plan as
+    for a call captured in a CUDA graph (as a call made while capturing is planned)."""
     batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
     paged = block_table is not None
@@ -478,18 +552,30 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # and its merge.
     one_launch = (num_splits == 0 and device.type == "cuda"
                   and capacity * head_dim * k_cache.element_size() <= EAGER_ONE_LAUNCH_BYTES // 2
-                  and not torch.cuda.is_current_stream_capturing())
+                  and not in_graph and not torch.cuda.is_current_stream_capturing())
+    causal = window_right == 0 and window_left < 0
+    gluon_ok = (config is None and not interpreting() and device.type == "cuda"
+                and k_descale is None and gluon_wanted(paged, batch * heads_k, _sm_count(device),
+                                                       capacity)
+                and gluon_supported(q, k_cache, v_cache, paged=paged,
+                                    window=window_left >= 0 or window_right > 0, softcap=softcap > 0,
+                                    alibi=alibi_slopes is not None, leftpad=cache_leftpad is not None))
     key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
-           one_launch, need_lse, k_cache.shape[1] if paged else 0)
+           one_launch, need_lse, k_cache.shape[1] if paged else 0, gluon_ok, causal)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    splits, upcast, kernel_options, combine_options = plan
+    splits, upcast, kernel_options, combine_options, gluon_variant = plan
+    if gluon_variant is not None:
+        return PreparedDecode(splits, False, None, combine_options, (), (batch, seqlen_q, heads, head_dim),
+                              (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
+                              (splits, batch, heads_k), q.dtype, device,
+                              (gluon_variant, softmax_scale, causal))
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -520,6 +606,13 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
                cache_leftpad=None, block_table=None, alibi_slopes=None, k_descale=None, v_descale=None):
     """The launches of a prepared decode, for tensors with the signature it was prepared for
     (the caller's guarantee). Returns (out, lse or None)."""
+    if p.gluon is not None:
+        from .gluon_decode import gluon_decode
+        variant, softmax_scale, causal = p.gluon
+        return gluon_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
+                            causal=causal, splits=p.splits, block_table=block_table,
+                            cache_batch_idx=cache_batch_idx, need_lse=p.lse_shape is not None,
+                            variant=variant)
     out = torch.empty(p.out_shape, dtype=torch.float32 if p.upcast else p.dtype, device=p.device)
     lse = None if p.lse_shape is None else torch.empty(p.lse_shape, dtype=torch.float32,
                                                         device=p.device)

@@ -1,0 +1,92 @@
+"""The Gluon (TMA) paged decode's host side: which calls it takes, the plans it gets, the cache views
+its descriptors read. The kernel itself cannot run in the interpreter: it compiles for sm_90 in
+test_gluon_compile.py and is checked on the H200 by benchmarks/gluon_decode_check.py."""
+
+import pytest
+import torch
+
+from flashtile.kernels import decode, gluon_decode
+
+
+def _paged(page=16, heads=32, heads_k=8, d=128, dtype=torch.bfloat16):
+    q = torch.randn(2, 1, heads, d, dtype=dtype)
+    k = torch.randn(10, page, heads_k, d, dtype=dtype)
+    return q, k, torch.randn_like(k)
+
+
+def test_not_supported_on_cpu():
+    assert not gluon_decode.supported(*_paged(), paged=True, window=False, softcap=False,
+                                      alibi=False, leftpad=False)
+
+
+@pytest.mark.parametrize("change", [dict(head_dim=96), dict(paged=True, page_rows=4),
+                                    dict(paged=True, block_n=64, page_rows=48)])
+def test_variant_rejects_what_the_kernel_cannot_tile(change):
+    with pytest.raises(ValueError):
+        gluon_decode.DecodeVariant(**{"head_dim": 128, **change})
+
+
+def test_contiguous_variant_boxes_whole_tiles():
+    assert gluon_decode.DecodeVariant(128, block_n=64, page_rows=16).page_rows == 64
+
+
+def test_cache_rows_views_contiguous_caches_only():
+    k = torch.randn(10, 16, 8, 128, dtype=torch.bfloat16)
+    rows = gluon_decode.cache_rows(k)
+    assert rows.shape == (160, 1024) and rows.data_ptr() == k.data_ptr()
+    assert gluon_decode.cache_rows(k[:, :8]) is None  # a slice along the slots: not one 2-D view
+    assert gluon_decode.cache_rows(k.transpose(1, 2)) is None
+
+
+@pytest.mark.parametrize("batch,heads_k,capacity,page,stages,splits,page_rows", [
+    (1, 8, 32768, 16, 4, 16, 16),     # one wave of 1-CTA-per-SM programs: SMs // pairs splits
+    (1, 2, 32768, 16, 4, 66, 16),
+    (16, 2, 16384, 16, 4, 4, 16),
+    (16, 8, 16384, 16, 4, 1, 16),     # 128 pairs, under the SM count
+    (64, 8, 16384, 16, 3, 1, 16),     # more pairs than SMs: two CTAs per SM
+    (1, 8, 32768, 256, 4, 16, 64),    # pages larger than a tile: one box per tile
+    (1, 8, 32768, 8, 4, 16, 8),
+    (1, 8, 1024, 16, 4, 8, 16),       # no split shorter than 128 keys of the capacity
+])
+def test_gluon_plan(monkeypatch, batch, heads_k, capacity, page, stages, splits, page_rows):
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    got_splits, upcast, kernel, merge, variant = decode._gluon_plan(
+        batch, heads_k, 128, torch.bfloat16, torch.device("cpu"), capacity, 0, page, False, False,
+        False)
+    assert (variant.block_n, variant.stages, variant.page_rows) == (64, stages, page_rows)
+    assert variant.paged and variant.pdl and variant.heads_first and not variant.causal
+    assert got_splits == splits and kernel is None and not upcast
+    assert (merge is None) == (splits == 1)
+
+
+def test_gluon_plan_keeps_asked_splits(monkeypatch):
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    assert decode._gluon_plan(1, 8, 128, torch.float16, torch.device("cpu"), 32768, 5, 16, True,
+                              True, False)[0] == 5
+    plan = decode._gluon_plan(1, 8, 128, torch.float16, torch.device("cpu"), 32768, 0, 16, True,
+                              True, True)
+    assert plan[0] == 1 and plan[4].dtype == "fp16" and plan[4].causal and plan[4].batch_idx
+
+
+def test_cpu_calls_keep_the_portable_kernel():
+    q, k, v = _paged()
+    table = torch.arange(10, dtype=torch.int32).view(2, 5)
+    plan = decode.describe_plan(q, k, v, table)
+    assert plan["kernel"] == "triton"
+
+
+@pytest.mark.parametrize("paged,pairs,capacity,wanted", [
+    (True, 8, 32768, True), (True, 128, 131072, True), (True, 132, 4096, False),
+    (True, 395, 4096, False), (True, 512, 1024, True),
+    (False, 128, 1024, True), (False, 8, 4096, True), (False, 8, 4097, False),
+    (False, 132, 1024, False), (False, 128, 4096, False), (False, 32, 1024, False),
+])
+def test_gluon_wanted(paged, pairs, capacity, wanted):
+    assert decode.gluon_wanted(paged, pairs, 132, capacity) == wanted
+
+
+def test_gluon_plan_contiguous(monkeypatch):
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    splits, _, _, _, variant = decode._gluon_plan(16, 8, 128, torch.bfloat16, torch.device("cpu"),
+                                                  1024, 0, 0, False, False, False)
+    assert splits == 1 and not variant.paged and variant.page_rows == variant.block_n == 64
