@@ -128,6 +128,70 @@ CASES = [
 ]
 
 
+def check_fp8_case(batch, heads, heads_k, seqlen_q, lengths, splits, causal, batch_idx, device, seed=0,
+                   head_dim=128):
+    """An e4m3 cache with per-key descales through decode.py's dispatch (which must pick the Gluon
+    kernel), against float64 attention of the dequantized cache."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    capacity = max(lengths) + 5
+    rows = batch + 2 if batch_idx else batch
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(rows, capacity, heads_k, head_dim, generator=g).to(device) * 3
+    v = torch.randn(rows, capacity, heads_k, head_dim, generator=g).to(device)
+    k_ds = k.abs().amax(-1).clamp(min=1e-6) / 448
+    v_ds = v.abs().amax(-1).clamp(min=1e-6) / 448
+    k8 = (k / k_ds[..., None]).to(torch.float8_e4m3fn)
+    v8 = (v / v_ds[..., None]).to(torch.float8_e4m3fn)
+    idx = (torch.randperm(rows, generator=g)[:batch].to(device=device, dtype=torch.int32)
+           if batch_idx else None)
+    for b in range(batch):  # NaN bytes (0x7f) past each sequence's end
+        row = int(idx[b]) if idx is not None else b
+        k8.view(torch.uint8)[row, lengths[b]:] = 0x7F
+        v8.view(torch.uint8)[row, lengths[b]:] = 0x7F
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    prepared = dec.prepare_decode(q, k8, v8, softmax_scale=scale, window_left=-1,
+                                  window_right=0 if causal else -1, cache_batch_idx=idx,
+                                  num_splits=splits, k_descale=k_ds)
+    if prepared.gluon is None:
+        raise AssertionError("the e4m3 cache did not take the Gluon kernel")
+    out, lse = dec.run_decode(prepared, q, k8, v8, seqlens, idx, None, None, None, k_ds, v_ds)
+    torch.cuda.synchronize()
+    kd = k8.float() * k_ds[..., None]
+    vd = v8.float() * v_ds[..., None]
+    worst, rows_out = 0.0, []
+    for b in range(batch):
+        row = int(idx[b]) if idx is not None else b
+        kb, vb = kd[row:row + 1, :lengths[b]], vd[row:row + 1, :lengths[b]]
+        ref, ref_lse = reference.attention(q[b:b + 1].double(), kb.double(), vb.double(),
+                                           softmax_scale=scale, causal=causal)
+        low, _ = reference.attention(q[b:b + 1], kb.bfloat16(), vb.bfloat16(), softmax_scale=scale,
+                                     causal=causal)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        budget = 2 * (low.double() - ref).abs().max().item() + 1e-6
+        got = lse[b:b + 1].double()
+        same = got == ref_lse
+        lse_err = torch.where(same, torch.zeros_like(got), (got - ref_lse).abs()).max().item()
+        finite = bool(torch.isfinite(out[b]).all())
+        worst = max(worst, err / budget if finite else math.inf)
+        rows_out.append({"err": err, "budget": budget, "lse_err": lse_err, "finite": finite})
+    ok = worst <= 1.0 and all(r["lse_err"] < 2e-3 for r in rows_out)
+    return {"fp8": True, "batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
+            "lengths": lengths, "splits": prepared.splits, "causal": causal, "batch_idx": batch_idx,
+            "head_dim": head_dim, "worst_err_over_budget": worst, "ok": ok, "rows": rows_out}
+
+
+FP8_CASES = [
+    # batch, heads, heads_k, Sq, lengths, splits (0: the plan's), causal, batch_idx
+    (1, 32, 8, 1, [4097], 0, False, False),
+    (3, 12, 2, 1, [1, 300, 2049], 0, False, False),
+    (2, 32, 8, 4, [517, 1024], 3, True, False),
+    (2, 16, 4, 1, [777, 65], 1, False, True),
+    (16, 32, 8, 1, [(i * 331) % 5000 + 1 for i in range(16)], 0, False, False),
+    (2, 8, 1, 1, [3000, 129], 0, False, False, 64),
+]
+
+
 def time_point(point, page, device, ceiling, variants):
     layers = layers_for(point)
     caches = LayerCaches.allocate(point, layers, device)
@@ -196,6 +260,16 @@ def main():
                 r = {"case": list(case), "ok": False, "error": f"{type(e).__name__}: {e}"}
             result["cases"].append(r)
             print(f"case {i} {case} hf={hf}: {'ok' if r['ok'] else 'FAIL'} "
+                  f"{r.get('worst_err_over_budget', r.get('error'))} ({time.time() - t:.1f}s)", flush=True)
+        for i, case in enumerate(FP8_CASES):
+            t = time.time()
+            try:
+                r = check_fp8_case(*case[:8], device=device, seed=100 + i,
+                                   **dict(zip(("head_dim",), case[8:])))
+            except Exception as e:
+                r = {"case": list(case), "ok": False, "error": f"{type(e).__name__}: {e}"}
+            result["cases"].append(r)
+            print(f"fp8 case {i} {case}: {'ok' if r['ok'] else 'FAIL'} "
                   f"{r.get('worst_err_over_budget', r.get('error'))} ({time.time() - t:.1f}s)", flush=True)
     ceiling = measure_ceiling(device)["sum_gbps"]
     result["ceiling_gbps"] = ceiling

@@ -90,3 +90,24 @@ def test_gluon_plan_contiguous(monkeypatch):
     splits, _, _, _, variant = decode._gluon_plan(16, 8, 128, torch.bfloat16, torch.device("cpu"),
                                                   1024, 0, 0, False, False, False)
     assert splits == 1 and not variant.paged and variant.page_rows == variant.block_n == 64
+
+
+def test_e4m3_caches_keep_the_triton_kernel(monkeypatch):
+    # The e4m3 form was slower than the Triton kernel on the H200: not dispatched.
+    assert not decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True)
+    assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True)
+    with pytest.raises(ValueError):
+        gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True)
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    splits, _, _, merge, variant = decode._gluon_plan(1, 8, 128, torch.bfloat16, torch.device("cpu"),
+                                                      32768, 0, 0, False, False, False, True)
+    assert variant.fp8 and not variant.paged and (variant.block_n, variant.stages) == (64, 4)
+    assert splits == 33 and merge is not None  # one wave of two programs per SM
+
+
+def test_e4m3_supported_is_false_on_cpu():
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 64, 2, 128).to(torch.float8_e4m3fn)
+    ds = torch.ones(1, 64, 2)
+    assert not gluon_decode.supported(q, k, k, paged=False, window=False, softcap=False, alibi=False,
+                                      leftpad=False, k_descale=ds, v_descale=ds)

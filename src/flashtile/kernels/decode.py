@@ -399,7 +399,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     the Gluon kernel's variant or None)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
-                           page_size if paged else 0, causal, has_batch_idx, one_launch)
+                           page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache)
     cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim)
     if one_launch:
         splits = 1
@@ -451,24 +451,34 @@ GLUON_PAGED = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
 # (gluon-decode-check-h200-20261130-b.json).
 
 
-def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int) -> bool:
+def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = False) -> bool:
     """Whether a call of this shape goes to the Gluon kernel (if it supports the call). Paged: all
     but 1-3x the SM count of (sequence, KV head) pairs, where its plans ran 10-18% slower than the
     Triton kernel's tuned mid-range splits (B20 32/8 4k 85.5 / 104.9 us contiguous / Gluon paged,
     B24 32/8 16k 374 / 417: gluon-decode-tune2-h200-20261130.json)."""
+    if fp8:
+        # Its e4m3 form (S by e4m3 wgmma, V widened to bf16 in shared memory) measured correct but
+        # at 32-50% of the read ceiling against the Triton kernel's 58-83% (decode-fp8-nvidia-h200-
+        # 20261130-e.json against -d): the consumer's widening, stores and barriers bound it.
+        return False
     if paged:
         return pairs < sms or pairs >= 3 * sms
     return (pairs <= 8 and capacity <= 4096) or (96 <= pairs < sms and capacity <= 1024)
 GLUON_PAGED_MANY = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+# e4m3 caches (contiguous; not dispatched, see gluon_wanted): S by e4m3 wgmma on the ring's K,
+# V widened to bf16 in shared memory.
+GLUON_FP8 = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
-                has_batch_idx, one_launch):
+                has_batch_idx, one_launch, fp8=False):
     from . import gluon_decode
 
     pairs = batch * heads_k
     sms = _sm_count(device)
     base = GLUON_PAGED_MANY if pairs >= sms else GLUON_PAGED
+    if fp8:  # 98 KB of shared memory: two programs per SM, one wave of them
+        base = GLUON_FP8
     if one_launch:
         splits = 1
     elif num_splits > 0:
@@ -480,7 +490,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
-        heads_first=True)
+        heads_first=True, fp8=fp8)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 
@@ -554,12 +564,13 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                   and capacity * head_dim * k_cache.element_size() <= EAGER_ONE_LAUNCH_BYTES // 2
                   and not in_graph and not torch.cuda.is_current_stream_capturing())
     causal = window_right == 0 and window_left < 0
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
-                and k_descale is None and gluon_wanted(paged, batch * heads_k, _sm_count(device),
-                                                       capacity)
+                and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache)
                 and gluon_supported(q, k_cache, v_cache, paged=paged,
                                     window=window_left >= 0 or window_right > 0, softcap=softcap > 0,
-                                    alibi=alibi_slopes is not None, leftpad=cache_leftpad is not None))
+                                    alibi=alibi_slopes is not None, leftpad=cache_leftpad is not None,
+                                    k_descale=k_descale, v_descale=k_descale))
     key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
@@ -612,7 +623,7 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
         return gluon_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                             causal=causal, splits=p.splits, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, need_lse=p.lse_shape is not None,
-                            variant=variant)
+                            variant=variant, k_descale=k_descale, v_descale=v_descale)
     out = torch.empty(p.out_shape, dtype=torch.float32 if p.upcast else p.dtype, device=p.device)
     lse = None if p.lse_shape is None else torch.empty(p.lse_shape, dtype=torch.float32,
                                                         device=p.device)

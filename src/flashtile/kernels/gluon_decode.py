@@ -65,10 +65,13 @@ class DecodeVariant:
     batch_idx: bool = False
     pdl: bool = False  # programmatic dependent launch: may start while the previous kernel ends
     heads_first: bool = False  # grid (Hk, splits, B) rather than (splits, B, Hk)
+    fp8: bool = False  # an e4m3 cache with per-key descales (contiguous), ``dtype`` the query's
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
             object.__setattr__(self, "page_rows", self.block_n)
+        if self.fp8 and self.paged:
+            raise ValueError("e4m3 caches: contiguous only")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -78,10 +81,14 @@ class DecodeVariant:
         kind = f"paged{self.page_rows}" if self.paged else "contiguous"
         return (f"decode-d{self.head_dim}-{self.dtype}-{kind}-n{self.block_n}-s{self.stages}"
                 + ("-causal" if self.causal else "") + ("-batchidx" if self.batch_idx else "")
-                + ("-pdl" if self.pdl else "") + ("-hf" if self.heads_first else ""))
+                + ("-pdl" if self.pdl else "") + ("-hf" if self.heads_first else "")
+                + ("-e4m3" if self.fp8 else ""))
 
     @property
     def shared_bytes(self) -> int:
+        if self.fp8:  # e4m3 ring, two e4m3 Q terms, the widened bf16 V tile
+            return 2 * self.stages * self.block_n * self.head_dim + 2 * ROWS * self.head_dim \
+                + 2 * self.block_n * self.head_dim
         return 2 * (2 * self.stages * self.block_n * self.head_dim + ROWS * self.head_dim)
 
 
@@ -92,11 +99,14 @@ class DecodeVariant:
 if _GLUON:
 
     @gluon.jit
-    def _slab_rows(bufs, slot, slab, row0, PAGE_ROWS: gl.constexpr, SLAB_LAYOUT: gl.constexpr):
-        """Rows [row0, row0 + PAGE_ROWS) of one 64-column slab of a ring slot's [BLOCK_N, D] tile."""
+    def _slab_rows(bufs, slot, slab, row0, PAGE_ROWS: gl.constexpr, SLAB_COLS: gl.constexpr,
+                   SLAB_LAYOUT: gl.constexpr):
+        """Rows [row0, row0 + PAGE_ROWS) of one slab (128 bytes of columns: 64 16-bit, 128 e4m3) of
+        a ring slot's [BLOCK_N, D] tile."""
         BLOCK_N: gl.constexpr = bufs.shape[1]
         HEAD_DIM: gl.constexpr = bufs.shape[2]
-        slabs = bufs.index(slot)._reinterpret(bufs.dtype, [HEAD_DIM // 64, BLOCK_N, 64], SLAB_LAYOUT)
+        slabs = bufs.index(slot)._reinterpret(bufs.dtype, [HEAD_DIM // SLAB_COLS, BLOCK_N, SLAB_COLS],
+                                              SLAB_LAYOUT)
         return slabs.index(slab).slice(row0, PAGE_ROWS)
 
     @gluon.jit
@@ -122,7 +132,7 @@ if _GLUON:
                          CacheBatchIdx, stride_btb, table_width, capacity, page_size, page_shift,
                          BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
                          PAGED: gl.constexpr, BATCH_IDX: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                         SLAB_LAYOUT: gl.constexpr):
+                         SLAB_COLS: gl.constexpr, SLAB_LAYOUT: gl.constexpr):
         """1 warp: for each key tile of the split, its pages' numbers from the block table (loaded
         before the wait for the slot, so their latency hides under it), then one TMA box per page
         and slab for K and for V, all completing the slot's ``ready`` barrier."""
@@ -172,13 +182,51 @@ if _GLUON:
                         row += key0 & (page_size - 1)
                 else:
                     row = row_base + key0 + p * PAGE_ROWS
-                for c in gl.static_range(HEAD_DIM // 64):
+                for c in gl.static_range(HEAD_DIM // SLAB_COLS):
                     tma.async_copy_global_to_shared(
-                        k_desc, [row, col0 + c * 64], ready.index(slot),
-                        _slab_rows(k_bufs, slot, c, p * PAGE_ROWS, PAGE_ROWS, SLAB_LAYOUT))
+                        k_desc, [row, col0 + c * SLAB_COLS], ready.index(slot),
+                        _slab_rows(k_bufs, slot, c, p * PAGE_ROWS, PAGE_ROWS, SLAB_COLS, SLAB_LAYOUT))
                     tma.async_copy_global_to_shared(
-                        v_desc, [row, col0 + c * 64], ready.index(slot),
-                        _slab_rows(v_bufs, slot, c, p * PAGE_ROWS, PAGE_ROWS, SLAB_LAYOUT))
+                        v_desc, [row, col0 + c * SLAB_COLS], ready.index(slot),
+                        _slab_rows(v_bufs, slot, c, p * PAGE_ROWS, PAGE_ROWS, SLAB_COLS, SLAB_LAYOUT))
+
+    @gluon.jit
+    def _loop_state(seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr, io_layout: gl.constexpr):
+        """(each row's key position for the causal mask, score columns, V tile rows, running max,
+        running sum, output accumulator, zero scores) before the first tile."""
+        rows_s = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+        rows_pos = gl.expand_dims(rows_s % seqlen_q + seqlen_k - seqlen_q, 1)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        m_i = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        o = gl.zeros([_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        return rows_pos, cols, v_rows, m_i, l_i, o, zero_s
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, scale):
+        """Online softmax on a masked score tile, in base 2 (``scale`` includes log2(e)); returns
+        (p, new max, new sum, the factor the accumulator takes)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * scale - gl.expand_dims(m_new, 1))
+        return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+    @gluon.jit
+    def _load_q_rows(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs, stride_qh,
+                     HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+        """The [64, HEAD_DIM] query tile: row r is query head r // Sq of the KV head's group at
+        position r % Sq; rows past the group are zeros."""
+        r = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        g = r // seqlen_q
+        qi = r % seqlen_q
+        head = kv_head * group_size + g
+        return gl.load(Q + batch.to(gl.int64) * stride_qb
+                       + gl.expand_dims(qi * stride_qs + head * stride_qh, 1) + gl.expand_dims(d, 0),
+                       mask=gl.expand_dims(g < group_size, 1), other=0.0)
 
     @gluon.jit
     def _decode_consumer(Q, OutPart, LsePart, Out, Lse, q_smem, k_bufs, v_bufs, ready, empty,
@@ -201,25 +249,13 @@ if _GLUON:
         io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
         # Q rows (query head g of the group, position qi) -> shared memory, once.
-        r = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, io_layout))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-        g = r // seqlen_q
-        qi = r % seqlen_q
-        row_ok = gl.expand_dims(g < group_size, 1)
-        head = kv_head * group_size + g
-        q = gl.load(Q + batch.to(gl.int64) * stride_qb + gl.expand_dims(qi * stride_qs + head * stride_qh, 1)
-                    + gl.expand_dims(d, 0), mask=row_ok, other=0.0)
+        q = _load_q_rows(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs, stride_qh,
+                         HEAD_DIM, io_layout)
         q_smem.store(q)
         fence_async_shared()
 
-        rows_s = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-        rows_pos = gl.expand_dims(rows_s % seqlen_q + seqlen_k - seqlen_q, 1)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-        m_i = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        o = gl.zeros([_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        zero_s = gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        rows_pos, cols, v_rows, m_i, l_i, o, zero_s = _loop_state(seqlen_q, seqlen_k, BLOCK_N, HEAD_DIM,
+                                                                  s_layout, o_layout, io_layout)
         for t in range(t_lo, t_hi):
             i = t - t_lo
             slot = i % STAGES
@@ -232,11 +268,7 @@ if _GLUON:
             if CAUSAL:
                 keep = keep & (keys <= rows_pos)
             s = gl.where(keep, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             if t * BLOCK_N + BLOCK_N > seqlen_k:
                 # The sequence's last tile: V rows past its end hold whatever the cache does there
                 # (0 x NaN would poison every row of P V); zero them where the wgmma reads.
@@ -250,22 +282,36 @@ if _GLUON:
             o = warpgroup_mma(p_op, v_tile, o)
             mbarrier.arrive(empty.index(slot))
 
+        _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
+                    group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
+                    stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh, SPLIT,
+                    WRITE_LSE, EMPTY_LSE)
+
+    @gluon.jit
+    def _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
+                    group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
+                    stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
+                    SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr):
+        """The rows' output (divided by their sums) and natural-log LSE: a split's partials, or the
+        result. Stored from the wgmma layout itself: a layout change would take shared memory the
+        ring needs."""
+        o_layout: gl.constexpr = o.type.layout
+        HEAD_DIM: gl.constexpr = o.shape[1]
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
         o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
-        # Stored from the wgmma layout itself: a layout change would take shared memory this
-        # kernel needs for its ring.
         ro = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, o_layout))
         do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         go = ro // seqlen_q
         qo = ro % seqlen_q
         ho = kv_head * group_size + go
         o_ok = gl.expand_dims(go < group_size, 1)
-        lse_ok = (rows_s // seqlen_q) < group_size
+        rows_s = gl.arange(0, _ROWS, layout=l_i.type.layout)
         g_l = rows_s // seqlen_q
         q_l = rows_s % seqlen_q
         h_l = kv_head * group_size + g_l
+        lse_ok = g_l < group_size
         if SPLIT:  # normalized partial output and its LSE (-inf where the split saw nothing)
             gl.store(OutPart + split.to(gl.int64) * stride_os + batch.to(gl.int64) * stride_ob
                      + gl.expand_dims(qo * stride_oq + ho * stride_oh, 1) + gl.expand_dims(do, 0),
@@ -281,9 +327,89 @@ if _GLUON:
                          gl.where(seen, lse, EMPTY_LSE), mask=lse_ok)
 
     @gluon.jit
+    def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem, qm_smem,
+                             v16_smem, k_bufs, v_bufs, ready, empty, CacheSeqlens, CacheBatchIdx,
+                             capacity, seqlen_q, group_size, qk_scale,
+                             stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
+                             stride_os, stride_ob, stride_oq, stride_oh,
+                             stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
+                             stride_lrb, stride_lrh,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
+                             HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr):
+        """4 warps, e4m3 cache, 16-bit query: S = Q K^T by two e4m3 wgmmas straight from the ring
+        (the query as hi + mid e4m3 terms: q scaled by a power of two into [128, 256), hi its e4m3
+        rounding, mid the e4m3 rounding of the rest: ~8 significant bits, bf16's), K's per-key
+        descales on the score columns; V widened to bf16 into a shared tile (e4m3 wgmma takes its
+        second operand K-major only, and V's keys are its rows), V's per-key descales on P's
+        columns (the row sums take P without them)."""
+        split, batch, kv_head, num_splits = _program(HEADS_FIRST)
+        seqlen_k = gl.minimum(gl.maximum(gl.load(CacheSeqlens + batch), 0), capacity)
+        t_lo, t_hi = _split_tiles(seqlen_k, split, num_splits, BLOCK_N)
+        HEAD_DIM: gl.constexpr = k_bufs.shape[2]
+        s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_N, 32)
+        o_layout: gl.constexpr = _wgmma_layout(4, HEAD_DIM)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+        q = _load_q_rows(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs, stride_qh,
+                         HEAD_DIM, io_layout).to(gl.float32)
+        amax_bits = gl.max(gl.max(gl.abs(q), 1), 0).to(gl.int32, bitcast=True)
+        shift = gl.minimum(gl.maximum(7 - ((amax_bits >> 23) - 127), -120), 120)
+        q_scale = ((127 + shift) << 23).to(gl.float32, bitcast=True)
+        q = q * q_scale
+        q_hi = q.to(gl.float8e4nv)
+        qh_smem.store(q_hi)
+        qm_smem.store((q - q_hi.to(gl.float32)).to(gl.float8e4nv))
+        fence_async_shared()
+        score_scale = qk_scale / q_scale
+
+        cache_row = batch
+        if BATCH_IDX:
+            cache_row = gl.load(CacheBatchIdx + batch)
+        ds_base = cache_row.to(gl.int64) * stride_dsb + kv_head.to(gl.int64) * stride_dsh
+        rows_pos, cols, v_rows, m_i, l_i, o, zero_s = _loop_state(seqlen_q, seqlen_k, BLOCK_N, HEAD_DIM,
+                                                                  s_layout, o_layout, io_layout)
+        for t in range(t_lo, t_hi):
+            i = t - t_lo
+            slot = i % STAGES
+            key = t * BLOCK_N + cols
+            key_ok = key < seqlen_k
+            k_ds = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key_ok, other=0.0)
+            v_ds = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key_ok, other=0.0)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            k_tile = k_bufs.index(slot)
+            s = warpgroup_mma(qh_smem, k_tile.permute((1, 0)), zero_s, use_acc=False)
+            s = warpgroup_mma(qm_smem, k_tile.permute((1, 0)), s)
+            v8 = v_bufs.index(slot).load(io_layout)
+            mbarrier.arrive(empty.index(slot))  # K and V are out of the ring
+            s = s * gl.expand_dims(k_ds, 0)
+            keep = gl.expand_dims(key_ok, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(key, 0) <= rows_pos)
+            s = gl.where(keep, s, float("-inf"))
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, score_scale)
+            # Rows past the sequence (the last tile) hold whatever the cache does: zeros instead.
+            keep_v = gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1)
+            v = gl.where(keep_v, v8.to(gl.bfloat16), gl.zeros([BLOCK_N, HEAD_DIM], gl.bfloat16,
+                                                               layout=io_layout))
+            gl.thread_barrier()  # every warp's P V of the tile before has read the bf16 tile
+            v16_smem.store(v)
+            fence_async_shared()
+            gl.thread_barrier()
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(_to_16bit(p * gl.expand_dims(v_ds, 0), gl.bfloat16, True), p_layout)
+            o = warpgroup_mma(p_op, v16_smem, o)
+        _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
+                    group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
+                    stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh, SPLIT,
+                    WRITE_LSE, EMPTY_LSE)
+
+    @gluon.jit
     def _attn_decode_gluon(k_desc, v_desc, Q, OutPart, LsePart, Out, Lse, CacheSeqlens,
-                           CacheBatchIdx, BlockTable,
-                           stride_qb, stride_qs, stride_qh, stride_os, stride_ob, stride_oq, stride_oh,
+                           CacheBatchIdx, BlockTable, KDescale, VDescale,
+                           stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
+                           stride_os, stride_ob, stride_oq, stride_oh,
                            stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
                            stride_lrb, stride_lrh, stride_btb, seqlen_q, capacity, group_size,
                            qk_scale, page_size, page_shift, table_width,
@@ -293,11 +419,15 @@ if _GLUON:
                            CAUSAL: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr,
                            EMPTY_LSE: gl.constexpr, HEAD_DIM: gl.constexpr,
                            TILE_LAYOUT: gl.constexpr, SLAB_LAYOUT: gl.constexpr,
-                           Q_LAYOUT: gl.constexpr):
+                           Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
+                           V16_LAYOUT: gl.constexpr):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
-        SLAB_LAYOUT the same bytes as [HEAD_DIM // 64, BLOCK_N, 64], Q_LAYOUT the [64, HEAD_DIM] Q's."""
+        SLAB_LAYOUT the same bytes as [HEAD_DIM // SLAB_COLS, BLOCK_N, SLAB_COLS], Q_LAYOUT the
+        [64, HEAD_DIM] Q's (e4m3 with ``FP8``). FP8: an e4m3 cache with float32 descales (one per
+        key and KV head, strides dsb, dss, dsh like the contiguous cache's rows), a 16-bit query;
+        V16_LAYOUT the widened bf16 V tile's."""
         dtype: gl.constexpr = k_desc.dtype
         if PDL:  # launched before the previous kernel ends: touch no memory until it has
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
@@ -307,23 +437,43 @@ if _GLUON:
 
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
-        q_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        gl.warp_specialize([
-            (_decode_consumer, (Q, OutPart, LsePart, Out, Lse, q_smem, k_bufs, v_bufs, ready, empty,
-                                CacheSeqlens, capacity, seqlen_q, group_size, qk_scale, stride_qb, stride_qs, stride_qh, stride_os, stride_ob,
-                                stride_oq, stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
-                                stride_rq, stride_rh, stride_lrb, stride_lrh,
-                                BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST)),
-            (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
-                                CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
-                                page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED, BATCH_IDX,
-                                HEADS_FIRST, SLAB_LAYOUT)),
-        ], [1], [24])
+        if FP8:
+            qh_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
+            qm_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
+            v16_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], V16_LAYOUT)
+            gl.warp_specialize([
+                (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem,
+                                        qm_smem, v16_smem, k_bufs, v_bufs, ready, empty, CacheSeqlens,
+                                        CacheBatchIdx, capacity, seqlen_q, group_size, qk_scale,
+                                        stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss,
+                                        stride_dsh, stride_os, stride_ob, stride_oq, stride_oh,
+                                        stride_ls, stride_lb, stride_lh, stride_rb, stride_rq,
+                                        stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES, CAUSAL,
+                                        SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST, BATCH_IDX)),
+                (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
+                                    CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
+                                    page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
+                                    BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
+            ], [1], [24])
+        else:
+            q_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
+            gl.warp_specialize([
+                (_decode_consumer, (Q, OutPart, LsePart, Out, Lse, q_smem, k_bufs, v_bufs, ready,
+                                    empty, CacheSeqlens, capacity, seqlen_q, group_size, qk_scale,
+                                    stride_qb, stride_qs, stride_qh, stride_os, stride_ob,
+                                    stride_oq, stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
+                                    stride_rq, stride_rh, stride_lrb, stride_lrh,
+                                    BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST)),
+                (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
+                                    CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
+                                    page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
+                                    BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
+            ], [1], [24])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,26 +485,31 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(block_n: int, page_rows: int, head_dim: int, dtype: str):
-    """(tile, slab view, Q, TMA box) shared layouts."""
-    el = getattr(gl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+def _layouts(block_n: int, page_rows: int, head_dim: int, dtype: str, fp8: bool = False):
+    """(tile, slab view, Q, TMA box, widened V) shared layouts; slab columns. ``fp8``: the cache
+    and the Q terms are e4m3, the widened V tile bf16."""
+    el = gl.float8e4nv if fp8 else getattr(gl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+    cols = min(head_dim, 128 if fp8 else SLAB)  # 128 bytes of columns: one swizzle span
     tile = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], el)
-    slab = gl.NVMMASharedLayout.get_default_for([block_n, SLAB], el)
+    slab = gl.NVMMASharedLayout.get_default_for([block_n, cols], el)
     q = gl.NVMMASharedLayout.get_default_for([ROWS, head_dim], el)
-    box = gl.NVMMASharedLayout.get_default_for([page_rows, SLAB], el)
-    return tile, slab, q, box
+    box = gl.NVMMASharedLayout.get_default_for([page_rows, cols], el)
+    v16 = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.bfloat16)
+    return tile, slab, q, box, v16, cols
 
 
 @functools.lru_cache(maxsize=None)
 def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
     """Constexprs and launch shape (one dict per value: ``launch`` keys options by identity)."""
-    tile, slab, q, _ = _layouts(variant.block_n, variant.page_rows, variant.head_dim, variant.dtype)
+    tile, slab, q, _, v16, cols = _layouts(variant.block_n, variant.page_rows, variant.head_dim,
+                                           variant.dtype, variant.fp8)
     return dict(BLOCK_N=variant.block_n, PAGE_ROWS=variant.page_rows, STAGES=variant.stages,
                 PAGED=variant.paged, PDL=variant.pdl, BATCH_IDX=variant.batch_idx,
                 HEADS_FIRST=variant.heads_first,
                 CAUSAL=variant.causal, SPLIT=split, WRITE_LSE=write_lse or split,
                 EMPTY_LSE=math.inf, HEAD_DIM=variant.head_dim, TILE_LAYOUT=tile, SLAB_LAYOUT=slab,
-                Q_LAYOUT=q, **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
+                Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
+                **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
 def _launch_shape(variant: DecodeVariant) -> dict:
@@ -382,13 +537,22 @@ def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool,
-              window: bool, softcap: bool, alibi: bool, leftpad: bool) -> bool:
+              window: bool, softcap: bool, alibi: bool, leftpad: bool, k_descale=None,
+              v_descale=None) -> bool:
     """Whether this kernel takes the call (else the portable one does): sm_90, 16-bit q and cache
-    of one dtype, head dim 64 or 128, at most 64 query rows per KV head, no window, softcap, ALiBi
-    or left padding; paged: pages of 8-256 keys, a power of two."""
+    of one dtype (or a contiguous e4m3 cache with a bf16 query and float32 descales of one layout:
+    measured slower than the Triton kernel, so decode.gluon_wanted never sends one here),
+    head dim 64 or 128, at most 64 query rows per KV head, no window, softcap, ALiBi or left
+    padding; paged: pages of 8-256 keys, a power of two."""
     if not _GLUON or q.device.type != "cuda" or window or softcap or alibi or leftpad:
         return False
-    if q.dtype not in _NAMES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if (paged or q.dtype != torch.bfloat16 or v_cache.dtype != k_cache.dtype or k_descale is None
+                or v_descale is None or k_descale.dtype != torch.float32
+                or v_descale.dtype != torch.float32 or k_descale.stride() != v_descale.stride()
+                or k_descale.dim() != 3):
+            return False
+    elif q.dtype not in _NAMES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return False
     batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
@@ -406,7 +570,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
 
 def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, causal: bool,
                  splits: int, variant: DecodeVariant, block_table=None, cache_batch_idx=None,
-                 need_lse: bool = True):
+                 need_lse: bool = True, k_descale=None, v_descale=None):
     """One decode launch (plus the merge when ``splits`` > 1) on inputs ``supported`` accepts, with
     a variant matching them (decode.py's plan picks it). Returns out (B, Sq, H, D) in q's dtype and
     lse (B, H, Sq) float32 (+inf where a row saw no key), or None when not needed and unsplit."""
@@ -429,15 +593,18 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
         lse_partial = torch.empty(splits, batch, heads, seqlen_q, dtype=torch.float32, device=q.device)
     else:
         out_partial, lse_partial = out, out if lse is None else lse
-    _, _, _, box = _layouts(variant.block_n, variant.page_rows, head_dim, variant.dtype)
+    _, _, _, box, _, cols = _layouts(variant.block_n, variant.page_rows, head_dim, variant.dtype,
+                                     variant.fp8)
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
-    descriptors = (_Descriptor(k_rows, k_rows.shape, k_rows.stride(), (variant.page_rows, SLAB), box),
-                   _Descriptor(v_rows, v_rows.shape, v_rows.stride(), (variant.page_rows, SLAB), box))
+    descriptors = (_Descriptor(k_rows, k_rows.shape, k_rows.stride(), (variant.page_rows, cols), box),
+                   _Descriptor(v_rows, v_rows.shape, v_rows.stride(), (variant.page_rows, cols), box))
     lse_t = out if lse is None else lse
-    tensors = (q, out_partial, lse_partial, out, lse_t, cache_seqlens, cache_batch_idx, block_table)
+    tensors = (q, out_partial, lse_partial, out, lse_t, cache_seqlens, cache_batch_idx, block_table,
+               k_descale, v_descale)
     part = out_partial.stride()[:4] if split else (0, 0, 0, 0)
     lpart = lse_partial.stride()[:3] if split else (0, 0, 0)
-    scalars = (*q.stride()[:3], *part, *lpart, *out.stride()[:3],
+    ds = k_descale.stride() if k_descale is not None else (0, 0, 0)
+    scalars = (*q.stride()[:3], *ds, *part, *lpart, *out.stride()[:3],
                *(lse.stride()[:2] if lse is not None else (0, 0)),
                block_table.stride(0) if paged else 0, seqlen_q, capacity, heads // heads_k,
                softmax_scale * LOG2E, page_size if paged else 1,
@@ -462,14 +629,15 @@ def compile_for_sm90(variant: DecodeVariant, split: bool = True):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     dt = variant.dtype
-    _, _, _, box = _layouts(variant.block_n, variant.page_rows, variant.head_dim, dt)
-    desc = f"tensordesc<{dt}[{variant.page_rows}, {SLAB}],{box!r}>"
+    _, _, _, box, _, cols = _layouts(variant.block_n, variant.page_rows, variant.head_dim, dt,
+                                     variant.fp8)
+    desc = f"tensordesc<{'fp8e4nv' if variant.fp8 else dt}[{variant.page_rows}, {cols}],{box!r}>"
     fn = _attn_decode_gluon
     constexprs = _options(variant, split, True)
     signature, attrs = {"k_desc": desc, "v_desc": desc, "Q": f"*{dt}", "OutPart": "*fp32",
                         "LsePart": "*fp32", "Out": f"*{dt}", "Lse": "*fp32",
                         "CacheSeqlens": "*i32", "CacheBatchIdx": "*i32", "BlockTable": "*i32",
-                        "qk_scale": "fp32"}, {}
+                        "KDescale": "*fp32", "VDescale": "*fp32", "qk_scale": "fp32"}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -497,6 +665,9 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
     for change in ({"page_rows": 8}, {"page_rows": 64}, {"causal": True}, {"batch_idx": True}):
         out.append((dataclasses.replace(base, **change), True))
     out.append((base, False))
+    fp8 = DecodeVariant(128, "bf16", 64, 4, pdl=True, heads_first=True, fp8=True)
+    out += [(fp8, True), (fp8, False), (dataclasses.replace(fp8, causal=True, batch_idx=True), True),
+            (dataclasses.replace(fp8, head_dim=64), True)]
     return out
 
 
