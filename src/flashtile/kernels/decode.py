@@ -434,28 +434,32 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     return splits, upcast, kernel, merge, None
 
 
-# Paged caches on sm_90 go to the Gluon kernel (gluon_decode.py): TMA boxes of whole pages from a
-# producer warp. Same run against the Triton kernel's paged plan, page 16, us per layer
+# The Gluon kernel (gluon_decode.py: TMA boxes of whole pages or tiles from a producer warp) on
+# sm_90. Same run against the Triton kernel's paged plan, page 16, us per layer
 # (gluon-decode-check-h200-20261130-c.json): B1 32/8 16k 26.1 -> 22.8, 32k 42.3 -> 38.9, B1 12/2 32k
 # 17.4 -> 16.3, B16 32/8 16k 261.3 -> 258.2, B16 12/2 16k 73.5 -> 72.9, B64 12/2 16k 264.5 -> 265.3,
 # B64 32/8 16k 996.4 -> 979.5. Its plans: 64-key tiles, 4 stages (one CTA per SM) and one wave of
 # programs (at most SMs // pairs splits, none shorter than 128 keys of the capacity) while the
 # (sequence, KV head) pairs are fewer than the SMs; from there 3 stages, two CTAs per SM, which ran
 # B64 32/8 1k 75.8 -> 69.6 us, 4k 258.1 -> 254.0 (gluon-decode-tune-h200-20261130.json).
-GLUON_PAGED = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
-# Contiguous caches take it where it measured faster than the Triton plans: short caches at batch
-# 1-ish and 1k caches with the SMs nearly filled by pairs. bench decode with it at every pair count
-# under the SMs up to 4k keys (decode-nvidia-h200-20261130-g.json) against the Triton plans (-f):
-# B1 32/8 1k +14%, 4k +3%, B1 12/2 1k +21%, 4k +14%, B16 32/8 1k +4%, but B16 32/8 4k -1.3%, B16
-# 12/2 1k -4%, 4k -0.7%; from 16k it was at parity or 1-2.5% slower
-# (gluon-decode-check-h200-20261130-b.json).
+GLUON_ONE_PER_SM = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
+GLUON_TWO_PER_SM = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+# e4m3 caches (contiguous; not dispatched, see gluon_wanted): 98 KB of shared memory, two per SM.
+GLUON_E4M3 = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 
 
 def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = False) -> bool:
-    """Whether a call of this shape goes to the Gluon kernel (if it supports the call). Paged: all
-    but 1-3x the SM count of (sequence, KV head) pairs, where its plans ran 10-18% slower than the
-    Triton kernel's tuned mid-range splits (B20 32/8 4k 85.5 / 104.9 us contiguous / Gluon paged,
-    B24 32/8 16k 374 / 417: gluon-decode-tune2-h200-20261130.json)."""
+    """Whether a call of this shape goes to the Gluon kernel (if it supports the call).
+
+    Paged: all but 1-3x the SM count of (sequence, KV head) pairs, where its plans ran 10-18%
+    slower than the Triton kernel's tuned mid-range splits (B20 32/8 4k 85.5 / 104.9 us contiguous /
+    Gluon paged, B24 32/8 16k 374 / 417: gluon-decode-tune2-h200-20261130.json).
+    Contiguous: where it measured faster than the Triton plans, short caches at batch 1-ish and 1k
+    caches with the SMs nearly filled by pairs. bench decode with it at every pair count under the
+    SMs up to 4k keys (decode-nvidia-h200-20261130-g.json) against the Triton plans (-f): B1 32/8 1k
+    +14%, 4k +3%, B1 12/2 1k +21%, 4k +14%, B16 32/8 1k +4%, but B16 32/8 4k -1.3%, B16 12/2 1k
+    -4%, 4k -0.7%; from 16k it was at parity or 1-2.5% slower (gluon-decode-check-h200-20261130-b).
+    """
     if fp8:
         # Its e4m3 form (S by e4m3 wgmma, V widened to bf16 in shared memory) measured correct but
         # at 32-50% of the read ceiling against the Triton kernel's 58-83% (decode-fp8-nvidia-h200-
@@ -464,10 +468,6 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
     if paged:
         return pairs < sms or pairs >= 3 * sms
     return (pairs <= 8 and capacity <= 4096) or (96 <= pairs < sms and capacity <= 1024)
-GLUON_PAGED_MANY = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
-# e4m3 caches (contiguous; not dispatched, see gluon_wanted): S by e4m3 wgmma on the ring's K,
-# V widened to bf16 in shared memory.
-GLUON_FP8 = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
@@ -476,9 +476,9 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
 
     pairs = batch * heads_k
     sms = _sm_count(device)
-    base = GLUON_PAGED_MANY if pairs >= sms else GLUON_PAGED
-    if fp8:  # 98 KB of shared memory: two programs per SM, one wave of them
-        base = GLUON_FP8
+    base = GLUON_TWO_PER_SM if pairs >= sms else GLUON_ONE_PER_SM
+    if fp8:
+        base = GLUON_E4M3
     if one_launch:
         splits = 1
     elif num_splits > 0:

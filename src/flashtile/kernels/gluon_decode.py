@@ -652,9 +652,9 @@ def compile_for_sm90(variant: DecodeVariant, split: bool = True):
 
 
 def _checked() -> list[tuple[DecodeVariant, bool]]:
-    """What the compile check builds: the paged plans (decode.GLUON_PAGED, GLUON_PAGED_MANY) at both
+    """What the compile check builds: the plans (decode.GLUON_ONE_PER_SM, GLUON_TWO_PER_SM) at both
     head dims and dtypes, pages smaller than, equal to and larger than a tile, causal, batch_idx,
-    unsplit."""
+    unsplit, contiguous caches, and the e4m3-cache form (compiled, not dispatched)."""
     out = []
     for d in (64, 128):
         for dt in ("bf16", "fp16"):
@@ -665,6 +665,8 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
     for change in ({"page_rows": 8}, {"page_rows": 64}, {"causal": True}, {"batch_idx": True}):
         out.append((dataclasses.replace(base, **change), True))
     out.append((base, False))
+    contiguous = DecodeVariant(128, "bf16", 64, 4, pdl=True, heads_first=True)
+    out += [(contiguous, True), (contiguous, False)]
     fp8 = DecodeVariant(128, "bf16", 64, 4, pdl=True, heads_first=True, fp8=True)
     out += [(fp8, True), (fp8, False), (dataclasses.replace(fp8, causal=True, batch_idx=True), True),
             (dataclasses.replace(fp8, head_dim=64), True)]
