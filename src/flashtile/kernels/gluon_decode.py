@@ -21,6 +21,11 @@ group x Sq are zeros and never stored. Keys past the sequence in its last tile a
 scores and their V rows zeroed in shared memory (whatever the cache holds there, NaN included, must
 not reach P V). Splits and the LSE merge are the portable kernel's (``decode.combine``).
 
+Which calls come here is ``decode.gluon_wanted``'s rule (from the H200 runs it cites): paged caches
+but at 1-3x the SM count of (sequence, KV head) pairs, and a few short contiguous-cache shapes. The
+e4m3-cache form (``fp8``: S by e4m3 wgmma with the query as hi + mid e4m3 terms, V widened to bf16 in
+shared memory) is correct but slower than the portable kernel's e4m3 path, and is not dispatched.
+
 This module imports on machines without a GPU; ``compile_for_sm90`` builds a variant there.
 """
 
