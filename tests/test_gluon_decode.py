@@ -36,6 +36,8 @@ def test_cache_rows_views_contiguous_caches_only():
     assert rows.shape == (160, 1024) and rows.data_ptr() == k.data_ptr()
     assert gluon_decode.cache_rows(k[:, :8]) is None  # a slice along the slots: not one 2-D view
     assert gluon_decode.cache_rows(k.transpose(1, 2)) is None
+    assert gluon_decode.rows_viewable(k) and not gluon_decode.rows_viewable(k[:, :8])
+    assert not gluon_decode.rows_viewable(torch.randn(10, 16, 1, 4, dtype=torch.bfloat16))  # 8-byte rows
 
 
 @pytest.mark.parametrize("batch,heads_k,capacity,page,stages,splits,page_rows", [

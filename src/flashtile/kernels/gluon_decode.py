@@ -529,16 +529,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _NAMES[dtype]
 
 
+def rows_viewable(cache: torch.Tensor) -> bool:
+    """Whether the cache reads as the 2-D (rows, Hk x D) tensor the descriptors take: contiguous,
+    16-byte aligned rows (TMA), row coordinates in int32. Checked without building the view: it
+    runs on every decode call."""
+    return (cache.dim() == 4 and cache.is_contiguous() and cache.data_ptr() % 16 == 0
+            and cache.shape[0] * cache.shape[1] < 2 ** 31 - 2 ** 20
+            and (cache.shape[2] * cache.shape[3] * cache.element_size()) % 16 == 0)
+
+
 def cache_rows(cache: torch.Tensor) -> torch.Tensor | None:
-    """The cache as the 2-D (rows, Hk x D) tensor the descriptors read, or None when its strides
-    do not allow that view or TMA (16-byte aligned rows) or int32 row coordinates."""
-    if not cache.is_contiguous() or cache.data_ptr() % 16 or cache.dim() != 4:
+    """The cache as the 2-D (rows, Hk x D) tensor the descriptors read, or None (rows_viewable)."""
+    if not rows_viewable(cache):
         return None
-    rows = cache.shape[0] * cache.shape[1]
-    width = cache.shape[2] * cache.shape[3]
-    if rows >= 2 ** 31 - 2 ** 20 or (width * cache.element_size()) % 16:
-        return None
-    return cache.view(rows, width)
+    return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2] * cache.shape[3])
 
 
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, paged: bool,
@@ -567,7 +571,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
         page = k_cache.shape[1]
         if page < 8 or page > 256 or page & (page - 1):
             return False
-    if k_cache.shape != v_cache.shape or cache_rows(k_cache) is None or cache_rows(v_cache) is None:
+    if k_cache.shape != v_cache.shape or not rows_viewable(k_cache) or not rows_viewable(v_cache):
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _arch(index) == 90
