@@ -110,6 +110,10 @@ command_for() {
         gluon-decode-check-quick) echo "python benchmarks/gluon_decode_check.py --quick --out $OUT" ;;
         gluon-decode-correct) echo "python benchmarks/gluon_decode_check.py --no-timing --out $OUT" ;;
         gluon-decode-tune2) echo "python benchmarks/gluon_decode_check.py --skip-check --contiguous --out $OUT --points '20,32,8,4096;24,32,8,16384;16,32,8,1024;1,32,8,4096;1,12,2,4096;1,32,8,1024' --variants '64,3,2,1,1;64,3,4,1,1;64,4,1,1,1;32,4,2,1,1;64,4,2,1,1'" ;;
+        gluon-ab-qr) echo "python benchmarks/gluon_ab.py --out $OUT --heads 8 --group gluon-d256-bf16-full-n64-s2-ws-pingpong-persistent-lazy,gluon-d256-bf16-full-n64-s2-ws-pingpong-persistent-lazy-qr128 --group gluon-d256-bf16-causal-n64-s2-ws-pingpong-persistent-snake-lazy,gluon-d256-bf16-causal-n64-s2-ws-pingpong-persistent-snake-lazy-qr128 && cp $OUT/gluon-ab.json $OUT/gluon-ab-qr.json" ;;
+        gluon-check-qr) echo "python benchmarks/gluon_check.py --out $OUT --only=qr128" ;;
+        sanitize-gluon-qr) echo "${SANITIZER[*]} python benchmarks/sanitize.py --gluon-only --only=qr128" ;;
+        gluon-decode-tune3) echo "python benchmarks/gluon_decode_check.py --skip-check --out $OUT --points '1,12,2,16384;1,12,2,32768;1,12,2,131072;16,12,2,16384;16,12,2,65536;64,12,2,32768' --variants '64,3,2,1,1;64,2,4,1,1;32,4,2,1,1;32,3,4,1,1'" ;;
         gluon-decode-tune) echo "python benchmarks/gluon_decode_check.py --skip-check --out $OUT --points '64,12,2,131072;64,12,2,16384;64,32,8,1024;16,32,8,32768;16,12,2,16384;1,12,2,16384;64,32,8,4096' --variants '64,4,1,1,1;64,6,1,1,1;64,3,2,1,1;32,4,2,1,1;32,6,2,1,1;128,3,1,1,1'" ;;
         decode-probe) echo "python benchmarks/decode_probe.py --out $OUT" ;;
         decode-probe-paged) echo "python benchmarks/decode_probe.py --mode paged --out $OUT" ;;

@@ -120,3 +120,57 @@ def test_prefill_fp8_mode_times_the_fp8_kernel_next_to_bf16(tmp_path):
     assert "fp8/bf16" in table and "2.00x" in table.splitlines()[-1]
     pytest.importorskip("matplotlib")
     assert prefill.write_plot(records, tmp_path / "p.png", "t", prefill.FP8_PROVIDERS).startswith("Wrote")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_balanced_orders_put_everyone_everywhere_and_after_everyone(n):
+    from collections import Counter
+
+    from flashtile.bench.common import balanced_orders
+
+    orders = balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(row) == list(range(n)) for row in orders)
+    positions = Counter((pos, x) for row in orders for pos, x in enumerate(row))
+    assert len(set(positions.values())) == 1 and len(positions) == n * n
+    follows = Counter((a, b) for row in orders for a, b in zip(row, row[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_prefill_rounds_balance_the_racing_providers_and_take_their_median(monkeypatch):
+    """With rounds, the racing providers are timed in balanced orders (after one untimed call of
+    the first), textbook once, and each gets the median of its rounds."""
+    from flashtile.bench import prefill
+    from flashtile.bench.common import balanced_orders
+
+    point = prefill.Point("fa2", 1, 2, 2, 64, 64, False)
+    names = ("flashtile", "sdpa-flash", "sdpa-cudnn", "textbook")
+    built = {}
+
+    def spec(name):
+        def build(p, x):
+            fn = lambda: None  # noqa: E731: a stand-in call that every backend takes
+            built[fn] = name
+            return fn
+        return build, None
+
+    monkeypatch.setattr(prefill, "_PROVIDER_SPECS", {n: spec(n) for n in names})
+    order = []
+    samples = {"flashtile": [9.0, 5.0, 1.0, 2.0, 2.0, 3.0, 4.0], "sdpa-flash": [3.0, 9.0, 4.0, 4.0, 1.0, 8.0],
+               "sdpa-cudnn": [7.0, 6.0, 8.0, 7.0, 7.0, 7.0], "textbook": [50.0]}
+
+    def timer(fn):
+        name = built[fn]
+        order.append(name)
+        return samples[name][sum(1 for n in order if n == name) - 1]
+
+    results = prefill.measure_point(point, None, timer, False, names, rounds=5)
+    raced = names[:3]
+    expected = ["flashtile"]  # the untimed warm-up call
+    for r, row in enumerate(balanced_orders(3)):
+        expected += [raced[i] for i in row] + (["textbook"] if r == 0 else [])
+    assert order == expected
+    assert results["flashtile"]["ms_rounds"] == [5.0, 1.0, 2.0, 2.0, 3.0, 4.0]
+    assert [results[n]["ms"] for n in names] == [2.5, 4.0, 7.0, 50.0]
+    assert "ms_rounds" not in results["textbook"]
+    assert list(results) == list(names)

@@ -357,3 +357,21 @@ def test_plain_forward_declines_what_the_kernel_does_not_take(monkeypatch):
     flat = torch.randn(2 * 64 * 4 * 128 + 1, dtype=torch.bfloat16)
     assert gluon_forward.plain_forward(flat[1:].view(2, 64, 4, 128), k, v, 0.1, False) is None
     assert not launches
+
+
+def test_d256_non_causal_takes_q_from_registers_up_to_4k_keys():
+    """dispatch_variant: d256 non-causal calls with at most Q_REGS_MAX_KEYS keys run the variant
+    holding Q's first half in registers; longer or causal ones, and other head dims, the default."""
+    limit = gluon_forward.Q_REGS_MAX_KEYS
+    for dtype in ("bf16", "fp16"):
+        short = gluon_forward.dispatch_variant(256, dtype, False, limit)
+        assert short.q_regs == 128 and short.name.endswith("-qr128") and short in gluon_forward.DISPATCHED
+        assert gluon_forward.dispatch_variant(256, dtype, False, limit + 1) == \
+            gluon_forward.default_variant(256, dtype, False)
+        assert gluon_forward.dispatch_variant(256, dtype, True, 512).q_regs == 0
+    for d in (64, 128):
+        assert gluon_forward.dispatch_variant(d, "bf16", False, 512) == gluon_forward.default_variant(d, "bf16", False)
+    with pytest.raises(ValueError, match="q_regs"):
+        gluon_forward.GluonVariant(256, q_regs=64)
+    with pytest.raises(ValueError, match="q_regs"):
+        gluon_forward.GluonVariant(256, "fp8", q_regs=128)

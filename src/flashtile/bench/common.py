@@ -207,6 +207,26 @@ def check_without_gpu(command: str, what: str, checks, args) -> int:
     return 0 if passed else 1
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n timed providers, one per round, in which every provider runs in every position
+    and right after every other one equally often (a Williams design: n rows for even n, 2n for
+    odd). Run after run the GPU's clocks follow the power the previous seconds drew, so a fixed order,
+    or a fixed one rotated, hands one provider the same predecessor every round."""
+    if n <= 1:
+        return [list(range(n))]
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
 def speed_ratios(results: dict, mine: str, others, time_key: str = "ms") -> dict:
     """``mine``'s speed relative to each of ``others`` (> 1: ``mine`` is faster); None where either
     was unavailable."""

@@ -9,6 +9,7 @@ up to 32k). Without a GPU the command only runs the correctness check, through T
 from __future__ import annotations
 
 import contextlib
+import statistics
 import sys
 import warnings
 from dataclasses import asdict, dataclass, is_dataclass
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 
 from .. import reference
 from . import check
-from .common import (DTYPES, add_common_arguments, attention_flops, check_without_gpu, choose_device,
-                     environment, format_number, format_seqlen, progress, result_path, save_figure,
+from .common import (DTYPES, add_common_arguments, attention_flops, balanced_orders,
+                     check_without_gpu, choose_device, environment, format_number, format_seqlen, progress, result_path, save_figure,
                      speed_ratios, tflops, write_json)
 
 TOKENS = 16384  # FA2 paper: batch x seqlen held at 16k tokens
@@ -34,7 +35,11 @@ MEMORY_SEQLENS = (8192, 16384)
 # Textbook attention materialises B*H*S*S scores; ~10 bytes each counts the bf16 scores, the fp32
 # softmax and the masks alive at once. Above this it would OOM or take minutes.
 TEXTBOOK_MAX_BYTES = 24e9
-WARMUP_MS, REP_MS = 25, 100
+# At least ROUNDS rounds (a whole number of balanced orders: 6 for three providers) each time every
+# racing provider once with do_bench (WARMUP_MS, REP_MS); a provider's time is the median of its
+# rounds' medians. Textbook attention is timed once.
+WARMUP_MS, REP_MS, ROUNDS = 10, 40, 5
+UNRACED = ("textbook",)
 
 PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "textbook")
 # --dtype fp8: flashtile's e4m3 forward next to flashtile and the SDPA anchors in bf16
@@ -187,11 +192,12 @@ def peak_extra_mb(fn: Callable) -> float:
     return (peak - before) / 1e6
 
 
-def measure(name: str, point: Point, inputs: Inputs, timer: Callable, with_memory: bool) -> dict:
-    """Time one provider at one point; any exception makes it unavailable there, never fatal."""
+def prepare(name: str, point: Point, inputs: Inputs) -> tuple[Callable | None, str | None]:
+    """The provider's call, run once (it compiles, and finds out whether the backend takes this
+    shape): (the call, None), or (None, why it is unavailable). Never raises."""
     reason = skip_reason(name, point)
     if reason:
-        return {"available": False, "error": reason}
+        return None, reason
     build, backend = _PROVIDER_SPECS[name]
     fn = build(point, inputs)
     caught: list = []
@@ -199,18 +205,71 @@ def measure(name: str, point: Point, inputs: Inputs, timer: Callable, with_memor
         with backend_context(backend):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                fn()  # compiles, and finds out whether the backend takes this shape
-            ms = timer(fn)
-            memory = peak_extra_mb(fn) if with_memory else None
+                fn()
     except Exception as exc:
         error = _error_text(exc, caught)
     else:
-        return {"available": True, "ms": ms, "tflops": tflops(point.flops, ms),
-                "peak_extra_mb": memory}
+        return fn, None
     # Outside the except block, so the traceback no longer pins the failed call's tensors.
+    del fn
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"available": False, "error": error}
+    return None, error
+
+
+def _timed(name: str, fn: Callable, timer: Callable) -> float:
+    with backend_context(_PROVIDER_SPECS[name][1]):
+        return timer(fn)
+
+
+def measure_point(point: Point, inputs: Inputs, timer: Callable, with_memory: bool,
+                  providers=PROVIDERS, rounds: int = 1) -> dict:
+    """Time every provider at one point. With ``rounds`` > 1 the providers that race each other
+    (all but textbook) are timed in rounds, at least ``rounds`` of them, each in an order of
+    ``balanced_orders`` (each runs first, last and right after each other one equally often),
+    after one untimed pass of the first; each gets the median of its rounds. A single pass per
+    provider in a fixed order let the GPU's clock state decide near ties: in such runs the first
+    provider after textbook attention (a slow, low-power call) ran 5-10% faster than in its later
+    rounds. An exception makes a provider unavailable there, never fatal."""
+    results: dict = {}
+    ready: dict = {}
+    for name in providers:
+        fn, error = prepare(name, point, inputs)
+        if fn is None:
+            results[name] = {"available": False, "error": error}
+        else:
+            ready[name] = fn
+    times: dict = {name: [] for name in ready}
+    raced = [name for name in ready if name not in UNRACED]
+    orders = [[raced[i] for i in row] for row in balanced_orders(len(raced))] if raced else [[]]
+    passes = [orders[r % len(orders)] for r in range(-(-max(1, rounds) // len(orders)) * len(orders))]
+    if rounds <= 1:
+        passes = [raced]
+    elif raced:  # heat the GPU as the rounds will: the first timed call must not start cold
+        _timed(raced[0], ready[raced[0]], timer)
+    passes[0] = passes[0] + [name for name in ready if name in UNRACED]
+    for order in passes:
+        for name in order:
+            if name in results:  # failed in an earlier round
+                continue
+            try:
+                times[name].append(_timed(name, ready[name], timer))
+            except Exception as exc:
+                results[name] = {"available": False, "error": _error_text(exc, [])}
+    for name, fn in ready.items():
+        if name in results:
+            continue
+        ms = statistics.median(times[name])
+        memory = None
+        if with_memory:
+            with backend_context(_PROVIDER_SPECS[name][1]):
+                memory = peak_extra_mb(fn)
+        results[name] = {"available": True, "ms": ms, "tflops": tflops(point.flops, ms),
+                         "peak_extra_mb": memory}
+        if len(times[name]) > 1:
+            results[name]["ms_rounds"] = times[name]
+    ready.clear()
+    return {name: results[name] for name in providers}
 
 
 def ratios(results: dict, anchors=ANCHORS) -> dict:
@@ -253,14 +312,12 @@ def fp8_kernel(x: Inputs, point: Point) -> str:
 
 
 def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar,
-              providers=PROVIDERS) -> dict:
+              providers=PROVIDERS, rounds: int = 1) -> dict:
     inputs = make_inputs(point, dtype, device)
     with_memory = measures_memory(point, device)
-    results = {}
-    for name in providers:
-        bar.set_postfix_str(f"{point.label()} {name}", refresh=False)
-        results[name] = measure(name, point, inputs, timer, with_memory)
-        bar.update(1)
+    bar.set_postfix_str(point.label(), refresh=False)
+    results = measure_point(point, inputs, timer, with_memory, providers, rounds)
+    bar.update(1)
     record = {**asdict(point), "flops": point.flops,
               "forward_kernel": forward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
               "tile_config": tile_config(point.head_dim, device),
@@ -273,14 +330,14 @@ def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Cal
 
 
 def run_sweep(points: list[Point], dtype: torch.dtype, device: torch.device,
-              timer: Callable | None = None, providers=PROVIDERS) -> list[dict]:
+              timer: Callable | None = None, providers=PROVIDERS, rounds: int = 1) -> list[dict]:
     timer = timer or gpu_timer
-    bar = progress(len(points) * len(providers), "prefill")
+    bar = progress(len(points), "prefill")
     records = []
     try:
         with torch.no_grad():
             for point in points:
-                record = run_point(point, dtype, device, timer, bar, providers)
+                record = run_point(point, dtype, device, timer, bar, providers, rounds)
                 bar.write(_point_summary(record))
                 records.append(record)
     finally:
@@ -429,12 +486,18 @@ def _run_on_gpu(args, device: torch.device) -> int:
     print(f"flashtile bench prefill: {env['gpu']} ({env['sm_count']} SMs), {args.dtype}, "
           f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}")
     checks = None if args.no_check else check.run_check(device)
-    records = run_sweep(sweep_points(args.quick), dtype, device, providers=providers)
+    records = run_sweep(sweep_points(args.quick), dtype, device, providers=providers, rounds=ROUNDS)
 
     payload = {"benchmark": "prefill", **env, "dtype": args.dtype, "quick": args.quick,
                "command": " ".join(sys.argv),
                "timing": {"function": "triton.testing.do_bench", "warmup_ms": WARMUP_MS,
-                          "rep_ms": REP_MS, "return_mode": "median", "unit": "ms"},
+                          "rep_ms": REP_MS, "return_mode": "median", "unit": "ms",
+                          "rounds": ROUNDS,
+                          "what": f"each provider but {', '.join(UNRACED)} timed in at least {ROUNDS} "
+                                  "rounds, a whole number of balanced orders (each provider runs in "
+                                  "every position and right after every other one equally often), "
+                                  "after one untimed pass of the first; ms = median of the rounds' "
+                                  "medians (ms_rounds); textbook timed once"},
                "flops": "4*B*H*Sq*Sk*D, halved when causal (FlashAttention-2 convention)",
                "memory": "peak_extra_mb: max_memory_allocated after one call minus memory_allocated "
                          "before it (output included), MB = 1e6 bytes; out_lse_mb: size of out + LSE",

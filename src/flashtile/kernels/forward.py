@@ -518,7 +518,8 @@ def forward_kernel_name(q, k, v, *, causal: bool, softmax_scale: float | None = 
     if gluon_applies(q, k, v, softmax_scale=scale, window_left=-1, window_right=0 if causal else -1,
                      diag_offset=k.shape[1] - q.shape[1]):
         from . import gluon_forward
-        return gluon_forward.default_variant(q.shape[-1], gluon_forward._DTYPES[q.dtype], causal).name
+        return gluon_forward.dispatch_variant(q.shape[-1], gluon_forward._DTYPES[q.dtype], causal,
+                                              k.shape[1]).name
     return "triton"
 
 

@@ -158,6 +158,11 @@ class GluonVariant:
     # P V operand takes; Triton's own conversion packs each pair the other way round and swaps the
     # halves back with a PRMT (32 per thread per 128-key tile).
     p_pack_asm: bool = True
+    # Query columns [0, q_regs) held in registers as the A operand of S = Q K^T (the rest stays in
+    # shared memory): at d256 with 64-key tiles an all-shared-memory S wgmma reads 4 KB of operands
+    # per 32 clocks, the 128 bytes per clock shared memory serves, so taking half of Q off it leaves
+    # room for the TMA writes and the P V operand.
+    q_regs: int = 0
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -170,6 +175,9 @@ class GluonVariant:
             raise ValueError("the lazy rescale is for 16-bit inputs")
         if not 0 <= self.exp2_poly <= 8:
             raise ValueError("exp2_poly counts exponentials out of every 8")
+        if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
+            # Gluon's tile extents are powers of two: the two halves of the head dim
+            raise ValueError("q_regs: half the head dim, 16-bit inputs")
 
     @property
     def block_m(self) -> int:
@@ -204,6 +212,8 @@ class GluonVariant:
             sched += f"-poly{self.exp2_poly}"
         if not self.p_pack_asm and not self.fp8:
             sched += "-prmt"
+        if self.q_regs:
+            sched += f"-qr{self.q_regs}"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -278,6 +288,27 @@ def _tile_config(head_dim: int, causal: bool, dtype: str = "bf16") -> dict:
 @functools.lru_cache(maxsize=None)
 def default_variant(head_dim: int, dtype: str, causal: bool) -> GluonVariant:
     return GluonVariant(head_dim, dtype, causal, **_tile_config(head_dim, causal, dtype))
+
+
+# d256 non-causal with at most this many keys: Q's first half as the register operand of S = Q K^T
+# (q_regs). Against the same schedule without it, medians of 5, 15 and 25 shuffled rounds in three
+# runs (gluon-ab-qr-h200-20261130-a/-b/-c.json, 8 heads, 16k tokens): 2k +3.4/+4.1/+2.8%, 4k
+# +4.2/+1.4/+0.2%, 8k -3.0/-1.0/+0.7%, 16k -0.4/-0.6/-1.6%. Causal: +1.3% on average over both
+# runs, with 24 bytes of stack: not used.
+Q_REGS_MAX_KEYS = 4096
+
+
+def dispatch_variant(head_dim: int, dtype: str, causal: bool, seqlen_k: int) -> GluonVariant:
+    """The variant a call of this head dim, dtype, mask and key length runs."""
+    return _dispatch_variant(head_dim, dtype, causal, seqlen_k <= Q_REGS_MAX_KEYS)
+
+
+@functools.lru_cache(maxsize=None)
+def _dispatch_variant(head_dim: int, dtype: str, causal: bool, short: bool) -> GluonVariant:
+    base = default_variant(head_dim, dtype, causal)
+    if head_dim == 256 and dtype != "fp8" and not causal and short:
+        return dataclasses.replace(base, q_regs=128)
+    return base
 
 
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
@@ -358,7 +389,12 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # d64, three consumers: the other Q mode (non-causal: the next work tile's Q
                   # during this one, within 1% at 2k-16k; causal: without it, the default before)
                   + [dataclasses.replace(default_variant(64, "bf16", c), prefetch_q=not c)
-                     for c in (False, True)])
+                     for c in (False, True)]
+                  # d256 with Q's first half as the register operand of S = Q K^T: dispatched
+                  # non-causal up to Q_REGS_MAX_KEYS keys; causal, not dispatched
+                  + [dispatch_variant(256, dt, False, 1) for dt in ("bf16", "fp16")]
+                  + [dataclasses.replace(default_variant(256, "bf16", True), q_regs=128,
+                                         max_stack=24)])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -370,8 +406,8 @@ def variants_named(parts: list[str]) -> list[GluonVariant]:
 
 
 # Everything dispatch can run (gluon_check gives these its full case list).
-DISPATCHED = frozenset([default_variant(d, dt, c) for d in HEAD_DIMS for dt in ("bf16", "fp16")
-                        for c in (False, True)]
+DISPATCHED = frozenset([dispatch_variant(d, dt, c, n) for d in HEAD_DIMS for dt in ("bf16", "fp16")
+                        for c in (False, True) for n in (1, 1 << 20)]
                        + [default_variant(d, "fp8", c) for d, c in FP8_DISPATCH])
 
 
@@ -640,6 +676,22 @@ if _GLUON:
             return p_op
 
     @gluon.jit
+    def _scores_mma(q_tile, q_lo, k_tile, zero_s, Q_REGS: gl.constexpr):
+        """Issue S = Q K^T: one wgmma from shared memory, or (Q_REGS > 0) the first Q_REGS columns
+        from the register operand ``q_lo`` and the rest from shared memory, as two wgmmas that the
+        caller waits for as one (both precede the P V it issues next)."""
+        if Q_REGS > 0:
+            HEAD_DIM: gl.constexpr = q_tile.shape[1]
+            tok = warpgroup_mma(q_lo, k_tile.slice(0, Q_REGS, dim=1).permute((1, 0)), zero_s,
+                                use_acc=False, is_async=True)
+            tok = warpgroup_mma(q_tile.slice(Q_REGS, HEAD_DIM - Q_REGS, dim=1),
+                                k_tile.slice(Q_REGS, HEAD_DIM - Q_REGS, dim=1).permute((1, 0)), tok,
+                                is_async=True)
+        else:
+            tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        return tok
+
+    @gluon.jit
     def _kv_iteration(j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty,
                       v_empty, turn_bars, k_desc, v_desc, batch, kv_head, num_tiles,
                       o, p_op, m_i, l_i, zero_s, rows_pos, cols, seqlen_k, qk_scale,
@@ -648,7 +700,7 @@ if _GLUON:
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      P_PACK: gl.constexpr = True):
+                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
@@ -661,14 +713,17 @@ if _GLUON:
         _take_turn(turn_bars, event0 + j, WG, PINGPONG)
         mbarrier.wait(k_ready.index(slot), (ring // STAGES) & 1)
         k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = _scores_mma(q_tile, q_lo, k_tile, zero_s, Q_REGS)
         mbarrier.wait(v_ready.index(prev), ((ring - 1) // STAGES) & 1)
         v_tile = _v_operand(v_bufs, prev, BLOCK_N, HEAD_DIM, FP8)
         p_prev = _p_operand(p_op, p_bufs, j - 1, WG, FP8)
         o_tok = warpgroup_mma(p_prev, v_tile, o, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         # The older of the two groups (S_j) is done; P V keeps running through the softmax.
-        s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
+        if Q_REGS > 0:
+            s, _, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile, q_lo))
+        else:
+            s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
         if not JOINT:
             mbarrier.arrive(k_empty.index(slot))
         if LOADS:
@@ -708,7 +763,7 @@ if _GLUON:
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      P_PACK: gl.constexpr = True):
+                      P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -742,6 +797,12 @@ if _GLUON:
         tile_scale, v_rel = _tile_scales(k_scales, v_scales, 0, scale_shift_k, qk_scale, BLOCK_N, FP8)
         mbarrier.wait(q_bar, q_phase)
         q_tile = q_smem.reshape([ROWS, HEAD_DIM])
+        if Q_REGS > 0:  # Q's first Q_REGS columns as a register operand, loaded once per block
+            q_reg_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout,
+                                                             k_width=2)
+            q_lo = q_tile.slice(0, Q_REGS, dim=1).load(q_reg_layout)
+        else:
+            q_lo = q_tile
 
         rows = row0 + gl.arange(0, ROWS, layout=row_layout)
         rows_pos = rows + (seqlen_k - seqlen_q)  # the key position each row is aligned with
@@ -758,9 +819,12 @@ if _GLUON:
         _take_turn(turn_bars, event0, WG, PINGPONG)
         mbarrier.wait(k_ready.index(slot), (ring0 // STAGES) & 1)
         k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
-        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = _scores_mma(q_tile, q_lo, k_tile, zero_s, Q_REGS)
         _pass_turn(turn_bars, WG, PINGPONG)
-        s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
+        if Q_REGS > 0:
+            s, _, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile, q_lo))
+        else:
+            s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
         if not JOINT:
             mbarrier.arrive(k_empty.index(slot))
         if LOADS:
@@ -791,13 +855,15 @@ if _GLUON:
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK)
+                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
+                q_lo, Q_REGS)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
-                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK)
+                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
+                q_lo, Q_REGS)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -861,7 +927,8 @@ if _GLUON:
                   PINGPONG: gl.constexpr, LOADS: gl.constexpr, FP8: gl.constexpr,
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
-                  EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True):
+                  EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
+                  Q_REGS: gl.constexpr = 0):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -912,7 +979,7 @@ if _GLUON:
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
                           CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                          EXP_POLY, P_PACK)
+                          EXP_POLY, P_PACK, Q_REGS)
             ring += num_tiles
             event += num_tiles + 1
         if Q_BUFS == 2:
@@ -934,7 +1001,8 @@ if _GLUON:
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
                         CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
-                        EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True):
+                        EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
+                        Q_REGS: gl.constexpr = 0):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -998,13 +1066,13 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -1018,10 +1086,10 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group,
@@ -1030,7 +1098,7 @@ if _GLUON:
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
                       False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
-                      EXP2_POLY, P_PACK_ASM)
+                      EXP2_POLY, P_PACK_ASM, Q_REGS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1074,7 +1142,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "SNAKE": variant.snake,
             "OWN_RANGE": (2 if variant.skip_empty_rows else 1) if variant.own_range else 0,
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
-            "P_PACK_ASM": variant.p_pack_asm}
+            "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1274,7 +1342,7 @@ def _plain_plan(q, k, v, causal: bool) -> _PlainPlan | None:
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or heads == 0 or seqlen_k == 0:
         return None  # gluon_attention_forward's conventions for empty inputs, on the general path
-    variant = default_variant(head_dim, _DTYPES[q.dtype], causal)
+    variant = dispatch_variant(head_dim, _DTYPES[q.dtype], causal, seqlen_k)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
@@ -1328,7 +1396,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         return out, lse
     dtype = _DTYPES[q.dtype]
     if variant is None:
-        variant = default_variant(head_dim, dtype, causal)
+        variant = dispatch_variant(head_dim, dtype, causal, seqlen_k)
     elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
     if head_group is not None and head_group < 0:
