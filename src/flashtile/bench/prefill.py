@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from .. import reference
 from . import check
 from .common import (DTYPES, add_common_arguments, attention_flops, balanced_orders,
-                     check_without_gpu, choose_device, environment, format_number, format_seqlen, progress, result_path, save_figure,
-                     speed_ratios, tflops, write_json)
+                     check_without_gpu, choose_device, environment, format_number, format_seqlen,
+                     progress, result_path, save_figure, speed_ratios, tflops, write_json)
 
 TOKENS = 16384  # FA2 paper: batch x seqlen held at 16k tokens
 HIDDEN = 2048  # FA2 paper: heads = hidden / head_dim
@@ -241,21 +241,26 @@ def measure_point(point: Point, inputs: Inputs, timer: Callable, with_memory: bo
             ready[name] = fn
     times: dict = {name: [] for name in ready}
     raced = [name for name in ready if name not in UNRACED]
-    orders = [[raced[i] for i in row] for row in balanced_orders(len(raced))] if raced else [[]]
-    passes = [orders[r % len(orders)] for r in range(-(-max(1, rounds) // len(orders)) * len(orders))]
-    if rounds <= 1:
-        passes = [raced]
-    elif raced:  # heat the GPU as the rounds will: the first timed call must not start cold
-        _timed(raced[0], ready[raced[0]], timer)
-    passes[0] = passes[0] + [name for name in ready if name in UNRACED]
-    for order in passes:
+    unraced = [name for name in ready if name in UNRACED]
+    if rounds <= 1 or len(raced) < 2:
+        passes = [raced + unraced]
+        warm_up = []
+    else:
+        orders = [[raced[i] for i in row] for row in balanced_orders(len(raced))]
+        passes = orders * -(-rounds // len(orders))
+        passes[0] = passes[0] + unraced
+        warm_up = [raced[0]]  # heat the GPU as the rounds will: the first timed call must not start cold
+    for order in [warm_up] + passes:
         for name in order:
-            if name in results:  # failed in an earlier round
+            if name in results:  # failed earlier
                 continue
             try:
-                times[name].append(_timed(name, ready[name], timer))
+                ms = _timed(name, ready[name], timer)
             except Exception as exc:
                 results[name] = {"available": False, "error": _error_text(exc, [])}
+            else:
+                if order is not warm_up:
+                    times[name].append(ms)
     for name, fn in ready.items():
         if name in results:
             continue
