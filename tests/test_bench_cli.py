@@ -174,3 +174,26 @@ def test_prefill_rounds_balance_the_racing_providers_and_take_their_median(monke
     assert [results[n]["ms"] for n in names] == [2.5, 4.0, 7.0, 50.0]
     assert "ms_rounds" not in results["textbook"]
     assert list(results) == list(names)
+
+
+def test_time_in_rounds_drops_a_call_that_fails_and_keeps_the_others():
+    from flashtile.bench.common import time_in_rounds
+
+    calls = []
+
+    def make(name, fail_at=None):
+        def call():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} failed")
+            return float(calls.count(name))
+        return call
+
+    times, errors = time_in_rounds({"a": make("a"), "b": make("b", fail_at=3), "c": make("c"),
+                                    "t": make("t")}, rounds=5, unraced=("t",))
+    assert set(errors) == {"b"} and "b failed" in str(errors["b"])
+    assert calls.count("b") == 3  # not called after it failed
+    assert times["a"] == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]  # six rounds after the warm-up call
+    assert times["c"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and times["t"] == [1.0]
+    single, _ = time_in_rounds({"a": make("x")}, rounds=5)
+    assert single == {"a": [1.0]}  # one racer: one pass, no warm-up

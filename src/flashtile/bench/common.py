@@ -227,6 +227,38 @@ def balanced_orders(n: int) -> list[list[int]]:
     return rows
 
 
+def time_in_rounds(calls: dict, rounds: int, unraced=()) -> tuple[dict, dict]:
+    """Time each named call (a function that times one pass of its provider and returns ms).
+    With ``rounds`` > 1 the racing ones (all but ``unraced``) run in at least that many rounds, a
+    whole number of ``balanced_orders``, after one untimed call of the first; ``unraced`` calls run
+    once, after the first round. Returns ({name: [ms per round]}, {name: exception}); a call that
+    raises is dropped from the later rounds."""
+    raced = [name for name in calls if name not in unraced]
+    once = [name for name in calls if name in unraced]
+    warm_up: list = []
+    if rounds <= 1 or len(raced) < 2:
+        passes = [raced + once]
+    else:
+        orders = [[raced[i] for i in row] for row in balanced_orders(len(raced))]
+        passes = orders * -(-rounds // len(orders))
+        passes[0] = passes[0] + once
+        warm_up = [raced[0]]  # heat the GPU as the rounds will: the first timed call must not start cold
+    times: dict = {name: [] for name in calls}
+    errors: dict = {}
+    for order in [warm_up] + passes:
+        for name in order:
+            if name in errors:
+                continue
+            try:
+                ms = calls[name]()
+            except Exception as exc:
+                errors[name] = exc
+            else:
+                if order is not warm_up:
+                    times[name].append(ms)
+    return times, errors
+
+
 def speed_ratios(results: dict, mine: str, others, time_key: str = "ms") -> dict:
     """``mine``'s speed relative to each of ``others`` (> 1: ``mine`` is faster); None where either
     was unavailable."""

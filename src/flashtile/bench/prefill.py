@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from .. import reference
 from . import check
-from .common import (DTYPES, add_common_arguments, attention_flops, balanced_orders,
-                     check_without_gpu, choose_device, environment, format_number, format_seqlen,
-                     progress, result_path, save_figure, speed_ratios, tflops, write_json)
+from .common import (DTYPES, add_common_arguments, attention_flops, check_without_gpu,
+                     choose_device, environment, format_number, format_seqlen, progress,
+                     result_path, save_figure, speed_ratios, tflops, time_in_rounds, write_json)
 
 TOKENS = 16384  # FA2 paper: batch x seqlen held at 16k tokens
 HIDDEN = 2048  # FA2 paper: heads = hidden / head_dim
@@ -40,6 +40,10 @@ TEXTBOOK_MAX_BYTES = 24e9
 # rounds' medians. Textbook attention is timed once.
 WARMUP_MS, REP_MS, ROUNDS = 10, 40, 5
 UNRACED = ("textbook",)
+TIMING_WHAT = (f"each provider but {', '.join(UNRACED)} timed in at least {ROUNDS} rounds, a whole "
+               "number of balanced orders (each provider runs in every position and right after "
+               "every other one equally often), after one untimed pass of the first; ms = median of "
+               "the rounds' medians (ms_rounds); textbook timed once")
 
 PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "textbook")
 # --dtype fp8: flashtile's e4m3 forward next to flashtile and the SDPA anchors in bf16
@@ -222,15 +226,23 @@ def _timed(name: str, fn: Callable, timer: Callable) -> float:
         return timer(fn)
 
 
+def round_results(times: dict, flops: float) -> dict:
+    """A provider's result from its rounds: the median ms (and each round's with several)."""
+    ms = statistics.median(times)
+    result = {"available": True, "ms": ms, "tflops": tflops(flops, ms)}
+    if len(times) > 1:
+        result["ms_rounds"] = list(times)
+    return result
+
+
 def measure_point(point: Point, inputs: Inputs, timer: Callable, with_memory: bool,
                   providers=PROVIDERS, rounds: int = 1) -> dict:
     """Time every provider at one point. With ``rounds`` > 1 the providers that race each other
-    (all but textbook) are timed in rounds, at least ``rounds`` of them, each in an order of
-    ``balanced_orders`` (each runs first, last and right after each other one equally often),
-    after one untimed pass of the first; each gets the median of its rounds. A single pass per
-    provider in a fixed order let the GPU's clock state decide near ties: in such runs the first
-    provider after textbook attention (a slow, low-power call) ran 5-10% faster than in its later
-    rounds. An exception makes a provider unavailable there, never fatal."""
+    (all but textbook) are timed in balanced rounds (``time_in_rounds``) and each gets the median
+    of its rounds: a single pass per provider in a fixed order let the GPU's clock state decide
+    near ties (the first provider after textbook attention, a slow low-power call, ran 5-10%
+    faster than in its later rounds). An exception makes a provider unavailable there, never
+    fatal."""
     results: dict = {}
     ready: dict = {}
     for name in providers:
@@ -239,40 +251,19 @@ def measure_point(point: Point, inputs: Inputs, timer: Callable, with_memory: bo
             results[name] = {"available": False, "error": error}
         else:
             ready[name] = fn
-    times: dict = {name: [] for name in ready}
-    raced = [name for name in ready if name not in UNRACED]
-    unraced = [name for name in ready if name in UNRACED]
-    if rounds <= 1 or len(raced) < 2:
-        passes = [raced + unraced]
-        warm_up = []
-    else:
-        orders = [[raced[i] for i in row] for row in balanced_orders(len(raced))]
-        passes = orders * -(-rounds // len(orders))
-        passes[0] = passes[0] + unraced
-        warm_up = [raced[0]]  # heat the GPU as the rounds will: the first timed call must not start cold
-    for order in [warm_up] + passes:
-        for name in order:
-            if name in results:  # failed earlier
-                continue
-            try:
-                ms = _timed(name, ready[name], timer)
-            except Exception as exc:
-                results[name] = {"available": False, "error": _error_text(exc, [])}
-            else:
-                if order is not warm_up:
-                    times[name].append(ms)
+    times, errors = time_in_rounds(
+        {name: (lambda name=name, fn=fn: _timed(name, fn, timer)) for name, fn in ready.items()},
+        rounds, UNRACED)
     for name, fn in ready.items():
-        if name in results:
+        if name in errors:
+            results[name] = {"available": False, "error": _error_text(errors[name], [])}
             continue
-        ms = statistics.median(times[name])
+        results[name] = round_results(times[name], point.flops)
         memory = None
         if with_memory:
             with backend_context(_PROVIDER_SPECS[name][1]):
                 memory = peak_extra_mb(fn)
-        results[name] = {"available": True, "ms": ms, "tflops": tflops(point.flops, ms),
-                         "peak_extra_mb": memory}
-        if len(times[name]) > 1:
-            results[name]["ms_rounds"] = times[name]
+        results[name]["peak_extra_mb"] = memory
     ready.clear()
     return {name: results[name] for name in providers}
 
@@ -497,12 +488,7 @@ def _run_on_gpu(args, device: torch.device) -> int:
                "command": " ".join(sys.argv),
                "timing": {"function": "triton.testing.do_bench", "warmup_ms": WARMUP_MS,
                           "rep_ms": REP_MS, "return_mode": "median", "unit": "ms",
-                          "rounds": ROUNDS,
-                          "what": f"each provider but {', '.join(UNRACED)} timed in at least {ROUNDS} "
-                                  "rounds, a whole number of balanced orders (each provider runs in "
-                                  "every position and right after every other one equally often), "
-                                  "after one untimed pass of the first; ms = median of the rounds' "
-                                  "medians (ms_rounds); textbook timed once"},
+                          "rounds": ROUNDS, "what": TIMING_WHAT},
                "flops": "4*B*H*Sq*Sk*D, halved when causal (FlashAttention-2 convention)",
                "memory": "peak_extra_mb: max_memory_allocated after one call minus memory_allocated "
                          "before it (output included), MB = 1e6 bytes; out_lse_mb: size of out + LSE",

@@ -24,13 +24,15 @@ from .. import reference
 from . import check
 from .common import (DTYPES, FWD_BWD_FACTOR, add_common_arguments, attention_train_flops,
                      check_without_gpu, choose_device, environment, format_number, progress,
-                     result_path, save_figure, tflops, write_json)
-from .prefill import (COLORS, PROVIDERS, Point, _error_text, _panels, backend_context,
-                      draw_tflops_panels, peak_extra_mb, ratios, sweep_points, tile_config)
+                     result_path, save_figure, tflops, time_in_rounds, write_json)
+from .prefill import (COLORS, PROVIDERS, ROUNDS, TIMING_WHAT, UNRACED, Point, _error_text, _panels,
+                      backend_context, draw_tflops_panels, peak_extra_mb, ratios, round_results,
+                      sweep_points, tile_config)
 from .prefill import format_table as prefill_table
 from .prefill import forward_kernel
 
-WARMUP_MS, REP_MS = 25, 100
+# Timed as bench prefill times (its ROUNDS balanced rounds of do_bench, medians; textbook once).
+WARMUP_MS, REP_MS = 10, 40
 MEMORY_SEQLENS = (8192, 16384)
 # Textbook attention keeps its float32 score matrix (and several more of its size) for the backward;
 # it runs only where that matrix is small, so it cannot dominate the run's time or memory.
@@ -151,20 +153,18 @@ def gpu_timer(fn: Callable) -> float:
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
-def measure_step(forward: Callable, leaves, backend: str | None, timer: Callable, flops: float,
-                 with_memory: bool, dout_mask: torch.Tensor | None = None) -> dict:
-    """Time forward + backward; any exception makes the provider unavailable there, never fatal.
-
-    dout is drawn like the provider's own output (same strides: cuDNN's backward wants them to match),
-    zeroed where ``dout_mask`` is False.
-    """
+def prepare_step(forward: Callable, leaves, backend: str | None,
+                 dout_mask: torch.Tensor | None = None) -> tuple[Callable | None, str | None]:
+    """One training step, the forward plus ``torch.autograd.grad``, run once (it compiles both, and
+    finds out whether the backend takes this shape): (the step, None), or (None, why it is
+    unavailable). Never raises. dout is drawn like the provider's own output (same strides: cuDNN's
+    backward wants them to match), zeroed where ``dout_mask`` is False."""
     caught: list = []
-    error = None
     try:
         with backend_context(backend):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                out = forward()  # compiles, and finds out whether the backend takes this shape
+                out = forward()
                 dout = torch.randn_like(out)
                 if dout_mask is not None:
                     dout.masked_fill_(~dout_mask, 0.0)
@@ -173,17 +173,52 @@ def measure_step(forward: Callable, leaves, backend: str | None, timer: Callable
                 def step():
                     return torch.autograd.grad(forward(), leaves, dout)
 
-                step()  # compiles the backward
-            ms = timer(step)
-            memory = peak_extra_mb(step) if with_memory else None
+                step()
     except Exception as exc:
         error = _error_text(exc, caught)
+    else:
+        return step, None
     # Outside the except block, so the traceback no longer pins the failed call's tensors.
-    if error is not None:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return {"available": False, "error": error}
-    return {"available": True, "ms": ms, "tflops": tflops(flops, ms), "peak_extra_mb": memory}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None, error
+
+
+def measure_steps(specs: dict, timer: Callable, flops: float, with_memory: bool,
+                  rounds: int = 1) -> dict:
+    """Time the training step of each provider in ``specs`` (name -> (forward, leaves, SDPA backend
+    or None, dout mask or None)), in balanced rounds as bench prefill times its forwards
+    (``time_in_rounds``; textbook once); an exception makes a provider unavailable, never fatal."""
+    results: dict = {}
+    ready: dict = {}
+    for name, (forward, leaves, backend, dout_mask) in specs.items():
+        step, error = prepare_step(forward, leaves, backend, dout_mask)
+        if step is None:
+            results[name] = {"available": False, "error": error}
+        else:
+            ready[name] = (step, backend)
+
+    def timed(step, backend):
+        with backend_context(backend):
+            return timer(step)
+
+    times, errors = time_in_rounds(
+        {name: (lambda step=step, backend=backend: timed(step, backend))
+         for name, (step, backend) in ready.items()}, rounds, UNRACED)
+    for name, (step, backend) in ready.items():
+        if name in errors:
+            results[name] = {"available": False, "error": _error_text(errors[name], [])}
+            continue
+        results[name] = round_results(times[name], flops)
+        memory = None
+        if with_memory:
+            with backend_context(backend):
+                memory = peak_extra_mb(step)
+        results[name]["peak_extra_mb"] = memory
+    ready.clear()
+    if errors and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {name: results[name] for name in specs}
 
 
 def grads_mb(point: Point, dtype: torch.dtype) -> float:
@@ -208,21 +243,24 @@ def backward_config(head_dim: int, device: torch.device) -> dict:
     return asdict(cfg) if is_dataclass(cfg) else {"repr": repr(cfg)}
 
 
-def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar) -> dict:
+def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Callable, bar,
+              rounds: int = 1) -> dict:
     inputs = make_inputs(point, dtype, device)
     with_memory = device.type == "cuda" and point.seqlen in MEMORY_SEQLENS
     flops = train_flops(point)
-    results = {}
+    bar.set_postfix_str(point.label(), refresh=False)
+    results, specs = {}, {}
     for name in PROVIDERS:
-        bar.set_postfix_str(f"{point.label()} {name}", refresh=False)
         reason = skip_reason(name, point)
         if reason:
             results[name] = {"available": False, "error": reason}
         else:
             forward, leaves, backend = provider(name, point, inputs)
-            results[name] = measure_step(forward, leaves, backend, timer, flops, with_memory)
-            del forward, leaves
-        bar.update(1)
+            specs[name] = (forward, leaves, backend, None)
+    results.update(measure_steps(specs, timer, flops, with_memory, rounds))
+    results = {name: results[name] for name in PROVIDERS}
+    del specs
+    bar.update(1)
     return {**asdict(point), "flops": flops, "flops_forward": point.flops,
             "forward_kernel": forward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
             "backward_kernel": backward_kernel(inputs.q, inputs.k, inputs.v, point.causal),
@@ -233,7 +271,7 @@ def run_point(point: Point, dtype: torch.dtype, device: torch.device, timer: Cal
 
 
 def run_varlen(dtype: torch.dtype, device: torch.device, timer: Callable, bar,
-               lengths: list[int] | None = None) -> dict:
+               lengths: list[int] | None = None, rounds: int = 1) -> dict:
     """flash_attn_varlen_func on packed sequences against SDPA on the zero-padded batch.
 
     Causal SDPA is top-left aligned, so on right-padded sequences every real query row sees exactly its
@@ -263,18 +301,15 @@ def run_varlen(dtype: torch.dtype, device: torch.device, timer: Callable, bar,
         return F.scaled_dot_product_attention(*padded, is_causal=causal)
 
     with_memory = device.type == "cuda"
-    results = {}
-    for name in VARLEN_PROVIDERS:
-        bar.set_postfix_str(f"varlen {name}", refresh=False)
-        if name == "flashtile":
-            results[name] = measure_step(packed_forward, (q, k, v), None, timer, useful, with_memory)
-        else:
-            backend = "FLASH_ATTENTION" if name == "sdpa-flash" else "CUDNN_ATTENTION"
-            results[name] = measure_step(padded_forward, tuple(padded), backend, timer, useful,
-                                         with_memory, dout_mask=real)
-            if results[name].get("available"):
-                results[name]["tflops_padded_work"] = tflops(padded_work, results[name]["ms"])
-        bar.update(1)
+    bar.set_postfix_str("varlen", refresh=False)
+    backends = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+    specs = {name: (packed_forward, (q, k, v), None, None) if name == "flashtile"
+             else (padded_forward, tuple(padded), backends[name], real) for name in VARLEN_PROVIDERS}
+    results = measure_steps(specs, timer, useful, with_memory, rounds)
+    for name in VARLEN_PROVIDERS[1:]:
+        if results[name].get("available"):
+            results[name]["tflops_padded_work"] = tflops(padded_work, results[name]["ms"])
+    bar.update(1)
     return {"lengths": lengths, "batch": batch, "total_tokens": total, "max_len": max_len,
             "padded_tokens": batch * max_len, "heads": heads, "heads_k": heads, "head_dim": head_dim,
             "causal": causal, "flops_useful": useful, "flops_padded": padded_work,
@@ -282,20 +317,20 @@ def run_varlen(dtype: torch.dtype, device: torch.device, timer: Callable, bar,
 
 
 def run_sweep(points: list[Point], dtype: torch.dtype, device: torch.device,
-              timer: Callable | None = None, with_varlen: bool = True) -> tuple[list[dict], dict | None]:
+              timer: Callable | None = None, with_varlen: bool = True,
+              rounds: int = 1) -> tuple[list[dict], dict | None]:
     timer = timer or gpu_timer
-    total = len(points) * len(PROVIDERS) + (len(VARLEN_PROVIDERS) if with_varlen else 0)
-    bar = progress(total, "train")
+    bar = progress(len(points) + (1 if with_varlen else 0), "train")
     records, varlen = [], None
     try:
         for point in points:
-            record = run_point(point, dtype, device, timer, bar)
+            record = run_point(point, dtype, device, timer, bar, rounds)
             bar.write(_point_summary(record))
             records.append(record)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if with_varlen:
-            varlen = run_varlen(dtype, device, timer, bar)
+            varlen = run_varlen(dtype, device, timer, bar, rounds=rounds)
             bar.write(format_varlen(varlen))
     finally:
         bar.close()
@@ -417,12 +452,13 @@ def _run_on_gpu(args, device: torch.device) -> int:
     checks = None if args.no_check else check.run_backward_check(device)
     extras = None if args.no_check else check.run_training_extras(device)
     torch.cuda.empty_cache()
-    records, varlen = run_sweep(sweep_points(args.quick), dtype, device)
+    records, varlen = run_sweep(sweep_points(args.quick), dtype, device, rounds=ROUNDS)
 
     payload = {"benchmark": "train", **env, "dtype": args.dtype, "quick": args.quick,
                "command": " ".join(sys.argv),
                "timing": {"function": "triton.testing.do_bench", "warmup_ms": WARMUP_MS,
-                          "rep_ms": REP_MS, "return_mode": "median", "unit": "ms",
+                          "rep_ms": REP_MS, "return_mode": "median", "unit": "ms", "rounds": ROUNDS,
+                          "what": TIMING_WHAT,
                           "step": "out = forward(); torch.autograd.grad(out, (q, k, v), dout)"},
                "flops": f"{FWD_BWD_FACTOR:g} x forward, forward = 4*B*H*Sq*Sk*D halved when causal "
                         "(FlashAttention-2 convention); varlen: sum over sequences of the same "
