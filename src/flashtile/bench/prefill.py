@@ -221,11 +221,6 @@ def prepare(name: str, point: Point, inputs: Inputs) -> tuple[Callable | None, s
     return None, error
 
 
-def _timed(name: str, fn: Callable, timer: Callable) -> float:
-    with backend_context(_PROVIDER_SPECS[name][1]):
-        return timer(fn)
-
-
 def round_results(times: dict, flops: float) -> dict:
     """A provider's result from its rounds: the median ms (and each round's with several)."""
     ms = statistics.median(times)
@@ -233,6 +228,34 @@ def round_results(times: dict, flops: float) -> dict:
     if len(times) > 1:
         result["ms_rounds"] = list(times)
     return result
+
+
+def measure_prepared(ready: dict, timer: Callable, flops: float, with_memory: bool,
+                     rounds: int = 1) -> dict:
+    """Time prepared calls (name -> (call, SDPA backend to pin or None)) in balanced rounds
+    (``time_in_rounds``; textbook once) and give each the median of its rounds, plus its peak
+    extra memory when asked; a call that raises is unavailable, never fatal."""
+    def timed(fn, backend):
+        with backend_context(backend):
+            return timer(fn)
+
+    times, errors = time_in_rounds(
+        {name: (lambda fn=fn, backend=backend: timed(fn, backend))
+         for name, (fn, backend) in ready.items()}, rounds, UNRACED)
+    results: dict = {}
+    for name, (fn, backend) in ready.items():
+        if name in errors:
+            results[name] = {"available": False, "error": _error_text(errors[name], [])}
+            continue
+        results[name] = round_results(times[name], flops)
+        memory = None
+        if with_memory:
+            with backend_context(backend):
+                memory = peak_extra_mb(fn)
+        results[name]["peak_extra_mb"] = memory
+    if errors and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
 
 
 def measure_point(point: Point, inputs: Inputs, timer: Callable, with_memory: bool,
@@ -250,20 +273,8 @@ def measure_point(point: Point, inputs: Inputs, timer: Callable, with_memory: bo
         if fn is None:
             results[name] = {"available": False, "error": error}
         else:
-            ready[name] = fn
-    times, errors = time_in_rounds(
-        {name: (lambda name=name, fn=fn: _timed(name, fn, timer)) for name, fn in ready.items()},
-        rounds, UNRACED)
-    for name, fn in ready.items():
-        if name in errors:
-            results[name] = {"available": False, "error": _error_text(errors[name], [])}
-            continue
-        results[name] = round_results(times[name], point.flops)
-        memory = None
-        if with_memory:
-            with backend_context(_PROVIDER_SPECS[name][1]):
-                memory = peak_extra_mb(fn)
-        results[name]["peak_extra_mb"] = memory
+            ready[name] = (fn, _PROVIDER_SPECS[name][1])
+    results.update(measure_prepared(ready, timer, point.flops, with_memory, rounds))
     ready.clear()
     return {name: results[name] for name in providers}
 

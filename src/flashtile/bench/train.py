@@ -24,9 +24,9 @@ from .. import reference
 from . import check
 from .common import (DTYPES, FWD_BWD_FACTOR, add_common_arguments, attention_train_flops,
                      check_without_gpu, choose_device, environment, format_number, progress,
-                     result_path, save_figure, tflops, time_in_rounds, write_json)
-from .prefill import (COLORS, PROVIDERS, ROUNDS, TIMING_WHAT, UNRACED, Point, _error_text, _panels,
-                      backend_context, draw_tflops_panels, peak_extra_mb, ratios, round_results,
+                     result_path, save_figure, tflops, write_json)
+from .prefill import (COLORS, PROVIDERS, ROUNDS, TIMING_WHAT, Point, _error_text, _panels,
+                      backend_context, draw_tflops_panels, measure_prepared, ratios,
                       sweep_points, tile_config)
 from .prefill import format_table as prefill_table
 from .prefill import forward_kernel
@@ -197,27 +197,8 @@ def measure_steps(specs: dict, timer: Callable, flops: float, with_memory: bool,
             results[name] = {"available": False, "error": error}
         else:
             ready[name] = (step, backend)
-
-    def timed(step, backend):
-        with backend_context(backend):
-            return timer(step)
-
-    times, errors = time_in_rounds(
-        {name: (lambda step=step, backend=backend: timed(step, backend))
-         for name, (step, backend) in ready.items()}, rounds, UNRACED)
-    for name, (step, backend) in ready.items():
-        if name in errors:
-            results[name] = {"available": False, "error": _error_text(errors[name], [])}
-            continue
-        results[name] = round_results(times[name], flops)
-        memory = None
-        if with_memory:
-            with backend_context(backend):
-                memory = peak_extra_mb(step)
-        results[name]["peak_extra_mb"] = memory
+    results.update(measure_prepared(ready, timer, flops, with_memory, rounds))
     ready.clear()
-    if errors and torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return {name: results[name] for name in specs}
 
 
