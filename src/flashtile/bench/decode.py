@@ -6,7 +6,8 @@ of K+V read, against a read ceiling measured in the same run (``torch.sum`` over
 
 * every provider runs as a CUDA graph over L "layers", each with its own K/V cache, at least 1 GiB of
   K+V in all, so no read hits L2; the graph replay is timed with ``triton.testing.do_bench`` (median)
-  and divided by L;
+  and divided by L, the providers of a point in balanced rounds (``ROUNDS``), each taking the median
+  of its rounds;
 * bytes = the K+V bytes the step must read: sum over the batch of cache_seqlens[b] * Hk * D * 2 tensors
   * element size; every sequence holds exactly ``context`` tokens and every cache is exactly that long,
   so each provider reads the same bytes;
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import statistics
 import sys
 import time
 import warnings
@@ -42,7 +44,7 @@ from .. import reference
 from . import check
 from .common import (DEFAULT_OUT, check_without_gpu, choose_device, environment, format_number,
                      format_seqlen, gbps, progress, result_path, save_figure, speed_ratios,
-                     write_json)
+                     time_in_rounds, write_json)
 from .prefill import _error_text, backend_context
 
 DTYPE = torch.bfloat16
@@ -65,7 +67,17 @@ PAGE_SIZE = 16
 PAGE_SWEEP_SIZES = (1, 256)
 PAGE_SWEEP_CONTEXT = 32768  # in both the full and the quick context lists
 
-WARMUP_MS, REP_MS = 25, 100
+# Every provider of a point timed in at least ROUNDS rounds, a whole number of balanced orders (6 for
+# three providers, 8 for four), each a do_bench of its graph replay (WARMUP_MS, REP_MS); its time is
+# the median of its rounds' medians. One pass per provider in a fixed order (before 2026-11-30) let
+# the order decide differences of a few percent.
+WARMUP_MS, REP_MS, ROUNDS = 10, 40, 5
+TIMING_WHAT = (f"replay of one CUDA graph over L layers (each its own K/V cache, >= "
+               f"{MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), divided by L; every "
+               f"provider of a point timed in at least {ROUNDS} rounds, a whole number of balanced "
+               "orders (each provider in every position and right after every other one equally "
+               "often), after one untimed pass of the first; replay_ms = median of the rounds' "
+               "medians (replay_ms_rounds)")
 
 DECODE_PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn")
 DECODE_ANCHORS = ("sdpa-flash", "sdpa-cudnn")
@@ -312,15 +324,12 @@ def gpu_timer(fn: Callable) -> float:
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
-def measure(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
-            block_tables: dict, timer: Callable, nbytes: int, ceiling_gbps: float | None,
-            step: Step | None = None) -> dict:
-    """Time one provider over every layer (``caches.layers``; ``step`` if given, else the named
-    provider's); any exception makes it unavailable there, never fatal."""
-    device = q.device
+def prepare_replay(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
+                   block_tables: dict, step: Step | None = None) -> tuple[Callable | None, Step | None, str | None]:
+    """One provider's step (``step`` if given, else the named provider's) run once eagerly and
+    captured over every layer: (replay, step, None), or (None, step or None, error text) when it
+    cannot run here."""
     caught: list = []
-    error = None
-    replay = None
     try:
         step = step or make_step(name, caches, q, lengths, block_tables)
         with backend_context(step.backend):
@@ -328,26 +337,62 @@ def measure(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tens
                 warnings.simplefilter("always")
                 step.call(0)  # compiles, and finds out whether the backend takes this shape
             try:
-                replay = build_replay(step.call, caches.layers, device)
+                return build_replay(step.call, caches.layers, q.device), step, None
             except Exception as exc:
                 raise RuntimeError(f"CUDA graph capture failed: {type(exc).__name__}: "
                                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
                                    ) from exc
-        total_ms = timer(replay)
     except Exception as exc:
-        error = _error_text(exc, caught)
-    # Outside the except block, so the traceback no longer pins the graph or the failed call's tensors.
-    del replay
+        return None, step, _error_text(exc, caught)
+
+
+def measure_providers(names, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
+                      block_tables: dict, timer: Callable, nbytes: int, ceiling_gbps: float | None,
+                      rounds: int = 1, steps: dict | None = None) -> dict:
+    """Time each named provider's replay over every layer (``caches.layers``; ``steps[name]`` if
+    given, else the named provider's step). With ``rounds`` > 1 the replays that ran are timed in
+    balanced rounds (``time_in_rounds``: each provider in every position and right after every other
+    one equally often) and each gets the median of its rounds (``ms_rounds``). A provider that
+    cannot run is unavailable there with the reason, never fatal."""
+    steps = steps or {}
+    device = q.device
+    replays, prepared, results = {}, {}, {}
+    for name in names:
+        replay, step, error = prepare_replay(name, caches, q, lengths, block_tables, steps.get(name))
+        if error is not None:
+            results[name] = {"available": False, "error": error}
+        else:
+            replays[name], prepared[name] = replay, step
+    times, errors = time_in_rounds({name: (lambda r=replay: timer(r)) for name, replay in replays.items()},
+                                   rounds)
+    # The graphs go before the next point allocates its caches.
+    replays.clear()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    if error is not None:
-        return {"available": False, "error": error}
-    ms = total_ms / caches.layers
-    rate = gbps(nbytes, ms)
-    pct = None if ceiling_gbps is None or rate is None else 100.0 * rate / ceiling_gbps
-    return {"available": True, "ms_per_layer": ms, "us_per_layer": ms * 1e3, "replay_ms": total_ms,
-            "gbps": rate, "pct_ceiling": pct, **step.info}
+    for name in names:
+        if name in results:
+            continue
+        if name in errors:
+            results[name] = {"available": False, "error": _error_text(errors[name], [])}
+            continue
+        total_ms = statistics.median(times[name])
+        ms = total_ms / caches.layers
+        rate = gbps(nbytes, ms)
+        pct = None if ceiling_gbps is None or rate is None else 100.0 * rate / ceiling_gbps
+        results[name] = {"available": True, "ms_per_layer": ms, "us_per_layer": ms * 1e3,
+                         "replay_ms": total_ms, "gbps": rate, "pct_ceiling": pct, **prepared[name].info}
+        if len(times[name]) > 1:
+            results[name]["replay_ms_rounds"] = list(times[name])
+    return {name: results[name] for name in names}
+
+
+def measure(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
+            block_tables: dict, timer: Callable, nbytes: int, ceiling_gbps: float | None,
+            step: Step | None = None) -> dict:
+    """One provider timed once (``measure_providers`` with one name)."""
+    return measure_providers([name], caches, q, lengths, block_tables, timer, nbytes, ceiling_gbps,
+                             steps={name: step} if step is not None else None)[name]
 
 
 def run_point(planned: Planned, command: str, device: torch.device, timer: Callable,
@@ -369,11 +414,10 @@ def run_point(planned: Planned, command: str, device: torch.device, timer: Calla
         tables = {page_size_of(n): shuffled_block_table(point.batch, point.context // page_size_of(n),
                                                         device, gen)
                   for n in names if page_size_of(n) is not None}
-        results = {}
-        for name in names:
-            bar.set_postfix_str(f"{point.label()} L{layers} {name}", refresh=False)
-            results[name] = measure(name, caches, q, lengths, tables, timer, nbytes, ceiling_gbps)
-            bar.update(1)
+        bar.set_postfix_str(f"{point.label()} L{layers}", refresh=False)
+        results = measure_providers(names, caches, q, lengths, tables, timer, nbytes, ceiling_gbps,
+                                    rounds=ROUNDS)
+        bar.update(len(names))
         del caches, q, lengths, tables
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -1000,9 +1044,7 @@ def _run_on_gpu(args, device: torch.device, command: str) -> int:
                "layers_override": args.layers, "command": " ".join(sys.argv),
                "timing": {"function": "triton.testing.do_bench", "warmup_ms": WARMUP_MS,
                           "rep_ms": REP_MS, "return_mode": "median", "unit": "ms",
-                          "what": "replay of one CUDA graph over L layers (each its own K/V cache, "
-                                  f">= {MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless "
-                                  "--layers), divided by L"},
+                          "rounds": ROUNDS, "what": TIMING_WHAT},
                "bytes": "K+V read per layer = sum_b cache_seqlens[b] * Hk * D * 2 * element size; "
                         "GB = 1e9 bytes",
                "decode": "q (B, 1, H, D), d128, bf16, causal, cache_seqlens = context for every "

@@ -1,0 +1,109 @@
+"""Where paged decode loses to the contiguous cache, split into its parts: the kernel (the shipped
+paged kernel, Gluon's TMA one, reading the contiguous cache), the page gather (the same kernel
+through an in-order block table: the contiguous bytes exactly), and the scattered pages (a shuffled
+table, as bench paged), with the Triton paged kernel for reference.
+
+    PYTHONPATH=src python benchmarks/paged_gap.py --out $OUT [--points 'B,H,Hk,ctx;...']
+
+Every variant of a point runs as a CUDA graph over L layers with their own caches (>= 1 GiB, as
+bench paged), all of them timed in balanced rounds (bench.common.time_in_rounds; each in every
+position and right after every other one equally often), the median of the rounds' do_bench
+medians. Writes paged-gap.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from flashtile.bench import decode as bench
+from flashtile.kernels import decode as dec
+
+PAGE = 16
+POINTS = "16,12,2,32768;64,12,2,16384;16,12,2,16384;1,12,2,32768;16,32,8,65536;64,32,8,16384"
+
+
+def forced(call, wanted):
+    """``call`` with the Gluon-or-Triton choice forced while it plans (and captures)."""
+    if wanted is None:
+        return call
+
+    def run(layer):
+        original = dec.gluon_wanted
+        dec.gluon_wanted = lambda *a, **k: wanted
+        try:
+            return call(layer)
+        finally:
+            dec.gluon_wanted = original
+    return run
+
+
+def in_order_table(batch: int, pages_per_seq: int, device) -> torch.Tensor:
+    return torch.arange(batch * pages_per_seq, dtype=torch.int32, device=device).view(batch, pages_per_seq)
+
+
+def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
+    layers = bench.layers_for(point)
+    caches = bench.LayerCaches.allocate(point, layers, device)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, bench.DTYPE)
+    lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
+    pages = point.context // PAGE
+    shuffled = {PAGE: bench.shuffled_block_table(point.batch, pages, device, gen)}
+    ordered = {PAGE: in_order_table(point.batch, pages, device)}
+    paged = bench.paged_name(PAGE)
+
+    def step(name, tables, wanted):
+        s = forced(lambda _: bench.make_step(name, caches, q, lengths, tables), wanted)(0)  # its info too
+        return bench.Step(forced(s.call, wanted), s.backend, dict(s.info))
+
+    steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
+             "contiguous, Gluon kernel": step(bench.CONTIGUOUS, {}, True),
+             "paged16 shuffled (shipped)": step(paged, shuffled, None),
+             "paged16 in order": step(paged, ordered, None),
+             "paged16 shuffled, Triton kernel": step(paged, shuffled, False)}
+    nbytes = bench.point_bytes(point)
+    results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer, nbytes,
+                                      ceiling, rounds=rounds, steps=steps)
+    base = results["contiguous (shipped)"]
+    for name, r in results.items():
+        ratio = (base["ms_per_layer"] / r["ms_per_layer"]
+                 if r.get("available") and base.get("available") else None)
+        r["vs_contiguous"] = ratio
+        if r.get("available"):
+            spread = (max(r["replay_ms_rounds"]) - min(r["replay_ms_rounds"])) / r["replay_ms"]
+            print(f"  {name:34s} {r['us_per_layer']:8.1f} us {r['pct_ceiling']:5.1f}%  "
+                  f"{ratio:.3f}x contiguous  {r.get('kernel', '?'):9s} splits {r.get('num_splits')}  "
+                  f"spread {100 * spread:.1f}%", flush=True)
+        else:
+            print(f"  {name:34s} unavailable: {r.get('error')}", flush=True)
+    return {"point": point.__dict__, "layers": layers, "results": results}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--points", default=POINTS)
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    ceiling = bench.measure_ceiling(device)["sum_gbps"]
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    out = []
+    for item in args.points.split(";"):
+        b, h, hk, ctx = (int(x) for x in item.split(","))
+        point = bench.Point("probe", b, h, hk, ctx)
+        print(f"B{b} {h}/{hk} ctx{ctx}", flush=True)
+        with torch.no_grad():
+            out.append(probe(point, device, ceiling, args.rounds))
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "paged-gap.json"), "w") as f:
+            json.dump({"ceiling_gbps": ceiling, "page_size": PAGE, "rounds": args.rounds, "points": out},
+                      f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
