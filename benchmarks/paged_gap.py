@@ -26,19 +26,42 @@ PAGE = 16
 POINTS = "16,12,2,32768;64,12,2,16384;16,12,2,16384;1,12,2,32768;16,32,8,65536;64,32,8,16384"
 
 
-def forced(call, wanted):
-    """``call`` with the Gluon-or-Triton choice forced while it plans (and captures)."""
+def forced(call, wanted, **settings):
+    """``call`` with the Gluon-or-Triton choice forced while it plans (and captures), and any other
+    ``settings`` of kernels.decode (e.g. a plan's config) in place; plans made meanwhile are
+    dropped."""
     if wanted is None:
         return call
 
     def run(layer):
-        original = dec.gluon_wanted
+        saved = {name: getattr(dec, name) for name in ["gluon_wanted", *settings]}
         dec.gluon_wanted = lambda *a, **k: wanted
+        for name, value in settings.items():
+            setattr(dec, name, value)
+        dec._PLANS.clear()
         try:
             return call(layer)
         finally:
-            dec.gluon_wanted = original
+            for name, value in saved.items():
+                setattr(dec, name, value)
+            dec._PLANS.clear()
     return run
+
+
+def run_points(points: str, probe, out: str, name: str, **meta) -> None:
+    """``probe(point, device, ceiling)`` at each 'B,H,Hk,ctx' of ``points``; JSON after each."""
+    device = torch.device("cuda")
+    ceiling = bench.measure_ceiling(device)["sum_gbps"]
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    results = []
+    for item in points.split(";"):
+        b, h, hk, ctx = (int(x) for x in item.split(","))
+        print(f"B{b} {h}/{hk} ctx{ctx}", flush=True)
+        with torch.no_grad():
+            results.append(probe(bench.Point("probe", b, h, hk, ctx), device, ceiling))
+        torch.cuda.empty_cache()
+        with open(os.path.join(out, name), "w") as f:
+            json.dump({"ceiling_gbps": ceiling, **meta, "points": results}, f, indent=1, default=str)
 
 
 def in_order_table(batch: int, pages_per_seq: int, device) -> torch.Tensor:
@@ -89,20 +112,8 @@ def main():
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    ceiling = bench.measure_ceiling(device)["sum_gbps"]
-    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
-    out = []
-    for item in args.points.split(";"):
-        b, h, hk, ctx = (int(x) for x in item.split(","))
-        point = bench.Point("probe", b, h, hk, ctx)
-        print(f"B{b} {h}/{hk} ctx{ctx}", flush=True)
-        with torch.no_grad():
-            out.append(probe(point, device, ceiling, args.rounds))
-        torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "paged-gap.json"), "w") as f:
-            json.dump({"ceiling_gbps": ceiling, "page_size": PAGE, "rounds": args.rounds, "points": out},
-                      f, indent=1, default=str)
+    run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds),
+               args.out, "paged-gap.json", page_size=PAGE, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -94,17 +94,35 @@ def test_gluon_plan_contiguous(monkeypatch):
     assert splits == 1 and not variant.paged and variant.page_rows == variant.block_n == 64
 
 
-def test_e4m3_caches_keep_the_triton_kernel(monkeypatch):
-    # The e4m3 form was slower than the Triton kernel on the H200: not dispatched.
-    assert not decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True)
+def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
+    # Contiguous e4m3 caches go to the Gluon kernel's transposed consumer; paged ones stay Triton's.
+    assert decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True)
+    assert decode.gluon_wanted(False, 512, 132, 1024, fp8=True)
     assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True)
     with pytest.raises(ValueError):
-        gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True)
+        gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True, rows_n=8)
+    for bad in ({"rows_n": 12}, {"rows_n": 8, "fp8": False}, {"rows_n": 8, "block_n": 128},
+                {"rows_n": 0}):
+        with pytest.raises(ValueError):
+            gluon_decode.DecodeVariant(**{"head_dim": 128, "block_n": 64, "fp8": True, **bad})
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    # B1 with 32/8 heads (4 query rows a KV head): three programs per SM, one wave of splits
     splits, _, _, merge, variant = decode._gluon_plan(1, 8, 128, torch.bfloat16, torch.device("cpu"),
-                                                      32768, 0, 0, False, False, False, True)
-    assert variant.fp8 and not variant.paged and (variant.block_n, variant.stages) == (64, 4)
-    assert splits == 33 and merge is not None  # one wave of two programs per SM
+                                                      32768, 0, 0, False, False, False, True, 4)
+    assert variant.fp8 and not variant.paged and (variant.block_n, variant.stages) == (64, 2)
+    assert variant.rows_n == 8 and gluon_decode._launch_shape(variant)["maxnreg"] == 80
+    assert splits == 49 and merge is not None
+    # 512 pairs (B64, 32/8) would be 1.3 waves of three per SM: two per SM, 4 stages
+    variant = decode._gluon_plan(64, 8, 128, torch.bfloat16, torch.device("cpu"), 16384, 0, 0, False,
+                                 False, False, True, 4)[4]
+    assert (variant.stages, gluon_decode._launch_shape(variant)["maxnreg"]) == (4, 128)
+    # query rows a KV head: 8 -> 8, 12 (Sq 3 x group 4) -> 16, 32 -> 32, 33 -> the 64-row consumer
+    for rows, rows_n, per_sm in ((8, 8, 3), (12, 16, 3), (17, 32, 2), (32, 32, 2)):
+        variant = decode._gluon_plan(2, 2, 128, torch.bfloat16, torch.device("cpu"), 4096, 0, 0, True,
+                                     False, False, True, rows)[4]
+        assert (variant.rows_n, variant.stages) == (rows_n, 2)
+        shared = 3 if gluon_decode._launch_shape(variant)["maxnreg"] == 80 else 2
+        assert shared == per_sm  # the CTAs per SM the plan's split count assumes fit
 
 
 def test_e4m3_supported_is_false_on_cpu():

@@ -399,7 +399,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     the Gluon kernel's variant or None)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
-                           page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache)
+                           page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
+                           heads // heads_k * seqlen_q)
     cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim)
     if one_launch:
         splits = 1
@@ -444,8 +445,16 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
 # B64 32/8 1k 75.8 -> 69.6 us, 4k 258.1 -> 254.0 (gluon-decode-tune-h200-20261130.json).
 GLUON_ONE_PER_SM = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
 GLUON_TWO_PER_SM = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
-# e4m3 caches (contiguous; not dispatched, see gluon_wanted): 98 KB of shared memory, two per SM.
-GLUON_E4M3 = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+# e4m3 caches (contiguous), the transposed consumer (gluon_decode.DecodeVariant.rows_n): 64-key
+# tiles, 2 stages, three CTAs per SM (70 KB of shared memory, 80 registers) while the (sequence, KV
+# head) pairs fit in one such wave; 4 stages and two per SM from there (fp8-decode-ab-h200-20261130:
+# three per SM 1.18-1.21x the Triton kernel at B16 32/8 32k, B64 12/2 16k, B1 32/8 32k, but 0.81x at
+# 512 pairs, 1.3 waves, where two per SM, 1.9 waves, gave 1.10x).
+GLUON_E4M3 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=3)
+GLUON_E4M3_WIDE = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+# 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB); more rows take the
+# Triton kernel (the transposed consumer spilled at 64)
+GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 
 
 def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = False) -> bool:
@@ -461,24 +470,29 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
     -4%, 4k -0.7%; from 16k it was at parity or 1-2.5% slower (gluon-decode-check-h200-20261130-b).
     """
     if fp8:
-        # Its e4m3 form (S by e4m3 wgmma, V widened to bf16 in shared memory) measured correct but
-        # at 32-50% of the read ceiling against the Triton kernel's 58-83% (decode-fp8-nvidia-h200-
-        # 20261130-e.json against -d): the consumer's widening, stores and barriers bound it.
-        return False
+        # e4m3 caches: contiguous ones, by the transposed consumer (S^T = K Q^T, the query rows as
+        # the wgmmas' N), 1.08-1.21x the Triton kernel's e4m3 path in fp8-decode-ab-h200-20261130;
+        # the first form (64 rows as M, 4-6 of them real) had been 0.5-0.8x. Paged: Triton's.
+        return not paged
     if paged:
         return pairs < sms or pairs >= 3 * sms
     return (pairs <= 8 and capacity <= 4096) or (96 <= pairs < sms and capacity <= 1024)
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
-                has_batch_idx, one_launch, fp8=False):
+                has_batch_idx, one_launch, fp8=False, rows=64):
     from . import gluon_decode
 
     pairs = batch * heads_k
     sms = _sm_count(device)
     base = GLUON_TWO_PER_SM if pairs >= sms else GLUON_ONE_PER_SM
     if fp8:
-        base = GLUON_E4M3
+        if rows > 16:
+            base = GLUON_E4M3_ROWS32
+        elif pairs <= GLUON_E4M3.programs_per_sm * sms:
+            base = GLUON_E4M3
+        else:
+            base = GLUON_E4M3_WIDE
     if one_launch:
         splits = 1
     elif num_splits > 0:
@@ -490,7 +504,9 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
-        heads_first=True, fp8=fp8)
+        heads_first=True, fp8=fp8,
+        # e4m3: the query rows a KV head as the N of transposed tiles (8, 16 or 32)
+        rows_n=next(n for n in (8, 16, 32) if rows <= n) if fp8 else 0)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 

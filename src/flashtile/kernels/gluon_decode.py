@@ -23,8 +23,9 @@ not reach P V). Splits and the LSE merge are the portable kernel's (``decode.com
 
 Which calls come here is ``decode.gluon_wanted``'s rule (from the H200 runs it cites): paged caches
 but at 1-3x the SM count of (sequence, KV head) pairs, and a few short contiguous-cache shapes. The
-e4m3-cache form (``fp8``: S by e4m3 wgmma with the query as hi + mid e4m3 terms, V widened to bf16 in
-shared memory) is correct but slower than the portable kernel's e4m3 path, and is not dispatched.
+e4m3-cache form (``fp8``, contiguous caches: S by e4m3 wgmma with the query as hi + mid e4m3 terms,
+V widened to fp16 in shared memory) runs transposed (``rows_n``: the keys as the wgmmas' M, the
+query rows as their N).
 
 This module imports on machines without a GPU; ``compile_for_sm90`` builds a variant there.
 """
@@ -46,7 +47,7 @@ if _GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
 
     from .gluon_forward import _to_16bit, _wgmma_layout
 
@@ -71,12 +72,20 @@ class DecodeVariant:
     pdl: bool = False  # programmatic dependent launch: may start while the previous kernel ends
     heads_first: bool = False  # grid (Hk, splits, B) rather than (splits, B, Hk)
     fp8: bool = False  # an e4m3 cache with per-key descales (contiguous), ``dtype`` the query's
+    # e4m3: the query rows (8, 16 or 32) as the N of the transposed consumer's wgmmas (S^T =
+    # K Q^T, O^T = V^T P^T; the 16-bit consumer has 64 rows as their M)
+    rows_n: int = 0
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
             object.__setattr__(self, "page_rows", self.block_n)
         if self.fp8 and self.paged:
             raise ValueError("e4m3 caches: contiguous only")
+        if self.fp8 != bool(self.rows_n) or (self.fp8 and (self.rows_n not in (8, 16, 32)
+                                                          or self.block_n != 64)):
+            # (128-key tiles faulted with an illegal address on the H200 in fp8-decode-ab: not
+            # investigated, not allowed; 64 rows spilled)
+            raise ValueError("rows_n (8, 16 or 32 query rows) with e4m3 caches only, 64-key tiles")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -87,13 +96,13 @@ class DecodeVariant:
         return (f"decode-d{self.head_dim}-{self.dtype}-{kind}-n{self.block_n}-s{self.stages}"
                 + ("-causal" if self.causal else "") + ("-batchidx" if self.batch_idx else "")
                 + ("-pdl" if self.pdl else "") + ("-hf" if self.heads_first else "")
-                + ("-e4m3" if self.fp8 else ""))
+                + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else ""))
 
     @property
     def shared_bytes(self) -> int:
-        if self.fp8:  # e4m3 ring, two e4m3 Q terms, the widened bf16 V tile
-            return 2 * self.stages * self.block_n * self.head_dim + 2 * ROWS * self.head_dim \
-                + 2 * self.block_n * self.head_dim
+        if self.fp8:  # e4m3 ring, two e4m3 Q terms, two widened fp16 V tiles and two P^T tiles
+            return 2 * self.stages * self.block_n * self.head_dim + 2 * self.rows_n * self.head_dim \
+                + 2 * 2 * self.block_n * (self.head_dim + self.rows_n)
         return 2 * (2 * self.stages * self.block_n * self.head_dim + ROWS * self.head_dim)
 
 
@@ -296,69 +305,99 @@ if _GLUON:
     def _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
                     group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
                     stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
-                    SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr):
+                    SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
+                    ROWS_AXIS: gl.constexpr = 0):
         """The rows' output (divided by their sums) and natural-log LSE: a split's partials, or the
-        result. Stored from the wgmma layout itself: a layout change would take shared memory the
-        ring needs."""
+        result. Row r is query head r // Sq of the group at position r % Sq; the rows run along
+        ``o``'s axis ROWS_AXIS (1: O^T of the transposed consumer). Stored from the wgmma layout
+        itself: a layout change would take shared memory the ring needs."""
         o_layout: gl.constexpr = o.type.layout
-        HEAD_DIM: gl.constexpr = o.shape[1]
+        R: gl.constexpr = ROWS_AXIS
+        C: gl.constexpr = 1 - ROWS_AXIS
+        N: gl.constexpr = o.shape[R]
+        HEAD_DIM: gl.constexpr = o.shape[C]
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
-        o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
-        ro = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, o_layout))
-        do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(C, o_layout)), C)
+        ro = gl.arange(0, N, layout=gl.SliceLayout(C, o_layout))
+        do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(R, o_layout)), R)
         go = ro // seqlen_q
         qo = ro % seqlen_q
         ho = kv_head * group_size + go
-        o_ok = gl.expand_dims(go < group_size, 1)
-        rows_s = gl.arange(0, _ROWS, layout=l_i.type.layout)
+        o_ok = gl.expand_dims(go < group_size, C)
+        rows_s = gl.arange(0, N, layout=l_i.type.layout)
         g_l = rows_s // seqlen_q
         q_l = rows_s % seqlen_q
         h_l = kv_head * group_size + g_l
         lse_ok = g_l < group_size
         if SPLIT:  # normalized partial output and its LSE (-inf where the split saw nothing)
             gl.store(OutPart + split.to(gl.int64) * stride_os + batch.to(gl.int64) * stride_ob
-                     + gl.expand_dims(qo * stride_oq + ho * stride_oh, 1) + gl.expand_dims(do, 0),
-                     o, mask=o_ok)
+                     + gl.expand_dims(qo * stride_oq + ho * stride_oh, C) + do, o, mask=o_ok)
             gl.store(LsePart + split.to(gl.int64) * stride_ls + batch.to(gl.int64) * stride_lb
                      + h_l * stride_lh + q_l, gl.where(seen, lse, float("-inf")), mask=lse_ok)
         else:
             gl.store(Out + batch.to(gl.int64) * stride_rb
-                     + gl.expand_dims(qo * stride_rq + ho * stride_rh, 1) + gl.expand_dims(do, 0),
+                     + gl.expand_dims(qo * stride_rq + ho * stride_rh, C) + do,
                      o.to(Out.dtype.element_ty), mask=o_ok)
             if WRITE_LSE:
                 gl.store(Lse + batch.to(gl.int64) * stride_lrb + h_l * stride_lrh + q_l,
                          gl.where(seen, lse, EMPTY_LSE), mask=lse_ok)
 
     @gluon.jit
+    def _s_part(k_tile, q_smem, c: gl.constexpr, zero_st):
+        """S^T's share of head dims [32c, 32c + 32): one e4m3 wgmma step, asynchronous."""
+        return warpgroup_mma(k_tile.slice(32 * c, 32, dim=1),
+                             q_smem.slice(32 * c, 32, dim=1).permute((1, 0)), zero_st, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
     def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem, qm_smem,
-                             v16_smem, k_bufs, v_bufs, ready, empty, CacheSeqlens, CacheBatchIdx,
-                             capacity, seqlen_q, group_size, qk_scale,
-                             stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
-                             stride_os, stride_ob, stride_oq, stride_oh,
-                             stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
-                             stride_lrb, stride_lrh,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                             SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
-                             HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr):
-        """4 warps, e4m3 cache, 16-bit query: S = Q K^T by two e4m3 wgmmas straight from the ring
-        (the query as hi + mid e4m3 terms: q scaled by a power of two into [128, 256), hi its e4m3
-        rounding, mid the e4m3 rounding of the rest: ~8 significant bits, bf16's), K's per-key
-        descales on the score columns; V widened to bf16 into a shared tile (e4m3 wgmma takes its
-        second operand K-major only, and V's keys are its rows), V's per-key descales on P's
-        columns (the row sums take P without them)."""
+                               v16_smem, pt_smem, k_bufs, v_bufs, ready, empty, CacheSeqlens,
+                               CacheBatchIdx, capacity, seqlen_q, group_size, qk_scale,
+                               stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
+                               stride_os, stride_ob, stride_oq, stride_oh,
+                               stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
+                               stride_lrb, stride_lrh,
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                               SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
+                               HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr):
+        """4 warps, e4m3 cache, 16-bit query, every tile transposed: the keys are the wgmmas' M and
+        the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
+        N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
+        ring, the query as hi + mid e4m3 terms (q scaled by a power of two into [128, 256), hi its
+        e4m3 rounding, mid the e4m3 rounding of the rest: bf16's 8 significant bits); K's per-key
+        descales on the score rows. O^T += V^T P^T in fp16 (e4m3 widens to it in one cvt per pair)
+        with V widened into a shared tile (e4m3 wgmma takes its operands K-major only, and V's keys
+        are its rows) and P^T stored next to it.
+
+        V's per-key descale joins the exponent: u = s + log2(v_ds) (s the scaled score in log2
+        units), P' = 2^(u - m_u) <= 1 weights the e4m3 V rows, and the row sum takes P' / v_ds =
+        2^(s - m_u), so O = sum P' V / sum P' / v_ds needs no per-tile largest descale. A key whose
+        descale is 0 (its V row is zero) counts in the sum with u = s and weight 0. Each thread
+        keeps its own share of the row sums (reduced once at the end); the row max crosses the
+        warps every tile. Each tile's P V runs under the next tile's S and softmax."""
         split, batch, kv_head, num_splits = _program(HEADS_FIRST)
         seqlen_k = gl.minimum(gl.maximum(gl.load(CacheSeqlens + batch), 0), capacity)
         t_lo, t_hi = _split_tiles(seqlen_k, split, num_splits, BLOCK_N)
         HEAD_DIM: gl.constexpr = k_bufs.shape[2]
-        s_layout: gl.constexpr = _wgmma_layout(4, BLOCK_N, 32)
-        o_layout: gl.constexpr = _wgmma_layout(4, HEAD_DIM)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        N: gl.constexpr = qh_smem.shape[0]
+        st_layout: gl.constexpr = _wgmma_layout(4, N, 32)  # S^T (keys, rows)
+        ot_layout: gl.constexpr = _wgmma_layout(4, N, 16)  # O^T (head dim, rows)
+        key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
 
-        q = _load_q_rows(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs, stride_qh,
-                         HEAD_DIM, io_layout).to(gl.float32)
+        # Q rows (query head n // Sq of the group, position n % Sq) as hi + mid e4m3 terms.
+        r = gl.arange(0, N, layout=gl.SliceLayout(1, q_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        g = r // seqlen_q
+        head = kv_head * group_size + g
+        q = gl.load(Q + batch.to(gl.int64) * stride_qb
+                    + gl.expand_dims((r % seqlen_q) * stride_qs + head * stride_qh, 1)
+                    + gl.expand_dims(d, 0), mask=gl.expand_dims(g < group_size, 1),
+                    other=0.0).to(gl.float32)
         amax_bits = gl.max(gl.max(gl.abs(q), 1), 0).to(gl.int32, bitcast=True)
         shift = gl.minimum(gl.maximum(7 - ((amax_bits >> 23) - 127), -120), 120)
         q_scale = ((127 + shift) << 23).to(gl.float32, bitcast=True)
@@ -366,49 +405,101 @@ if _GLUON:
         q_hi = q.to(gl.float8e4nv)
         qh_smem.store(q_hi)
         qm_smem.store((q - q_hi.to(gl.float32)).to(gl.float8e4nv))
-        fence_async_shared()
         score_scale = qk_scale / q_scale
+        for b in gl.static_range(2):
+            v16_smem.index(b).store(gl.zeros([BLOCK_N, HEAD_DIM], gl.float16, layout=io_layout))
+            pt_smem.index(b).store(gl.zeros([BLOCK_N, N], gl.float16, layout=st_layout))
+        fence_async_shared()
+        gl.thread_barrier()
 
         cache_row = batch
         if BATCH_IDX:
             cache_row = gl.load(CacheBatchIdx + batch)
         ds_base = cache_row.to(gl.int64) * stride_dsb + kv_head.to(gl.int64) * stride_dsh
-        rows_pos, cols, v_rows, m_i, l_i, o, zero_s = _loop_state(seqlen_q, seqlen_k, BLOCK_N, HEAD_DIM,
-                                                                  s_layout, o_layout, io_layout)
+        n_cols = gl.arange(0, N, layout=col_layout)
+        cols_pos = gl.expand_dims(n_cols % seqlen_q + seqlen_k - seqlen_q, 0)  # causal bound per row
+        keys0 = gl.arange(0, BLOCK_N, layout=key_layout)
+        v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        m_u = gl.full([N], -1.0e30, gl.float32, layout=col_layout)
+        l_acc = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
+        o_t = gl.zeros([HEAD_DIM, N], gl.float32, layout=ot_layout)
+        zero_st = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
+        key = t_lo * BLOCK_N + keys0
+        k_ds_next = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key < seqlen_k,
+                            other=0.0)
+        v_ds_next = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key < seqlen_k,
+                            other=0.0)
         for t in range(t_lo, t_hi):
             i = t - t_lo
             slot = i % STAGES
-            key = t * BLOCK_N + cols
-            key_ok = key < seqlen_k
-            k_ds = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key_ok, other=0.0)
-            v_ds = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key_ok, other=0.0)
+            key = t * BLOCK_N + keys0
+            k_ds = k_ds_next
+            v_ds = v_ds_next
+            nxt = key + BLOCK_N
+            k_ds_next = gl.load(KDescale + ds_base + nxt.to(gl.int64) * stride_dss,
+                                mask=nxt < seqlen_k, other=0.0)
+            v_ds_next = gl.load(VDescale + ds_base + nxt.to(gl.int64) * stride_dss,
+                                mask=nxt < seqlen_k, other=0.0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             k_tile = k_bufs.index(slot)
-            s = warpgroup_mma(qh_smem, k_tile.permute((1, 0)), zero_s, use_acc=False)
-            s = warpgroup_mma(qm_smem, k_tile.permute((1, 0)), s)
+            # S^T as eight one-step e4m3 wgmmas (32 head dims of one query term each) into their
+            # own accumulators, added in fp32: an e4m3 wgmma keeps a running sum of more products
+            # in reduced precision (4 values a thread at N = 8: 28 adds).
+            # (At head dim 64 the parts past it are the first ones again, never read.)
+            C: gl.constexpr = HEAD_DIM // 32
+            s0 = _s_part(k_tile, qh_smem, 0, zero_st)
+            s1 = _s_part(k_tile, qh_smem, 1, zero_st)
+            s2 = _s_part(k_tile, qh_smem, 2 % C, zero_st)
+            s3 = _s_part(k_tile, qh_smem, 3 % C, zero_st)
+            s4 = _s_part(k_tile, qm_smem, 0, zero_st)
+            s5 = _s_part(k_tile, qm_smem, 1, zero_st)
+            s6 = _s_part(k_tile, qm_smem, 2 % C, zero_st)
+            s7 = _s_part(k_tile, qm_smem, 3 % C, zero_st)
+            # The tile before's P V (zeros before the first tile), under this tile's S and softmax.
+            prev = (i + 1) % 2
+            o_tok = warpgroup_mma(v16_smem.index(prev).permute((1, 0)), pt_smem.index(prev), o_t,
+                                  is_async=True)
+            s0, s1, s2, s3, s4, s5, s6, s7, _, _, _ = warpgroup_mma_wait(
+                1, deps=(s0, s1, s2, s3, s4, s5, s6, s7, k_tile, qh_smem, qm_smem))
+            if C == 4:
+                s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+            else:
+                s = (s0 + s1) + (s4 + s5)
             v8 = v_bufs.index(slot).load(io_layout)
             mbarrier.arrive(empty.index(slot))  # K and V are out of the ring
-            s = s * gl.expand_dims(k_ds, 0)
-            keep = gl.expand_dims(key_ok, 0)
+            has_v = v_ds > 0.0
+            log_v = gl.where(has_v, gl.log2(gl.where(has_v, v_ds, 1.0)), 0.0)
+            u = s * gl.expand_dims(k_ds * score_scale, 1) + gl.expand_dims(log_v, 1)
+            keep = gl.expand_dims(key < seqlen_k, 1)
             if CAUSAL:
-                keep = keep & (gl.expand_dims(key, 0) <= rows_pos)
-            s = gl.where(keep, s, float("-inf"))
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, score_scale)
-            # Rows past the sequence (the last tile) hold whatever the cache does: zeros instead.
-            keep_v = gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1)
-            v = gl.where(keep_v, v8.to(gl.bfloat16), gl.zeros([BLOCK_N, HEAD_DIM], gl.bfloat16,
-                                                               layout=io_layout))
-            gl.thread_barrier()  # every warp's P V of the tile before has read the bf16 tile
-            v16_smem.store(v)
+                keep = keep & (gl.expand_dims(key, 1) <= cols_pos)
+            u = gl.where(keep, u, float("-inf"))
+            m_new = gl.maximum(m_u, gl.max(u, 0))
+            alpha = gl.exp2(m_u - m_new)
+            p = gl.exp2(u - gl.expand_dims(m_new, 0))
+            m_u = m_new
+            l_acc = l_acc * gl.expand_dims(alpha, 0) + p * gl.expand_dims(gl.exp2(-log_v), 1)
+            p16 = gl.where(gl.expand_dims(has_v, 1), p, 0.0).to(gl.float16)
+            v16 = v8.to(gl.float16)
+            if t * BLOCK_N + BLOCK_N > seqlen_k:
+                # Rows past the sequence (its last tile) hold whatever the cache does: zeros instead.
+                v16 = gl.where(gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1), v16,
+                               gl.zeros_like(v16))
+            # Two V / P^T buffers: tile t's go to the one P V of tile t - 2 read, retired by every
+            # warp before the last tile's closing barrier, so no warp waits for another here.
+            v16_smem.index(i % 2).store(v16)
+            pt_smem.index(i % 2).store(p16)
+            o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v16_smem, pt_smem))
+            o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
             fence_async_shared()
             gl.thread_barrier()
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = gl.convert_layout(_to_16bit(p * gl.expand_dims(v_ds, 0), gl.bfloat16, True), p_layout)
-            o = warpgroup_mma(p_op, v16_smem, o)
-        _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
-                    group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
-                    stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh, SPLIT,
-                    WRITE_LSE, EMPTY_LSE)
+        if t_hi > t_lo:
+            last = (t_hi - t_lo + 1) % 2
+            o_t = warpgroup_mma(v16_smem.index(last).permute((1, 0)), pt_smem.index(last), o_t)
+        _write_rows(o_t, gl.sum(l_acc, 0), m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
+                    seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
+                    stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
+                    SPLIT, WRITE_LSE, EMPTY_LSE, 1)
 
     @gluon.jit
     def _attn_decode_gluon(k_desc, v_desc, Q, OutPart, LsePart, Out, Lse, CacheSeqlens,
@@ -425,7 +516,8 @@ if _GLUON:
                            EMPTY_LSE: gl.constexpr, HEAD_DIM: gl.constexpr,
                            TILE_LAYOUT: gl.constexpr, SLAB_LAYOUT: gl.constexpr,
                            Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
-                           V16_LAYOUT: gl.constexpr):
+                           V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
+                           PT_LAYOUT: gl.constexpr = None):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -448,18 +540,19 @@ if _GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         if FP8:
-            qh_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
-            qm_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
-            v16_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, HEAD_DIM], V16_LAYOUT)
+            qh_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
+            qm_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
+            v16_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HEAD_DIM], V16_LAYOUT)
+            pt_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS_N], PT_LAYOUT)
             gl.warp_specialize([
                 (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem,
-                                        qm_smem, v16_smem, k_bufs, v_bufs, ready, empty, CacheSeqlens,
-                                        CacheBatchIdx, capacity, seqlen_q, group_size, qk_scale,
-                                        stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss,
-                                        stride_dsh, stride_os, stride_ob, stride_oq, stride_oh,
-                                        stride_ls, stride_lb, stride_lh, stride_rb, stride_rq,
-                                        stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES, CAUSAL,
-                                        SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST, BATCH_IDX)),
+                                          qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready, empty,
+                                          CacheSeqlens, CacheBatchIdx, capacity, seqlen_q, group_size,
+                                          qk_scale, stride_qb, stride_qs, stride_qh, stride_dsb,
+                                          stride_dss, stride_dsh, stride_os, stride_ob, stride_oq,
+                                          stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
+                                          stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
+                                          CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST, BATCH_IDX)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -490,36 +583,46 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(block_n: int, page_rows: int, head_dim: int, dtype: str, fp8: bool = False):
+def _layouts(block_n: int, page_rows: int, head_dim: int, dtype: str, fp8: bool = False,
+             rows_n: int = 0):
     """(tile, slab view, Q, TMA box, widened V) shared layouts; slab columns. ``fp8``: the cache
-    and the Q terms are e4m3, the widened V tile bf16."""
+    and the Q terms are e4m3, the widened V tile fp16. ``rows_n``: Q has that many rows."""
     el = gl.float8e4nv if fp8 else getattr(gl, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
     cols = min(head_dim, 128 if fp8 else SLAB)  # 128 bytes of columns: one swizzle span
     tile = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], el)
     slab = gl.NVMMASharedLayout.get_default_for([block_n, cols], el)
-    q = gl.NVMMASharedLayout.get_default_for([ROWS, head_dim], el)
+    q = gl.NVMMASharedLayout.get_default_for([rows_n or ROWS, head_dim], el)
     box = gl.NVMMASharedLayout.get_default_for([page_rows, cols], el)
-    v16 = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.bfloat16)
+    v16 = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.float16)
     return tile, slab, q, box, v16, cols
+
+
+@functools.lru_cache(maxsize=None)
+def _pt_layout(block_n: int, rows_n: int):
+    """Shared layout of the transposed consumer's P^T tile [block_n keys, rows_n rows], fp16."""
+    return gl.NVMMASharedLayout.get_default_for([block_n, max(rows_n, 8)], gl.float16)
 
 
 @functools.lru_cache(maxsize=None)
 def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
     """Constexprs and launch shape (one dict per value: ``launch`` keys options by identity)."""
     tile, slab, q, _, v16, cols = _layouts(variant.block_n, variant.page_rows, variant.head_dim,
-                                           variant.dtype, variant.fp8)
+                                           variant.dtype, variant.fp8, variant.rows_n)
     return dict(BLOCK_N=variant.block_n, PAGE_ROWS=variant.page_rows, STAGES=variant.stages,
                 PAGED=variant.paged, PDL=variant.pdl, BATCH_IDX=variant.batch_idx,
                 HEADS_FIRST=variant.heads_first,
                 CAUSAL=variant.causal, SPLIT=split, WRITE_LSE=write_lse or split,
                 EMPTY_LSE=math.inf, HEAD_DIM=variant.head_dim, TILE_LAYOUT=tile, SLAB_LAYOUT=slab,
                 Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
+                ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
 def _launch_shape(variant: DecodeVariant) -> dict:
     # 4 consumer + 1 producer warps launch as 8; two CTAs per SM (the 64-key ring) need registers
     # for both: 128 per thread, of which the producer warp keeps 24.
+    if variant.rows_n and 3 * (variant.shared_bytes + 2048) <= 228 * 1024:
+        return {"num_warps": 4, "maxnreg": 80}  # the transposed e4m3 consumer: three CTAs per SM
     if 2 * (variant.shared_bytes + 2048) <= 228 * 1024:
         return {"num_warps": 4, "maxnreg": 128}
     return {"num_warps": 4}
@@ -549,14 +652,14 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
               window: bool, softcap: bool, alibi: bool, leftpad: bool, k_descale=None,
               v_descale=None) -> bool:
     """Whether this kernel takes the call (else the portable one does): sm_90, 16-bit q and cache
-    of one dtype (or a contiguous e4m3 cache with a bf16 query and float32 descales of one layout:
-    measured slower than the Triton kernel, so decode.gluon_wanted never sends one here),
-    head dim 64 or 128, at most 64 query rows per KV head, no window, softcap, ALiBi or left
-    padding; paged: pages of 8-256 keys, a power of two."""
+    of one dtype (or a contiguous e4m3 cache with a bf16 query, float32 descales of one layout and
+    at most 32 query rows per KV head), head dim 64 or 128, at most 64 query rows per KV head, no
+    window, softcap, ALiBi or left padding; paged: pages of 8-256 keys, a power of two."""
     if not _GLUON or q.device.type != "cuda" or window or softcap or alibi or leftpad:
         return False
     if k_cache.dtype == torch.float8_e4m3fn:
         if (paged or q.dtype != torch.bfloat16 or v_cache.dtype != k_cache.dtype or k_descale is None
+                or q.shape[2] // k_cache.shape[2] * q.shape[1] > 32
                 or v_descale is None or k_descale.dtype != torch.float32
                 or v_descale.dtype != torch.float32 or k_descale.stride() != v_descale.stride()
                 or k_descale.dim() != 3):
@@ -676,9 +779,13 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
     out.append((base, False))
     contiguous = DecodeVariant(128, "bf16", 64, 4, pdl=True, heads_first=True)
     out += [(contiguous, True), (contiguous, False)]
-    fp8 = DecodeVariant(128, "bf16", 64, 4, pdl=True, heads_first=True, fp8=True)
+    # the e4m3 form (decode.GLUON_E4M3: 2 stages, three CTAs per SM; GLUON_E4M3_WIDE: 4 stages,
+    # two per SM) at every query-row count
+    fp8 = DecodeVariant(128, "bf16", 64, 2, pdl=True, heads_first=True, fp8=True, rows_n=8)
     out += [(fp8, True), (fp8, False), (dataclasses.replace(fp8, causal=True, batch_idx=True), True),
-            (dataclasses.replace(fp8, head_dim=64), True)]
+            (dataclasses.replace(fp8, head_dim=64, rows_n=16), True),
+            (dataclasses.replace(fp8, rows_n=16), True), (dataclasses.replace(fp8, rows_n=32), True),
+            (dataclasses.replace(fp8, stages=4), True)]
     return out
 
 

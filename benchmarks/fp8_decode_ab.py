@@ -1,0 +1,87 @@
+"""The e4m3-cache decode: the portable Triton kernel (forced) against what dispatch picks (the Gluon
+TMA kernel's transposed e4m3 form on contiguous caches) and any --configs of the Gluon plan, timed
+in balanced rounds.
+
+    PYTHONPATH=src python benchmarks/fp8_decode_ab.py --out $OUT [--points 'B,H,Hk,ctx;...']
+
+Each variant runs as a CUDA graph over L layers with their own e4m3 caches (>= 1 GiB, as bench
+decode-fp8), timed in ``--rounds`` balanced rounds (bench.common.time_in_rounds), the median of the
+rounds' do_bench medians; GB/s count the e4m3 bytes and the float32 descales read. Writes
+fp8-decode-ab.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import torch
+
+from flashtile.bench import decode as bench
+from flashtile.bench.decode_fp8 import FP8Caches, fp8_point_bytes, fp8_step
+from flashtile.kernels import decode as dec
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_gap import forced, run_points  # noqa: E402
+
+CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM), from --configs
+POINTS = ("16,32,8,32768;64,12,2,16384;16,32,8,4096;64,32,8,16384;16,12,2,32768;1,32,8,32768;"
+          "1,12,2,32768;16,32,8,1024")
+
+
+def gluon_config(block_n: int, stages: int, per_sm: int):
+    return dataclasses.replace(dec.GLUON_E4M3, block_n=block_n, num_stages=stages,
+                               programs_per_sm=per_sm)
+
+
+def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
+    nbytes = fp8_point_bytes(point)
+    layers = max(1, math.ceil(bench.MIN_TOTAL_BYTES / nbytes))
+    caches = FP8Caches.allocate(point, layers, device)
+    holder = bench.LayerCaches(point, layers, caches.k, caches.v)  # measure_providers reads .layers
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
+    lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
+
+    def step(wanted, config=None):
+        s = fp8_step(caches, q, lengths)
+        call = forced(s.call, wanted, **({"GLUON_E4M3": config} if config else {}))
+        return bench.Step(call, s.backend, dict(s.info))
+
+    steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None)}
+    for block_n, stages, per_sm in CONFIGS:
+        steps[f"e4m3 Gluon n{block_n} s{stages} {per_sm}/SM"] = step(
+            True, gluon_config(block_n, stages, per_sm))
+    results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes,
+                                      ceiling, rounds=rounds, steps=steps)
+    base = results["e4m3 Triton"]
+    for name, r in results.items():
+        if r.get("available"):
+            r["vs_triton"] = base["ms_per_layer"] / r["ms_per_layer"] if base.get("available") else None
+            spread = (max(r["replay_ms_rounds"]) - min(r["replay_ms_rounds"])) / r["replay_ms"]
+            print(f"  {name:28s} {r['us_per_layer']:8.1f} us {r['gbps']:6.0f} GB/s {r['pct_ceiling']:5.1f}%  "
+                  f"{r['vs_triton'] or float('nan'):.3f}x Triton  spread {100 * spread:.1f}%", flush=True)
+        else:
+            print(f"  {name:28s} unavailable: {r.get('error')}", flush=True)
+    return {"point": point.__dict__, "layers": layers, "bytes_per_layer": nbytes, "results": results}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--points", default=POINTS)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--configs", default="",
+                        help="more Gluon e4m3 plans to time: 'block_n,stages,programs per SM;...'")
+    args = parser.parse_args()
+    global CONFIGS
+    CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
+    run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds),
+               args.out, "fp8-decode-ab.json", rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
