@@ -69,8 +69,11 @@ def check_case(batch, heads, heads_k, seqlen_q, lengths, page, splits, causal, b
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
     page_rows = min(page, 64) if page else 0
-    variant = gd.DecodeVariant(head_dim, "fp16" if fp16 else "bf16", 64, 4, page > 0, page_rows,
-                               causal and seqlen_q > 1, batch_idx, pdl, heads_first)
+    rows = heads // heads_k * seqlen_q
+    rows_n = next((n for n in (8, 16, 32) if rows <= n), 0) if dec.GLUON_T16 else 0
+    variant = gd.DecodeVariant(head_dim, "fp16" if fp16 else "bf16", 64, 2 if rows_n else 4, page > 0,
+                               page_rows, causal and seqlen_q > 1, batch_idx, pdl, heads_first,
+                               rows_n=rows_n)
     if splits == 0:  # the shipped plan, through decode.py's dispatch
         prepared = dec.prepare_decode(q, k, v, softmax_scale=head_dim ** -0.5,
                                       window_left=-1, window_right=0 if causal else -1,
@@ -250,12 +253,16 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--fp8-only", action="store_true", help="check the e4m3-cache cases only")
+    ap.add_argument("--rows-consumer", action="store_true",
+                    help="16-bit cases through the 64-row consumer (decode.GLUON_T16 off)")
     ap.add_argument("--contiguous", action="store_true", help="time contiguous caches too")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--points", help="'B,H,Hk,context;...' (default: the seven below)")
     ap.add_argument("--variants", help="'block_n,stages,programs_per_sm,pdl,heads_first;...'")
     args = ap.parse_args()
     device = torch.device("cuda")
+    if args.rows_consumer:
+        dec.GLUON_T16 = False
     result = {"cases": [], "timings": []}
     if not args.skip_check:
         cases = [] if args.fp8_only else [(c, False) for c in CASES] + [(c, True) for c in CASES]

@@ -14,6 +14,7 @@ medians. Writes paged-gap.json under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -23,6 +24,7 @@ from flashtile.bench import decode as bench
 from flashtile.kernels import decode as dec
 
 PAGE = 16
+TRANSPOSED: list = []  # --transposed plans (block_n, stages, programs per SM)
 POINTS = "16,12,2,32768;64,12,2,16384;16,12,2,16384;1,12,2,32768;16,32,8,65536;64,32,8,16384"
 
 
@@ -79,15 +81,28 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     ordered = {PAGE: in_order_table(point.batch, pages, device)}
     paged = bench.paged_name(PAGE)
 
-    def step(name, tables, wanted):
-        s = forced(lambda _: bench.make_step(name, caches, q, lengths, tables), wanted)(0)  # its info too
-        return bench.Step(forced(s.call, wanted), s.backend, dict(s.info))
+    def step(name, tables, wanted, **settings):
+        s = forced(lambda _: bench.make_step(name, caches, q, lengths, tables), wanted,
+                   **settings)(0)  # its info too
+        return bench.Step(forced(s.call, wanted, **settings), s.backend, dict(s.info))
 
-    steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
-             "contiguous, Gluon kernel": step(bench.CONTIGUOUS, {}, True),
-             "paged16 shuffled (shipped)": step(paged, shuffled, None),
-             "paged16 in order": step(paged, ordered, None),
-             "paged16 shuffled, Triton kernel": step(paged, shuffled, False)}
+    if TRANSPOSED:  # the shipped plans against the transposed 16-bit consumer's (--transposed)
+        # (run before GLUON_T16 was the default: "shipped" is the 64-row consumer there)
+        steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
+                 "paged16 shuffled (shipped)": step(paged, shuffled, None)}
+        for block_n, stages, per_sm in TRANSPOSED:
+            cfg = dataclasses.replace(dec.GLUON_T16_LONG, block_n=block_n, num_stages=stages,
+                                      programs_per_sm=per_sm)
+            for label, name, tables in (("paged16", paged, shuffled),
+                                        ("contiguous", bench.CONTIGUOUS, {})):
+                steps[f"{label} transposed n{block_n} s{stages} {per_sm}/SM"] = step(
+                    name, tables, True, GLUON_T16=True, GLUON_T16_LONG=cfg, GLUON_T16_SHORT=cfg)
+    else:
+        steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
+                 "contiguous, Gluon kernel": step(bench.CONTIGUOUS, {}, True),
+                 "paged16 shuffled (shipped)": step(paged, shuffled, None),
+                 "paged16 in order": step(paged, ordered, None),
+                 "paged16 shuffled, Triton kernel": step(paged, shuffled, False)}
     nbytes = bench.point_bytes(point)
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer, nbytes,
                                       ceiling, rounds=rounds, steps=steps)
@@ -111,7 +126,12 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--transposed", default="",
+                        help="time the transposed 16-bit consumer's plans 'block_n,stages,programs per "
+                             "SM;...' against the shipped ones instead")
     args = parser.parse_args()
+    global TRANSPOSED
+    TRANSPOSED = [tuple(int(x) for x in c.split(",")) for c in args.transposed.split(";") if c]
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds),
                args.out, "paged-gap.json", page_size=PAGE, rounds=args.rounds)
 

@@ -101,8 +101,7 @@ def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
     assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True)
     with pytest.raises(ValueError):
         gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True, rows_n=8)
-    for bad in ({"rows_n": 12}, {"rows_n": 8, "fp8": False}, {"rows_n": 8, "block_n": 128},
-                {"rows_n": 0}):
+    for bad in ({"rows_n": 12}, {"rows_n": 8, "block_n": 128}, {"rows_n": 0}):
         with pytest.raises(ValueError):
             gluon_decode.DecodeVariant(**{"head_dim": 128, "block_n": 64, "fp8": True, **bad})
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
@@ -131,3 +130,25 @@ def test_e4m3_supported_is_false_on_cpu():
     ds = torch.ones(1, 64, 2)
     assert not gluon_decode.supported(q, k, k, paged=False, window=False, softcap=False, alibi=False,
                                       leftpad=False, k_descale=ds, v_descale=ds)
+
+
+@pytest.mark.parametrize("paged,pairs,capacity,rows,wanted,stages,transposed", [
+    # contiguous caches: long splits (>= T16_LONG_SPLIT keys a split at one CTA per SM) of at most
+    # 8 pairs take the transposed consumer; the rest keep the earlier rule and consumer
+    (False, 8, 32768, 4, True, 4, True), (False, 2, 32768, 6, False, None, False),
+    (False, 2, 131072, 6, True, 4, True), (False, 8, 32768, 64, False, None, False),
+    (False, 132, 32768, 4, False, None, False), (False, 32, 32768, 6, False, None, False),
+    (False, 128, 1024, 4, True, 4, False),
+    # paged: every pair count under the SMs, two per SM where the splits would be short
+    (True, 2, 32768, 6, True, 3, True), (True, 32, 32768, 6, True, 4, True),
+    (True, 8, 32768, 4, True, 4, True), (True, 128, 1024, 4, True, 4, False),
+    (True, 128, 16384, 4, True, 4, True),
+])
+def test_transposed_16bit_rule(monkeypatch, paged, pairs, capacity, rows, wanted, stages, transposed):
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    assert decode.gluon_wanted(paged, pairs, 132, capacity, rows=rows) == wanted
+    if stages is not None:
+        variant = decode._gluon_plan(pairs, 1, 128, torch.bfloat16, torch.device("cpu"), capacity, 0,
+                                     16 if paged else 0, False, False, False, False, rows)[4]
+        assert variant.rows_n == (next(n for n in (8, 16, 32) if rows <= n) if transposed else 0)
+        assert variant.stages == stages

@@ -455,9 +455,46 @@ GLUON_E4M3_WIDE = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, 
 # 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB); more rows take the
 # Triton kernel (the transposed consumer spilled at 64)
 GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+# 16-bit caches with at most 32 query rows a KV head and fewer (sequence, KV head) pairs than SMs:
+# the transposed consumer (gluon_decode._decode_consumer_t), 4 stages and one CTA per SM where that
+# plan's splits stream at least T16_LONG_SPLIT keys, else 3 stages and two per SM
+# (paged-gap-t16-h200-20261130.log, page 16 against the shipped contiguous plan: B1 12/2 32k
+# 0.902x -> 1.023x with two per SM (0.960x with one), B16 12/2 32k 0.950x -> 0.982x, B64 12/2 16k
+# 0.961x -> 0.982x, B1 32/8 32k 0.987x -> 1.020x, B16 32/8 16k 0.980x -> 0.990x with one per SM;
+# contiguous caches through it 1.001-1.045x the Triton plans at those points but B1 12/2 32k
+# (0.98-0.99x), hence only for long splits of few pairs there: _t16_wanted). GLUON_T16 False: the
+# 64-row consumer as before.
+GLUON_T16 = True
+GLUON_T16_LONG = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
+GLUON_T16_SHORT = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+T16_LONG_SPLIT = 1024
+T16_CONTIGUOUS_PAIRS = 8
 
 
-def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = False) -> bool:
+def _t16_long(pairs: int, sms: int, capacity: int) -> bool:
+    """Whether one CTA per SM, one wave of splits, gives each split T16_LONG_SPLIT keys or more."""
+    return capacity * pairs >= T16_LONG_SPLIT * sms
+
+
+def _t16_wanted(paged: bool, pairs: int, sms: int, capacity: int, rows: int) -> bool:
+    """Whether a 16-bit call the Gluon kernel takes runs its transposed consumer: paged caches with
+    fewer pairs than SMs; contiguous ones only with long splits and at most T16_CONTIGUOUS_PAIRS
+    pairs (bench decode with it at every long contiguous point under the SMs,
+    decode-nvidia-h200-20261130-j.json: B1 32/8 32k 1.08x cuDNN (was 1.02x), but B16 32/8 64k/128k
+    0.99x, where the Triton plan had 1.007/1.005x)."""
+    if not GLUON_T16 or rows > 32 or pairs >= sms:
+        return False
+    long = _t16_long(pairs, sms, capacity)
+    if paged:
+        # short pages with the SMs half full of pairs or more: the 64-row consumer unsplit (the
+        # transposed one's two per SM split them: B16 32/8 and B64 12/2 at 1k 0.88/0.89x contiguous,
+        # decode-nvidia-h200-20261130-k's paged twin, against 0.96/0.95x)
+        return long or 2 * pairs < sms
+    return pairs <= T16_CONTIGUOUS_PAIRS and long
+
+
+def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = False,
+                 rows: int = 64) -> bool:
     """Whether a call of this shape goes to the Gluon kernel (if it supports the call).
 
     Paged: all but 1-3x the SM count of (sequence, KV head) pairs, where its plans ran 10-18%
@@ -476,6 +513,8 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
         return not paged
     if paged:
         return pairs < sms or pairs >= 3 * sms
+    if _t16_wanted(False, pairs, sms, capacity, rows):
+        return True  # long splits of few pairs through the transposed consumer (see GLUON_T16)
     return (pairs <= 8 and capacity <= 4096) or (96 <= pairs < sms and capacity <= 1024)
 
 
@@ -486,6 +525,9 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     pairs = batch * heads_k
     sms = _sm_count(device)
     base = GLUON_TWO_PER_SM if pairs >= sms else GLUON_ONE_PER_SM
+    transposed = fp8 or _t16_wanted(page_size > 0, pairs, sms, capacity, rows)
+    if transposed and not fp8:
+        base = GLUON_T16_LONG if _t16_long(pairs, sms, capacity) else GLUON_T16_SHORT
     if fp8:
         if rows > 16:
             base = GLUON_E4M3_ROWS32
@@ -505,8 +547,8 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
         heads_first=True, fp8=fp8,
-        # e4m3: the query rows a KV head as the N of transposed tiles (8, 16 or 32)
-        rows_n=next(n for n in (8, 16, 32) if rows <= n) if fp8 else 0)
+        # the query rows a KV head as the N of transposed tiles (8, 16 or 32)
+        rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 
@@ -582,7 +624,8 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     causal = window_right == 0 and window_left < 0
     fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
-                and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache)
+                and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache,
+                                 heads // heads_k * seqlen_q)
                 and gluon_supported(q, k_cache, v_cache, paged=paged,
                                     window=window_left >= 0 or window_right > 0, softcap=softcap > 0,
                                     alibi=alibi_slopes is not None, leftpad=cache_leftpad is not None,

@@ -22,7 +22,10 @@ scores and their V rows zeroed in shared memory (whatever the cache holds there,
 not reach P V). Splits and the LSE merge are the portable kernel's (``decode.combine``).
 
 Which calls come here is ``decode.gluon_wanted``'s rule (from the H200 runs it cites): paged caches
-but at 1-3x the SM count of (sequence, KV head) pairs, and a few short contiguous-cache shapes. The
+but at 1-3x the SM count of (sequence, KV head) pairs, a few short contiguous-cache shapes, long
+contiguous caches of at most 8 pairs, and contiguous e4m3 caches. Under the SM count of pairs a
+16-bit call with at most 32 query rows per KV head runs the transposed consumer
+(``_decode_consumer_t``: the keys as the wgmmas' M, the query rows as their N). The
 e4m3-cache form (``fp8``, contiguous caches: S by e4m3 wgmma with the query as hi + mid e4m3 terms,
 V widened to fp16 in shared memory) runs transposed (``rows_n``: the keys as the wgmmas' M, the
 query rows as their N).
@@ -72,8 +75,8 @@ class DecodeVariant:
     pdl: bool = False  # programmatic dependent launch: may start while the previous kernel ends
     heads_first: bool = False  # grid (Hk, splits, B) rather than (splits, B, Hk)
     fp8: bool = False  # an e4m3 cache with per-key descales (contiguous), ``dtype`` the query's
-    # e4m3: the query rows (8, 16 or 32) as the N of the transposed consumer's wgmmas (S^T =
-    # K Q^T, O^T = V^T P^T; the 16-bit consumer has 64 rows as their M)
+    # > 0: the transposed consumer, with the query rows (8, 16 or 32) as the N of its wgmmas (S^T =
+    # K Q^T, O^T = V^T P^T); 0: 64 query rows as their M (16-bit caches only)
     rows_n: int = 0
 
     def __post_init__(self):
@@ -81,11 +84,12 @@ class DecodeVariant:
             object.__setattr__(self, "page_rows", self.block_n)
         if self.fp8 and self.paged:
             raise ValueError("e4m3 caches: contiguous only")
-        if self.fp8 != bool(self.rows_n) or (self.fp8 and (self.rows_n not in (8, 16, 32)
-                                                          or self.block_n != 64)):
+        if (self.fp8 and not self.rows_n) or (self.rows_n and (self.rows_n not in (8, 16, 32)
+                                                               or self.block_n != 64)):
             # (128-key tiles faulted with an illegal address on the H200 in fp8-decode-ab: not
             # investigated, not allowed; 64 rows spilled)
-            raise ValueError("rows_n (8, 16 or 32 query rows) with e4m3 caches only, 64-key tiles")
+            raise ValueError("rows_n: 8, 16 or 32 query rows (required with e4m3 caches), 64-key "
+                             "tiles")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -103,6 +107,9 @@ class DecodeVariant:
         if self.fp8:  # e4m3 ring, two e4m3 Q terms, two widened fp16 V tiles and two P^T tiles
             return 2 * self.stages * self.block_n * self.head_dim + 2 * self.rows_n * self.head_dim \
                 + 2 * 2 * self.block_n * (self.head_dim + self.rows_n)
+        if self.rows_n:  # the transposed consumer: Q of rows_n rows and two P^T tiles
+            return 2 * (2 * self.stages * self.block_n * self.head_dim + self.rows_n * self.head_dim
+                        + 2 * self.block_n * self.rows_n)
         return 2 * (2 * self.stages * self.block_n * self.head_dim + ROWS * self.head_dim)
 
 
@@ -283,14 +290,7 @@ if _GLUON:
                 keep = keep & (keys <= rows_pos)
             s = gl.where(keep, s, float("-inf"))
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-            if t * BLOCK_N + BLOCK_N > seqlen_k:
-                # The sequence's last tile: V rows past its end hold whatever the cache does there
-                # (0 x NaN would poison every row of P V); zero them where the wgmma reads.
-                v = v_tile.load(io_layout)
-                keep_v = gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1)
-                v_tile.store(gl.where(keep_v, v, gl.zeros_like(v)))
-                fence_async_shared()
-                gl.thread_barrier()
+            _zero_tail_rows(v_tile, t, seqlen_k, BLOCK_N, io_layout)
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(_to_16bit(p, dtype, True), p_layout)
             o = warpgroup_mma(p_op, v_tile, o)
@@ -345,6 +345,123 @@ if _GLUON:
                          gl.where(seen, lse, EMPTY_LSE), mask=lse_ok)
 
     @gluon.jit
+    def _load_q_cols(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs, stride_qh,
+                     N: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """The transposed consumers' [N, HEAD_DIM] query rows (query head n // Sq of the group at
+        position n % Sq; rows past the group zero), in a blocked layout."""
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        r = gl.arange(0, N, layout=gl.SliceLayout(1, q_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        g = r // seqlen_q
+        head = kv_head * group_size + g
+        return gl.load(Q + batch.to(gl.int64) * stride_qb
+                       + gl.expand_dims((r % seqlen_q) * stride_qs + head * stride_qh, 1)
+                       + gl.expand_dims(d, 0), mask=gl.expand_dims(g < group_size, 1), other=0.0)
+
+    @gluon.jit
+    def _t_softmax(u, key, seqlen_k, cols_pos, m_i, CAUSAL: gl.constexpr):
+        """Online-softmax step of the transposed consumers on a (keys, rows) tile of scores ``u``
+        in log2 units: keys past the sequence (and, causal, past a row's position) masked; returns
+        (p, the rows' new max, the factor their accumulators take)."""
+        keep = gl.expand_dims(key < seqlen_k, 1)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(key, 1) <= cols_pos)
+        u = gl.where(keep, u, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(u, 0))
+        return gl.exp2(u - gl.expand_dims(m_new, 0)), m_new, gl.exp2(m_i - m_new)
+
+    @gluon.jit
+    def _zero_tail_rows(v_tile, t, seqlen_k, BLOCK_N: gl.constexpr, io_layout: gl.constexpr):
+        """The sequence's last tile: V rows past its end hold whatever the cache does there (0 x NaN
+        would poison every row of P V); zero them where the wgmma reads."""
+        if t * BLOCK_N + BLOCK_N > seqlen_k:
+            v = v_tile.load(io_layout)
+            v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+            keep_v = gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1)
+            v_tile.store(gl.where(keep_v, v, gl.zeros_like(v)))
+            fence_async_shared()
+            gl.thread_barrier()
+
+    @gluon.jit
+    def _decode_consumer_t(Q, OutPart, LsePart, Out, Lse, q_smem, pt_smem, k_bufs, v_bufs, ready,
+                           empty, CacheSeqlens, capacity, seqlen_q, group_size, qk_scale,
+                           stride_qb, stride_qs, stride_qh, stride_os, stride_ob, stride_oq,
+                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb, stride_rq,
+                           stride_rh, stride_lrb, stride_lrh,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
+                           HEADS_FIRST: gl.constexpr):
+        """4 warps, 16-bit cache, every tile transposed (as ``_decode_consumer_fp8``): S^T = K Q^T
+        with the keys as the wgmma's M and the N query rows its N, the softmax on BLOCK_N x N
+        scores, O^T += V^T P^T with V^T read straight from the ring (16-bit wgmma takes its A operand
+        MN-major) and P^T from a small shared tile. Tile t's P V runs under tile t + 1's S and
+        softmax, so its ring slot is released a tile later than S alone would allow."""
+        split, batch, kv_head, num_splits = _program(HEADS_FIRST)
+        seqlen_k = gl.minimum(gl.maximum(gl.load(CacheSeqlens + batch), 0), capacity)
+        t_lo, t_hi = _split_tiles(seqlen_k, split, num_splits, BLOCK_N)
+        HEAD_DIM: gl.constexpr = k_bufs.shape[2]
+        N: gl.constexpr = q_smem.shape[0]
+        dtype: gl.constexpr = k_bufs.dtype
+        st_layout: gl.constexpr = _wgmma_layout(4, N, 16)  # S^T (keys, rows)
+        ot_layout: gl.constexpr = _wgmma_layout(4, N, 16)  # O^T (head dim, rows)
+        col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+        q_smem.store(_load_q_cols(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs,
+                                  stride_qh, N, HEAD_DIM))
+        fence_async_shared()
+        gl.thread_barrier()
+        scale = qk_scale
+        n_cols = gl.arange(0, N, layout=col_layout)
+        cols_pos = gl.expand_dims(n_cols % seqlen_q + seqlen_k - seqlen_q, 0)  # causal bound per row
+        keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        m_i = gl.full([N], -1.0e30, gl.float32, layout=col_layout)
+        l_acc = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
+        o_t = gl.zeros([HEAD_DIM, N], gl.float32, layout=ot_layout)
+        zero_st = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
+        if t_hi > t_lo:  # the first tile: no P V before it to overlap
+            mbarrier.wait(ready.index(0), 0)
+            _zero_tail_rows(v_bufs.index(0), t_lo, seqlen_k, BLOCK_N, io_layout)
+            s = warpgroup_mma(k_bufs.index(0), q_smem.permute((1, 0)), zero_st, use_acc=False)
+            p, m_i, alpha = _t_softmax(s * scale, t_lo * BLOCK_N + keys0, seqlen_k, cols_pos, m_i,
+                                       CAUSAL)
+            l_acc = p
+            pt_smem.index(0).store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+        for t in range(t_lo + 1, t_hi):
+            i = t - t_lo
+            slot = i % STAGES
+            prev = (i - 1) % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            k_tile = k_bufs.index(slot)
+            _zero_tail_rows(v_bufs.index(slot), t, seqlen_k, BLOCK_N, io_layout)
+            s_tok = warpgroup_mma(k_tile, q_smem.permute((1, 0)), zero_st, use_acc=False,
+                                  is_async=True)
+            v_prev = v_bufs.index(prev).permute((1, 0))
+            pt_prev = pt_smem.index((i + 1) % 2)
+            o_tok = warpgroup_mma(v_prev, pt_prev, o_t, is_async=True)
+            s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, k_tile, q_smem))
+            p, m_i, alpha = _t_softmax(s * scale, t * BLOCK_N + keys0, seqlen_k, cols_pos, m_i,
+                                       CAUSAL)
+            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+            pt_smem.index(i % 2).store(p.to(dtype))
+            o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v_prev, pt_prev))
+            mbarrier.arrive(empty.index(prev))  # tile t - 1's K and V are both read now
+            o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
+            fence_async_shared()
+            gl.thread_barrier()
+        if t_hi > t_lo:  # the last tile's P V
+            last = (t_hi - t_lo - 1)
+            o_t = warpgroup_mma(v_bufs.index(last % STAGES).permute((1, 0)), pt_smem.index(last % 2),
+                                o_t)
+            mbarrier.arrive(empty.index(last % STAGES))
+        _write_rows(o_t, gl.sum(l_acc, 0), m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head,
+                    seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
+                    stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
+                    SPLIT, WRITE_LSE, EMPTY_LSE, 1)
+
+    @gluon.jit
     def _s_part(k_tile, q_smem, c: gl.constexpr, zero_st):
         """S^T's share of head dims [32c, 32c + 32): one e4m3 wgmma step, asynchronous."""
         return warpgroup_mma(k_tile.slice(32 * c, 32, dim=1),
@@ -387,17 +504,10 @@ if _GLUON:
         key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         io_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
 
         # Q rows (query head n // Sq of the group, position n % Sq) as hi + mid e4m3 terms.
-        r = gl.arange(0, N, layout=gl.SliceLayout(1, q_layout))
-        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        g = r // seqlen_q
-        head = kv_head * group_size + g
-        q = gl.load(Q + batch.to(gl.int64) * stride_qb
-                    + gl.expand_dims((r % seqlen_q) * stride_qs + head * stride_qh, 1)
-                    + gl.expand_dims(d, 0), mask=gl.expand_dims(g < group_size, 1),
-                    other=0.0).to(gl.float32)
+        q = _load_q_cols(Q, batch, kv_head, seqlen_q, group_size, stride_qb, stride_qs, stride_qh, N,
+                         HEAD_DIM).to(gl.float32)
         amax_bits = gl.max(gl.max(gl.abs(q), 1), 0).to(gl.int32, bitcast=True)
         shift = gl.minimum(gl.maximum(7 - ((amax_bits >> 23) - 127), -120), 120)
         q_scale = ((127 + shift) << 23).to(gl.float32, bitcast=True)
@@ -470,14 +580,7 @@ if _GLUON:
             has_v = v_ds > 0.0
             log_v = gl.where(has_v, gl.log2(gl.where(has_v, v_ds, 1.0)), 0.0)
             u = s * gl.expand_dims(k_ds * score_scale, 1) + gl.expand_dims(log_v, 1)
-            keep = gl.expand_dims(key < seqlen_k, 1)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(key, 1) <= cols_pos)
-            u = gl.where(keep, u, float("-inf"))
-            m_new = gl.maximum(m_u, gl.max(u, 0))
-            alpha = gl.exp2(m_u - m_new)
-            p = gl.exp2(u - gl.expand_dims(m_new, 0))
-            m_u = m_new
+            p, m_u, alpha = _t_softmax(u, key, seqlen_k, cols_pos, m_u, CAUSAL)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p * gl.expand_dims(gl.exp2(-log_v), 1)
             p16 = gl.where(gl.expand_dims(has_v, 1), p, 0.0).to(gl.float16)
             v16 = v8.to(gl.float16)
@@ -558,6 +661,22 @@ if _GLUON:
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
                                     BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
             ], [1], [24])
+        elif ROWS_N > 0:
+            q_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
+            pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS_N], PT_LAYOUT)
+            gl.warp_specialize([
+                (_decode_consumer_t, (Q, OutPart, LsePart, Out, Lse, q_smem, pt_smem, k_bufs, v_bufs,
+                                      ready, empty, CacheSeqlens, capacity, seqlen_q, group_size,
+                                      qk_scale, stride_qb, stride_qs, stride_qh, stride_os, stride_ob,
+                                      stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
+                                      stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
+                                      BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE,
+                                      HEADS_FIRST)),
+                (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
+                                    CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
+                                    page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
+                                    BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
+            ], [1], [24])
         else:
             q_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
             gl.warp_specialize([
@@ -599,7 +718,7 @@ def _layouts(block_n: int, page_rows: int, head_dim: int, dtype: str, fp8: bool 
 
 @functools.lru_cache(maxsize=None)
 def _pt_layout(block_n: int, rows_n: int):
-    """Shared layout of the transposed consumer's P^T tile [block_n keys, rows_n rows], fp16."""
+    """Shared layout of the transposed consumers' 16-bit P^T tile [block_n keys, rows_n rows]."""
     return gl.NVMMASharedLayout.get_default_for([block_n, max(rows_n, 8)], gl.float16)
 
 
@@ -622,7 +741,7 @@ def _launch_shape(variant: DecodeVariant) -> dict:
     # 4 consumer + 1 producer warps launch as 8; two CTAs per SM (the 64-key ring) need registers
     # for both: 128 per thread, of which the producer warp keeps 24.
     if variant.rows_n and 3 * (variant.shared_bytes + 2048) <= 228 * 1024:
-        return {"num_warps": 4, "maxnreg": 80}  # the transposed e4m3 consumer: three CTAs per SM
+        return {"num_warps": 4, "maxnreg": 80}  # the transposed consumers: three CTAs per SM
     if 2 * (variant.shared_bytes + 2048) <= 228 * 1024:
         return {"num_warps": 4, "maxnreg": 128}
     return {"num_warps": 4}
@@ -779,6 +898,13 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
     out.append((base, False))
     contiguous = DecodeVariant(128, "bf16", 64, 4, pdl=True, heads_first=True)
     out += [(contiguous, True), (contiguous, False)]
+    # the transposed 16-bit consumer (decode.GLUON_T16_LONG: 4 stages, one CTA per SM;
+    # GLUON_T16_SHORT: 3 stages, two per SM)
+    t16 = dataclasses.replace(base, rows_n=8)
+    out += [(t16, True), (t16, False), (dataclasses.replace(t16, stages=3), True),
+            (dataclasses.replace(t16, causal=True, rows_n=16, dtype="fp16"), True),
+            (dataclasses.replace(contiguous, rows_n=8), True),
+            (dataclasses.replace(t16, head_dim=64, rows_n=32, batch_idx=True), True)]
     # the e4m3 form (decode.GLUON_E4M3: 2 stages, three CTAs per SM; GLUON_E4M3_WIDE: 4 stages,
     # two per SM) at every query-row count
     fp8 = DecodeVariant(128, "bf16", 64, 2, pdl=True, heads_first=True, fp8=True, rows_n=8)
