@@ -352,7 +352,7 @@ def measure_providers(names, caches: LayerCaches, q: torch.Tensor, lengths: torc
     """Time each named provider's replay over every layer (``caches.layers``; ``steps[name]`` if
     given, else the named provider's step). With ``rounds`` > 1 the replays that ran are timed in
     balanced rounds (``time_in_rounds``: each provider in every position and right after every other
-    one equally often) and each gets the median of its rounds (``ms_rounds``). A provider that
+    one equally often) and each gets the median of its rounds (``replay_ms_rounds``). A provider that
     cannot run is unavailable there with the reason, never fatal."""
     steps = steps or {}
     device = q.device

@@ -465,7 +465,7 @@ GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True
 # (0.98-0.99x), hence only for long splits of few pairs there: _t16_wanted). GLUON_T16 False: the
 # 64-row consumer as before.
 GLUON_T16 = True
-GLUON_T16_LONG = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
+GLUON_T16_LONG = GLUON_ONE_PER_SM
 GLUON_T16_SHORT = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 T16_LONG_SPLIT = 1024
 T16_CONTIGUOUS_PAIRS = 8

@@ -213,18 +213,17 @@ if _GLUON:
 
     @gluon.jit
     def _loop_state(seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr, io_layout: gl.constexpr):
-        """(each row's key position for the causal mask, score columns, V tile rows, running max,
-        running sum, output accumulator, zero scores) before the first tile."""
+                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """(each row's key position for the causal mask, score columns, running max, running sum,
+        output accumulator, zero scores) before the first tile."""
         rows_s = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
         rows_pos = gl.expand_dims(rows_s % seqlen_q + seqlen_k - seqlen_q, 1)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
         m_i = gl.full([_ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([_ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
         o = gl.zeros([_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         zero_s = gl.zeros([_ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        return rows_pos, cols, v_rows, m_i, l_i, o, zero_s
+        return rows_pos, cols, m_i, l_i, o, zero_s
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, scale):
@@ -275,8 +274,8 @@ if _GLUON:
         q_smem.store(q)
         fence_async_shared()
 
-        rows_pos, cols, v_rows, m_i, l_i, o, zero_s = _loop_state(seqlen_q, seqlen_k, BLOCK_N, HEAD_DIM,
-                                                                  s_layout, o_layout, io_layout)
+        rows_pos, cols, m_i, l_i, o, zero_s = _loop_state(seqlen_q, seqlen_k, BLOCK_N, HEAD_DIM,
+                                                          s_layout, o_layout)
         for t in range(t_lo, t_hi):
             i = t - t_lo
             slot = i % STAGES
