@@ -27,7 +27,7 @@ from flashtile.kernels import decode as dec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_gap import forced, run_points  # noqa: E402
 
-CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM), from --configs
+CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM[, splits]), --configs
 POINTS = ("16,32,8,32768;64,12,2,16384;16,32,8,4096;64,32,8,16384;16,12,2,32768;1,32,8,32768;"
           "1,12,2,32768;16,32,8,1024")
 
@@ -46,15 +46,20 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
 
-    def step(wanted, config=None):
+    def step(wanted, config=None, splits=0):
         s = fp8_step(caches, q, lengths)
-        call = forced(s.call, wanted, **({"GLUON_E4M3": config} if config else {}))
+        # the config for every pair count (both e4m3 plans), and the split count if given
+        settings = {name: config for name in ("GLUON_E4M3", "GLUON_E4M3_WIDE")
+                    if config and hasattr(dec, name)}
+        if splits:
+            settings["split_heuristic"] = lambda *args, **kwargs: splits
+        call = forced(s.call, wanted, **settings)
         return bench.Step(call, s.backend, dict(s.info))
 
     steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None)}
-    for block_n, stages, per_sm in CONFIGS:
-        steps[f"e4m3 Gluon n{block_n} s{stages} {per_sm}/SM"] = step(
-            True, gluon_config(block_n, stages, per_sm))
+    for block_n, stages, per_sm, *splits in CONFIGS:
+        name = f"e4m3 Gluon n{block_n} s{stages} {per_sm}/SM" + (f" {splits[0]} splits" if splits else "")
+        steps[name] = step(True, gluon_config(block_n, stages, per_sm), *splits)
     results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes,
                                       ceiling, rounds=rounds, steps=steps)
     base = results["e4m3 Triton"]
@@ -75,7 +80,7 @@ def main():
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--configs", default="",
-                        help="more Gluon e4m3 plans to time: 'block_n,stages,programs per SM;...'")
+                        help="more Gluon e4m3 plans to time: 'block_n,stages,programs per SM[,splits];...'")
     args = parser.parse_args()
     global CONFIGS
     CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]

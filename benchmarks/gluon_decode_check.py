@@ -122,6 +122,9 @@ CASES = [
     (3, 32, 8, 1, [0, 50, 9], 16, 2, False, False, True),
     (1, 32, 8, 1, [70000], 16, 16, False, False, False),
     (4, 32, 8, 1, [1, 64, 65, 20000], 32, 3, False, False, False),
+    # splits over more than one window of page numbers with pages of one tile and of four
+    (1, 32, 8, 1, [9000], 64, 2, False, False, True),
+    (1, 12, 2, 1, [40000], 256, 1, False, False, True),
     (2, 16, 2, 1, [900, 2000], 16, 3, False, False, True, 64),
     (2, 32, 8, 3, [900, 2000], 16, 3, True, False, True, 128, True),
     (100, 16, 4, 1, [(i * 997) % 3000 + 1 for i in range(100)], 16, 0, False, False, True),
@@ -198,6 +201,8 @@ FP8_CASES = [
     (2, 16, 4, 1, [777, 65], 1, False, True),
     (16, 32, 8, 1, [(i * 331) % 5000 + 1 for i in range(16)], 0, False, False),
     (2, 8, 1, 1, [3000, 129], 0, False, False, 64),
+    # more pairs than a wave of three programs per SM: the plan's wave-filling splits (3 here)
+    (64, 32, 8, 1, [(i * 797) % 6000 + 1 for i in range(63)] + [6000], 0, False, False),
 ]
 
 
@@ -284,8 +289,10 @@ def main():
             except Exception as e:
                 r = {"case": list(case), "ok": False, "error": f"{type(e).__name__}: {e}"}
             result["cases"].append(r)
-            print(f"fp8 case {i} {case}: {'ok' if r['ok'] else 'FAIL'} "
-                  f"{r.get('worst_err_over_budget', r.get('error'))} ({time.time() - t:.1f}s)", flush=True)
+            shown = case if len(str(case)) < 200 else (*case[:4], "...", *case[5:])
+            print(f"fp8 case {i} {shown}: {'ok' if r['ok'] else 'FAIL'} "
+                  f"{r.get('worst_err_over_budget', r.get('error'))} splits {r.get('splits')} "
+                  f"({time.time() - t:.1f}s)", flush=True)
     ceiling = measure_ceiling(device)["sum_gbps"]
     result["ceiling_gbps"] = ceiling
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)

@@ -14,9 +14,13 @@ medians. Writes paged-gap.json under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import json
 import os
+import sys
 
 import torch
 
@@ -25,6 +29,7 @@ from flashtile.kernels import decode as dec
 
 PAGE = 16
 TRANSPOSED: list = []  # --transposed plans (block_n, stages, programs per SM)
+BASELINE = None  # --baseline: an older kernels/gluon_decode.py, loaded as a module
 POINTS = "16,12,2,32768;64,12,2,16384;16,12,2,16384;1,12,2,32768;16,32,8,65536;64,32,8,16384"
 
 
@@ -48,6 +53,35 @@ def forced(call, wanted, **settings):
                 setattr(dec, name, value)
             dec._PLANS.clear()
     return run
+
+
+@contextlib.contextmanager
+def swapped(gluon_module=None, no_merge=False):
+    """decode.py's Gluon kernel module replaced by ``gluon_module`` (its plans still come from the
+    shipped decode.py), and/or the merge of split partials skipped (the split kernel alone)."""
+    import flashtile.kernels as package
+    name = "flashtile.kernels.gluon_decode"
+    saved_module, saved_merge = importlib.import_module(name), dec._launch_combine
+    if gluon_module is not None:
+        sys.modules[name] = gluon_module
+        package.gluon_decode = gluon_module
+    if no_merge:
+        dec._launch_combine = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        sys.modules[name] = saved_module
+        package.gluon_decode = saved_module
+        dec._launch_combine = saved_merge
+
+
+def load_baseline(path: str):
+    """An older kernels/gluon_decode.py as a module of the flashtile.kernels package."""
+    spec = importlib.util.spec_from_file_location("flashtile.kernels.gluon_decode_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_points(points: str, probe, out: str, name: str, **meta) -> None:
@@ -81,12 +115,26 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     ordered = {PAGE: in_order_table(point.batch, pages, device)}
     paged = bench.paged_name(PAGE)
 
-    def step(name, tables, wanted, **settings):
-        s = forced(lambda _: bench.make_step(name, caches, q, lengths, tables), wanted,
-                   **settings)(0)  # its info too
-        return bench.Step(forced(s.call, wanted, **settings), s.backend, dict(s.info))
+    def step(name, tables, wanted, module=None, no_merge=False, **settings):
+        def swap(call):
+            def run(layer):
+                with swapped(module, no_merge):
+                    return call(layer)
+            return run
+        s = swap(forced(lambda _: bench.make_step(name, caches, q, lengths, tables), wanted,
+                        **settings))(0)  # its info too
+        return bench.Step(swap(forced(s.call, wanted, **settings)), s.backend, dict(s.info))
 
-    if TRANSPOSED:  # the shipped plans against the transposed 16-bit consumer's (--transposed)
+    if BASELINE is not None:  # the working tree's Gluon kernel against an older one (--baseline)
+        steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
+                 "contiguous, split kernel only": step(bench.CONTIGUOUS, {}, None, no_merge=True),
+                 "paged16 shuffled (shipped)": step(paged, shuffled, None),
+                 "paged16 shuffled (baseline kernel)": step(paged, shuffled, None, module=BASELINE),
+                 "paged16 shuffled, split kernel only": step(paged, shuffled, None, no_merge=True),
+                 "contiguous, Gluon kernel, 6 stages": step(
+                     bench.CONTIGUOUS, {}, True,
+                     GLUON_T16_LONG=dataclasses.replace(dec.GLUON_T16_LONG, num_stages=6))}
+    elif TRANSPOSED:  # the shipped plans against the transposed 16-bit consumer's (--transposed)
         # (run before GLUON_T16 was the default: "shipped" is the 64-row consumer there)
         steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
                  "paged16 shuffled (shipped)": step(paged, shuffled, None)}
@@ -129,8 +177,12 @@ def main():
     parser.add_argument("--transposed", default="",
                         help="time the transposed 16-bit consumer's plans 'block_n,stages,programs per "
                              "SM;...' against the shipped ones instead")
+    parser.add_argument("--baseline", default=None,
+                        help="an older kernels/gluon_decode.py to time the shipped plans with")
     args = parser.parse_args()
-    global TRANSPOSED
+    global TRANSPOSED, BASELINE
+    if args.baseline:
+        BASELINE = load_baseline(args.baseline)
     TRANSPOSED = [tuple(int(x) for x in c.split(",")) for c in args.transposed.split(";") if c]
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds),
                args.out, "paged-gap.json", page_size=PAGE, rounds=args.rounds)

@@ -111,10 +111,22 @@ def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
     assert variant.fp8 and not variant.paged and (variant.block_n, variant.stages) == (64, 2)
     assert variant.rows_n == 8 and gluon_decode._launch_shape(variant)["maxnreg"] == 80
     assert splits == 49 and merge is not None
-    # 512 pairs (B64, 32/8) would be 1.3 waves of three per SM: two per SM, 4 stages
-    variant = decode._gluon_plan(64, 8, 128, torch.bfloat16, torch.device("cpu"), 16384, 0, 0, False,
-                                 False, False, True, 4)[4]
-    assert (variant.stages, gluon_decode._launch_shape(variant)["maxnreg"]) == (4, 128)
+    # 512 pairs (B64, 32/8) unsplit would be 1.3 waves of three per SM: 3 splits fill 3.9 waves
+    splits, _, _, merge, variant = decode._gluon_plan(64, 8, 128, torch.bfloat16, torch.device("cpu"),
+                                                      16384, 0, 0, False, False, False, True, 4)
+    assert (variant.stages, gluon_decode._launch_shape(variant)["maxnreg"]) == (2, 80)
+    assert splits == 3 and merge is not None
+    # no split of a 1k cache reads 1024 keys, and 2 splits of a 2k one fill their last wave less
+    # than two per SM unsplit: unsplit, two per SM with 4 stages
+    for capacity in (1024, 2048):
+        splits, _, _, _, variant = decode._gluon_plan(64, 8, 128, torch.bfloat16,
+                                                      torch.device("cpu"), capacity, 0, 0, False,
+                                                      False, False, True, 4)
+        assert splits == 1 and variant.stages == 4
+        assert gluon_decode._launch_shape(variant)["maxnreg"] == 128
+    # 400 pairs: 8 splits fill 90% of their last wave, two per SM unsplit 76%
+    assert decode._gluon_plan(50, 8, 128, torch.bfloat16, torch.device("cpu"), 16384, 0, 0, False,
+                              False, False, True, 4)[0] == 8
     # query rows a KV head: 8 -> 8, 12 (Sq 3 x group 4) -> 16, 32 -> 32, 33 -> the 64-row consumer
     for rows, rows_n, per_sm in ((8, 8, 3), (12, 16, 3), (17, 32, 2), (32, 32, 2)):
         variant = decode._gluon_plan(2, 2, 128, torch.bfloat16, torch.device("cpu"), 4096, 0, 0, True,

@@ -446,12 +446,37 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
 GLUON_ONE_PER_SM = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True)
 GLUON_TWO_PER_SM = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 # e4m3 caches (contiguous), the transposed consumer (gluon_decode.DecodeVariant.rows_n): 64-key
-# tiles, 2 stages, three CTAs per SM (70 KB of shared memory, 80 registers) while the (sequence, KV
-# head) pairs fit in one such wave; 4 stages and two per SM from there (fp8-decode-ab-h200-20261130:
-# three per SM 1.18-1.21x the Triton kernel at B16 32/8 32k, B64 12/2 16k, B1 32/8 32k, but 0.81x at
-# 512 pairs, 1.3 waves, where two per SM, 1.9 waves, gave 1.10x).
+# tiles, 2 stages, three CTAs per SM (70 KB of shared memory, 80 registers): 1.18-1.21x the Triton
+# kernel at B16 32/8 32k, B64 12/2 16k, B1 32/8 32k (fp8-decode-ab-h200-20261130). With more (sequence, KV
+# head) pairs than such a wave holds, splits that fill the last wave (_e4m3_wave_splits), else
+# GLUON_E4M3_WIDE (4 stages, two per SM, unsplit). At 512 pairs 3 splits (3.9 waves) read
+# 92.9/89.3/87.6% of the ceiling at 16k/32k/128k, one split of three per SM (1.3 waves) 69/72/74%,
+# GLUON_E4M3_WIDE (1.9 waves) 86/87/85% (fp8-decode-ab-splits-h200-20261201.json); against
+# GLUON_E4M3_WIDE in one run (fp8-decode-ab-short-h200-20261201.json): B64 32/8 4k +3%, B128 32/8
+# 4k/16k +4/+7%, B50 32/8 16k (8 splits, 400 pairs) +6%, but B64 32/8 2k -6% (2 splits: 2.6 waves
+# of three per SM against 1.9 of two); at 1k, 3 splits of 341 keys took 53.7 us
+# (decode-fp8-nvidia-h200-20261201-a.json), GLUON_E4M3_WIDE 48.2 us.
 GLUON_E4M3 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=3)
 GLUON_E4M3_WIDE = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+E4M3_MAX_WAVE_SPLITS = 8
+E4M3_MIN_WAVE_SPLIT = 1024  # keys of the capacity a wave-filling split reads at least
+
+
+def _e4m3_wave_splits(pairs: int, sms: int, capacity: int) -> int:
+    """Splits of GLUON_E4M3 programs for more pairs than one wave of them holds: the fewest whose
+    waves are 95% full on average (waves / ceil(waves)) or more, else the fullest, none shorter than
+    E4M3_MIN_WAVE_SPLIT keys of the capacity (at most E4M3_MAX_WAVE_SPLITS); 1 (GLUON_E4M3_WIDE,
+    unsplit) where its waves are fuller or no split is that long."""
+    most = max(1, min(E4M3_MAX_WAVE_SPLITS, capacity // E4M3_MIN_WAVE_SPLIT))
+
+    def fill(programs: int, per_sm: int) -> float:
+        waves = programs / (per_sm * sms)
+        return waves / math.ceil(waves)
+    three = {s: round(fill(s * pairs, GLUON_E4M3.programs_per_sm), 3) for s in range(2, most + 1)}
+    good = [s for s in three if three[s] >= 0.95]
+    best = good[0] if good else max(three, key=lambda s: (three[s], -s), default=1)
+    wide = round(fill(pairs, GLUON_E4M3_WIDE.programs_per_sm), 3)
+    return best if best > 1 and three[best] >= wide else 1
 # 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB); more rows take the
 # Triton kernel (the transposed consumer spilled at 64)
 GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
@@ -534,11 +559,14 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         elif pairs <= GLUON_E4M3.programs_per_sm * sms:
             base = GLUON_E4M3
         else:
-            base = GLUON_E4M3_WIDE
+            wave_splits = _e4m3_wave_splits(pairs, sms, capacity)
+            base = GLUON_E4M3 if wave_splits > 1 else GLUON_E4M3_WIDE
     if one_launch:
         splits = 1
     elif num_splits > 0:
         splits = num_splits
+    elif fp8 and base is GLUON_E4M3 and pairs > GLUON_E4M3.programs_per_sm * sms:
+        splits = wave_splits
     else:
         most = max(1, min(128, base.programs_per_sm * sms // pairs))
         splits = split_heuristic(batch, heads_k, capacity, device,
