@@ -101,7 +101,8 @@ def check_case(batch, heads, heads_k, seqlen_q, lengths, page, splits, causal, b
         rows_out.append({"err": err, "budget": budget, "lse_err": lse_err, "finite": finite})
     ok = worst <= 1.0 and all(r["lse_err"] < 1e-3 for r in rows_out)
     return {"batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
-            "lengths": lengths, "page": page, "splits": splits, "causal": causal,
+            "lengths": lengths, "page": page, "splits": splits, "stages": variant.stages,
+            "rows_n": variant.rows_n, "causal": causal,
             "batch_idx": batch_idx, "pdl": pdl, "heads_first": heads_first, "head_dim": head_dim,
             "fp16": fp16, "worst_err_over_budget": worst, "ok": ok, "rows": rows_out}
 
@@ -131,6 +132,12 @@ CASES = [
     (1, 32, 8, 1, [4000], 0, 0, False, False, True),
     (1, 12, 2, 2, [3000], 0, 0, True, True, True),
     (16, 32, 8, 1, [(i * 331) % 1000 + 1 for i in range(16)], 0, 0, False, False, True),
+    # the plans for 1-8 pairs (decode._t16_plan): paged 2 pairs with short splits (one per SM, 3
+    # stages), contiguous 8 pairs at 16k (one per SM, 4 stages), contiguous 2 pairs at 128k (two
+    # per SM)
+    (1, 12, 2, 1, [16000], 16, 0, False, False, True),
+    (1, 32, 8, 1, [16384], 0, 0, False, False, True),
+    (1, 12, 2, 1, [131072], 0, 0, False, False, True),
 ]
 
 
@@ -279,8 +286,10 @@ def main():
             except Exception as e:  # report and go on: one failing case must not hide the others
                 r = {"case": list(case), "ok": False, "error": f"{type(e).__name__}: {e}"}
             result["cases"].append(r)
-            print(f"case {i} {case} hf={hf}: {'ok' if r['ok'] else 'FAIL'} "
-                  f"{r.get('worst_err_over_budget', r.get('error'))} ({time.time() - t:.1f}s)", flush=True)
+            shown = case if len(str(case)) < 200 else (*case[:4], "...", *case[5:])
+            print(f"case {i} {shown} hf={hf}: {'ok' if r['ok'] else 'FAIL'} "
+                  f"{r.get('worst_err_over_budget', r.get('error'))} splits {r.get('splits')} "
+                  f"stages {r.get('stages')} ({time.time() - t:.1f}s)", flush=True)
         for i, case in enumerate(FP8_CASES):
             t = time.time()
             try:

@@ -148,13 +148,14 @@ def test_e4m3_supported_is_false_on_cpu():
     # contiguous caches: long splits (>= T16_LONG_SPLIT keys a split at one CTA per SM) of at most
     # 8 pairs take the transposed consumer; the rest keep the earlier rule and consumer
     (False, 8, 32768, 4, True, 4, True), (False, 2, 32768, 6, False, None, False),
-    (False, 2, 131072, 6, True, 4, True), (False, 8, 32768, 64, False, None, False),
+    (False, 2, 131072, 6, True, 3, True), (False, 8, 32768, 64, False, None, False),
+    (False, 8, 16384, 4, True, 4, True), (False, 8, 8192, 4, False, None, False),
     (False, 132, 32768, 4, False, None, False), (False, 32, 32768, 6, False, None, False),
     (False, 128, 1024, 4, True, 4, False),
     # paged: every pair count under the SMs, two per SM where the splits would be short
     (True, 2, 32768, 6, True, 3, True), (True, 32, 32768, 6, True, 4, True),
     (True, 8, 32768, 4, True, 4, True), (True, 128, 1024, 4, True, 4, False),
-    (True, 128, 16384, 4, True, 4, True),
+    (True, 128, 16384, 4, True, 4, True), (True, 2, 16384, 6, True, 3, True),
 ])
 def test_transposed_16bit_rule(monkeypatch, paged, pairs, capacity, rows, wanted, stages, transposed):
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)

@@ -489,16 +489,40 @@ GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True
 # contiguous caches through it 1.001-1.045x the Triton plans at those points but B1 12/2 32k
 # (0.98-0.99x), hence only for long splits of few pairs there: _t16_wanted). GLUON_T16 False: the
 # 64-row consumer as before.
+# Refined on 2026-12-01 (paged-gap-t16-b1(-wide)-h200-20261201.log, against the shipped contiguous
+# plan, page 16 / contiguous): with 1-2 pairs two per SM also for long splits (B1 12/2 128k
+# 0.995/1.030x, one per SM 4 stages 0.975/1.000x), and below 256 keys a split of two per SM one
+# per SM with 3 stages (B1 12/2 16k 1.062x in two runs, two per SM 0.971/0.974x, one per SM with 4
+# stages 0.928x; at 32k two per SM stays ahead: 1.022 against 0.996x). With at most
+# T16_CONTIGUOUS_PAIRS pairs "long" counts the keys of the splits the one-per-SM plan makes: B1
+# 32/8 16k has 16 of 1024 keys (short by 16384 x 8 < 1024 x 132); paged, one per SM ran 1.047x,
+# two per SM 0.977x (0.967x in bench paged, paged-nvidia-h200-20261201-c.json); contiguous, the
+# transposed consumer then took 20.7 us against the Triton plan's 22.6 (decode-...-20261201-b).
 GLUON_T16 = True
 GLUON_T16_LONG = GLUON_ONE_PER_SM
 GLUON_T16_SHORT = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+GLUON_T16_FEW = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True)  # one per SM
 T16_LONG_SPLIT = 1024
 T16_CONTIGUOUS_PAIRS = 8
+T16_TWO_PER_SM_PAIRS = 2  # up to this many pairs two per SM at every length
+T16_TWO_PER_SM_SPLIT = 256  # ... where their splits read this many keys or more
 
 
 def _t16_long(pairs: int, sms: int, capacity: int) -> bool:
-    """Whether one CTA per SM, one wave of splits, gives each split T16_LONG_SPLIT keys or more."""
+    """Whether one CTA per SM, one wave of splits, gives each split T16_LONG_SPLIT keys or more (by
+    the plan's own split count for few pairs, by the SMs' share of the keys for more)."""
+    if pairs <= T16_CONTIGUOUS_PAIRS:
+        return capacity >= T16_LONG_SPLIT * max(1, min(128, sms // pairs))
     return capacity * pairs >= T16_LONG_SPLIT * sms
+
+
+def _t16_plan(pairs: int, sms: int, capacity: int) -> DecodeConfig:
+    """The transposed 16-bit consumer's plan (see GLUON_T16)."""
+    if pairs <= T16_TWO_PER_SM_PAIRS:
+        two_per_sm_splits = max(1, min(128, 2 * sms // pairs))
+        return (GLUON_T16_SHORT if capacity >= T16_TWO_PER_SM_SPLIT * two_per_sm_splits
+                else GLUON_T16_FEW)
+    return GLUON_T16_LONG if _t16_long(pairs, sms, capacity) else GLUON_T16_SHORT
 
 
 def _t16_wanted(paged: bool, pairs: int, sms: int, capacity: int, rows: int) -> bool:
@@ -552,7 +576,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     base = GLUON_TWO_PER_SM if pairs >= sms else GLUON_ONE_PER_SM
     transposed = fp8 or _t16_wanted(page_size > 0, pairs, sms, capacity, rows)
     if transposed and not fp8:
-        base = GLUON_T16_LONG if _t16_long(pairs, sms, capacity) else GLUON_T16_SHORT
+        base = _t16_plan(pairs, sms, capacity)
     if fp8:
         if rows > 16:
             base = GLUON_E4M3_ROWS32
