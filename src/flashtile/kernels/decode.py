@@ -577,6 +577,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     transposed = fp8 or _t16_wanted(page_size > 0, pairs, sms, capacity, rows)
     if transposed and not fp8:
         base = _t16_plan(pairs, sms, capacity)
+    wave_splits = 0  # e4m3 past one wave of three CTAs per SM: the splits that fill the waves
     if fp8:
         if rows > 16:
             base = GLUON_E4M3_ROWS32
@@ -589,7 +590,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         splits = 1
     elif num_splits > 0:
         splits = num_splits
-    elif fp8 and base is GLUON_E4M3 and pairs > GLUON_E4M3.programs_per_sm * sms:
+    elif wave_splits > 1:
         splits = wave_splits
     else:
         most = max(1, min(128, base.programs_per_sm * sms // pairs))
