@@ -164,10 +164,12 @@ if _GLUON:
         col0 = kv_head * HEAD_DIM
         table_row = batch.to(gl.int64) * stride_btb
         # The page numbers of a tile: one vector load, issued a tile ahead (before the wait for the
-        # slot of the tile before), each number then taken out by a warp reduction. The first
-        # tile's are loaded together with the sequence length, for the split this program would
-        # have if the sequence filled its capacity, and loaded again only where it does not.
-        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        # slot of the tile before), every lane holding all of them, so each number comes out of
+        # the lane's own registers (spread over the lanes, each one took a chain of shuffles
+        # between the TMA issues). The first tile's are loaded together with the sequence
+        # length, for the split this program would have if the sequence filled its capacity, and
+        # loaded again only where it does not.
+        id_layout: gl.constexpr = gl.BlockedLayout([PAGES], [32], [1], [0])
         offs = gl.arange(0, PAGES, layout=id_layout)
         ids_next = offs
         if PAGED:
@@ -634,6 +636,8 @@ if _GLUON:
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                       dtype=gl.int32, is_pure=False, pack=1)
 
+        # the producer keeps a tile's page numbers (and the next tile's) in every lane
+        PRODUCER_REGS: gl.constexpr = 32 if PAGED else 24
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -659,7 +663,7 @@ if _GLUON:
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
                                     BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
-            ], [1], [24])
+            ], [1], [PRODUCER_REGS])
         elif ROWS_N > 0:
             q_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
             pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS_N], PT_LAYOUT)
@@ -675,7 +679,7 @@ if _GLUON:
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
                                     BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
-            ], [1], [24])
+            ], [1], [PRODUCER_REGS])
         else:
             q_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
             gl.warp_specialize([
@@ -689,7 +693,7 @@ if _GLUON:
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
                                     BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
-            ], [1], [24])
+            ], [1], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
