@@ -49,8 +49,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     def step(wanted, config=None, splits=0):
         s = fp8_step(caches, q, lengths)
         # the config for every pair count (both e4m3 plans), and the split count if given
-        settings = {name: config for name in ("GLUON_E4M3", "GLUON_E4M3_WIDE")
-                    if config and hasattr(dec, name)}
+        settings = {"GLUON_E4M3": config, "GLUON_E4M3_WIDE": config} if config else {}
         if splits:
             settings["split_heuristic"] = lambda *args, **kwargs: splits
         call = forced(s.call, wanted, **settings)

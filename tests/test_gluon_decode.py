@@ -165,3 +165,18 @@ def test_transposed_16bit_rule(monkeypatch, paged, pairs, capacity, rows, wanted
                                      16 if paged else 0, False, False, False, False, rows)[4]
         assert variant.rows_n == (next(n for n in (8, 16, 32) if rows <= n) if transposed else 0)
         assert variant.stages == stages
+
+
+@pytest.mark.parametrize("paged,pairs,capacity,splits,stages", [
+    (True, 2, 16384, 66, 3),  # two per SM would split below 256 keys: one per SM, 3 stages
+    (True, 2, 32768, 128, 3),  # 1-2 pairs: two per SM (capped at 128 splits)
+    (False, 2, 131072, 128, 3),  # ... also where the splits are long
+    (True, 8, 16384, 16, 4),  # 8 pairs: 16 one-per-SM splits of 1024 keys are long
+    (True, 8, 8192, 33, 3),  # ... 512 keys are not: two per SM
+])
+def test_transposed_16bit_plans_for_few_pairs(monkeypatch, paged, pairs, capacity, splits, stages):
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    got, _, _, merge, variant = decode._gluon_plan(pairs, 1, 128, torch.bfloat16, torch.device("cpu"),
+                                                   capacity, 0, 16 if paged else 0, False, False,
+                                                   False, False, 6)
+    assert variant.rows_n == 8 and (got, variant.stages) == (splits, stages) and merge is not None
