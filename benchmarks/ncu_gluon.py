@@ -5,9 +5,12 @@ issue.
     PYTHONPATH=src python benchmarks/ncu_gluon.py --all      # every case under ncu
     PYTHONPATH=src python benchmarks/ncu_gluon.py CASE       # one case, no profiler
 
+    PYTHONPATH=src python benchmarks/ncu_gluon.py --source CASE OUT_DIR   # stall samples per SASS line
+
 CASE: bf16 (the shipped bf16 variant) or a substring of an e4m3 variant name (e.g. fp8-full-n128-s3);
 B=2, S=8192, 16 heads, non-causal. Each runs the kernel three times (two warm-ups, then the profiled
-launch).
+launch). ``--source`` samples warp stalls per instruction (SourceCounters), writes the source page
+as CSV to OUT_DIR and prints the instructions with the most samples and their main stall reasons.
 """
 
 from __future__ import annotations
@@ -33,8 +36,52 @@ PIPES = ["--metrics", ",".join([
 CASES = ("bf16", "fp8-full-n128-s3-ws-pingpong", "fp8-full-n128-s3-ws")
 
 
+def _source(case: str, out_dir: str) -> int:
+    import csv
+    import io
+    import os
+    report = os.path.join(out_dir, "ncu-source")
+    status = subprocess.call(NCU + ["--clock-control", "none", "--section", "SourceCounters",
+                                    "--section", "WarpStateStats", "-f", "-o", report,
+                                    sys.executable, __file__, case])
+    details = subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "details"],
+                             capture_output=True, text=True)
+    print(details.stdout[-6000:], details.stderr[-2000:], flush=True)
+    page = subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "source", "--csv",
+                           "--print-source", "sass"], capture_output=True, text=True)
+    with open(os.path.join(out_dir, "ncu-source.csv"), "w") as f:
+        f.write(page.stdout)
+    if page.returncode or not page.stdout.strip():
+        print("source page failed:", page.stderr[-3000:])
+        return 1
+    lines = page.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    total_col = "Warp Stall Sampling (All Samples)"
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+
+    def num(x):
+        try:
+            return float(str(x).replace(",", ""))
+        except ValueError:
+            return 0.0
+    total = sum(num(r[total_col]) for r in rows) or 1.0
+    by_reason = {c[6:]: sum(num(r[c]) for r in rows) / total for c in reasons}
+    print(f"{len(rows)} instructions, {total:.0f} samples; by reason:",
+          ", ".join(f"{k} {v:.1%}" for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])[:10]))
+    base = int(rows[0]["Address"], 16)
+    for r in sorted(rows, key=lambda r: -num(r[total_col]))[:40]:
+        top = sorted(((num(r[c]), c[6:]) for c in reasons), reverse=True)[:3]
+        print(f"{int(r['Address'], 16) - base:6x} {num(r[total_col]) / total:6.2%} "
+              f"executed {num(r['Instructions Executed']):>9.0f}  {r['Source'].strip()[:56]:56s} "
+              + " ".join(f"{c} {v / total:.1%}" for v, c in top if v))
+    return status
+
+
 def main() -> int:
     case = sys.argv[1]
+    if case == "--source":
+        return _source(sys.argv[2], sys.argv[3])
     if case == "--all":
         status = 0
         for name in CASES:
@@ -55,11 +102,12 @@ def main() -> int:
     else:
         variant = next(x for x in GLUON_VARIANTS if x.fp8 and not x.causal and case in x.name
                        and x.name.endswith(case.split("-")[-1]))
-        z = fp8.quantize_qkv(q, k, v, block=(128, 128))
+        blocks = (128, max(128, variant.block_n))
+        z = fp8.quantize_qkv(q, k, v, block=blocks)
         descales = fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
         run = lambda: gluon_attention_forward(z.q, z.k, z.v, softmax_scale=128 ** -0.5, causal=False,
                                               variant=variant, descales=descales,
-                                              scale_blocks=(128, 128))
+                                              scale_blocks=blocks)
     print(variant.name, flush=True)
     for _ in range(3):
         run()
