@@ -105,6 +105,7 @@ command_for() {
         decode-host) echo "python benchmarks/decode_host.py --out $OUT" ;;
         ncu-decode) echo "python benchmarks/ncu_decode.py --all" ;;
         ncu-gluon) echo "python benchmarks/ncu_gluon.py --all" ;;
+        decode-fp8-rounds) echo "python benchmarks/decode_fp8_rounds.py --out $OUT" ;;
         ncu-gluon-source) echo "python benchmarks/ncu_gluon.py --source fp8-full-n256-s2-ws-p1-poly2 $OUT" ;;
         gluon-debug) echo "python benchmarks/gluon_debug.py --out $OUT" ;;
         gluon-decode-check) echo "python benchmarks/gluon_decode_check.py --out $OUT" ;;

@@ -4,7 +4,8 @@ key and KV head), next to the same decode against the bf16 cache, as GB/s of wha
 The bytes counted for the FP8 cache are its e4m3 K and V plus their descales (4 bytes per key and KV
 head, each): sum_b cache_seqlens[b] * Hk * (2 * D + 8). Both caches are timed like ``bench decode``:
 a CUDA graph over L layers, each with its own cache, at least 1 GiB of cache in all, so every read
-comes from DRAM; the read ceiling is torch.sum's, measured in the same run. A correctness check of
+comes from DRAM, the two in balanced rounds (each the median of its rounds); the read ceiling is
+torch.sum's, measured in the same run. A correctness check of
 the FP8 cache against float64 attention of the dequantized cache comes first.
 """
 
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .common import (add_common_arguments, check_without_gpu, choose_device, environment, format_number,
-                     format_seqlen, result_path, write_json)
-from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, LayerCaches, Point, Step,
-                     _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for, measure,
-                     measure_ceiling, paginate, point_bytes)
+                     format_seqlen, gbps, result_path, write_json)
+from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, ROUNDS, LayerCaches, Point, Step,
+                     _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for,
+                     measure_ceiling, measure_providers, paginate, point_bytes)
 
 FP8 = torch.float8_e4m3fn
 FP8_PROVIDER = "flashtile-fp8"
@@ -137,37 +138,64 @@ def fp8_layers(point: Point, override: int | None) -> int:
 
 def run_point(point: Point, device: torch.device, ceiling: float | None, layers_override: int | None,
               seed: int) -> dict:
-    layers_bf16 = layers_for(point, layers_override)
-    layers_fp8 = fp8_layers(point, layers_override)
+    """Both caches timed in balanced rounds (as ``bench decode`` times its providers) over the same
+    number of layers, enough for >= 1 GiB of the e4m3 cache (so more for the bf16 one); where both
+    do not fit at once, each alone over its own layer count, one pass each."""
     nb16, nb8 = point_bytes(point), fp8_point_bytes(point)
+    layers = max(layers_for(point, layers_override), fp8_layers(point, layers_override))
+    fp8_total = 2 * layers * nb8  # ... and the fp8 allocation's per-layer bf16 temporary, at most
+    together = (layers * max(nb16, nb8) <= MAX_TOTAL_BYTES
+                and _memory_skip(layers * nb16 + fp8_total, device) is None)
+    layers_bf16 = layers if together else layers_for(point, layers_override)
+    layers_fp8 = layers if together else fp8_layers(point, layers_override)
     record = {"model": point.model, "batch": point.batch, "heads": point.heads, "heads_k": point.heads_k,
               "context": point.context, "head_dim": point.head_dim, "layers_bf16": layers_bf16,
               "layers_fp8": layers_fp8, "bytes_per_layer_bf16": nb16, "bytes_per_layer_fp8": nb8,
+              "timing": "balanced rounds of both" if together else "one pass each, alone",
               "providers": {}}
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
-    for name, layers, nbytes in ((CONTIGUOUS, layers_bf16, nb16), (FP8_PROVIDER, layers_fp8, nb8)):
-        total = layers * nbytes * (2 if name == FP8_PROVIDER else 1)  # ... and the fp8 allocation's
-        reason = ("too large" if layers * nbytes > MAX_TOTAL_BYTES else None) or _memory_skip(total, device)
-        if reason:
-            record["providers"][name] = {"available": False, "error": reason}
-            continue
-        if name == CONTIGUOUS:
-            caches = LayerCaches.allocate(point, layers, device)
-            record["providers"][name] = measure(name, caches, q, lengths, {}, gpu_timer, nbytes, ceiling)
-        else:
-            caches8 = FP8Caches.allocate(point, layers, device)
-            holder = LayerCaches(point, layers, caches8.k, caches8.v)  # measure reads .layers only
-            record["providers"][name] = measure(name, holder, q, lengths, {}, gpu_timer, nbytes, ceiling,
-                                                step=fp8_step(caches8, q, lengths))
-            del caches8, holder
-        caches = None
+    if together:
+        caches = LayerCaches.allocate(point, layers, device)
+        caches8 = FP8Caches.allocate(point, layers, device)
+        record["providers"] = measure_providers(
+            [CONTIGUOUS, FP8_PROVIDER], caches, q, lengths, {}, gpu_timer, nb16, ceiling,
+            rounds=ROUNDS, steps={FP8_PROVIDER: fp8_step(caches8, q, lengths)})
+        _count_bytes(record["providers"][FP8_PROVIDER], nb8, ceiling)
+        del caches, caches8
         torch.cuda.empty_cache()
+    else:
+        for name, layers, nbytes in ((CONTIGUOUS, layers_bf16, nb16), (FP8_PROVIDER, layers_fp8, nb8)):
+            total = layers * nbytes * (2 if name == FP8_PROVIDER else 1)
+            reason = ("too large" if layers * nbytes > MAX_TOTAL_BYTES else None) or _memory_skip(total, device)
+            if reason:
+                record["providers"][name] = {"available": False, "error": reason}
+                continue
+            if name == CONTIGUOUS:
+                caches = LayerCaches.allocate(point, layers, device)
+                steps = None
+            else:
+                caches8 = FP8Caches.allocate(point, layers, device)
+                caches = LayerCaches(point, layers, caches8.k, caches8.v)  # only .layers is read
+                steps = {name: fp8_step(caches8, q, lengths)}
+                del caches8
+            record["providers"][name] = measure_providers([name], caches, q, lengths, {}, gpu_timer,
+                                                          nbytes, ceiling, rounds=ROUNDS,
+                                                          steps=steps)[name]
+            caches = steps = None
+            torch.cuda.empty_cache()
     bf16, fp8 = record["providers"][CONTIGUOUS], record["providers"][FP8_PROVIDER]
     record["fp8_speedup_per_token"] = (bf16["ms_per_layer"] / fp8["ms_per_layer"]
                                        if bf16.get("available") and fp8.get("available") else None)
     return record
+
+
+def _count_bytes(result: dict, nbytes: int, ceiling: float | None) -> None:
+    """GB/s (and % of the ceiling) of a provider timed next to another that reads other bytes."""
+    if result.get("available"):
+        result["gbps"] = gbps(nbytes, result["ms_per_layer"])
+        result["pct_ceiling"] = None if ceiling is None else 100.0 * result["gbps"] / ceiling
 
 
 def format_table(records: list[dict], title: str) -> str:
