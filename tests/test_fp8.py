@@ -418,6 +418,34 @@ def test_bench_decode_fp8_cpu_check_and_table():
     assert "3000" in table and "72%" in table
 
 
+@pytest.mark.parametrize("fits", [True, False])
+def test_bench_decode_fp8_run_point_counts_each_caches_bytes(monkeypatch, fits):
+    """`bench decode-fp8` times both caches over the same layers in balanced rounds (or, where both
+    do not fit at once, each alone over its own layer count); either way each provider's GB/s
+    counts its own cache's bytes. A stub timer stands in for the GPU's (1 ms per replay)."""
+    from flashtile.bench import decode_fp8
+    from flashtile.bench.decode import Point
+    monkeypatch.setattr(decode_fp8, "gpu_timer", lambda replay: (replay(), 1.0)[1])
+    point = Point("m", 1, 4, 2, 48, 32)
+    nb16, nb8 = 1 * 48 * 2 * 32 * 2 * 2, decode_fp8.fp8_point_bytes(point)
+    if not fits:  # room for the e4m3 cache alone: the bf16 one is skipped as too large
+        monkeypatch.setattr(decode_fp8, "MAX_TOTAL_BYTES", 2 * nb8 + 1)
+    record = decode_fp8.run_point(point, torch.device("cpu"), 1000.0, 2, seed=0)
+    bf16, fp8 = record["providers"]["flashtile"], record["providers"]["flashtile-fp8"]
+    assert record["layers_bf16"] == record["layers_fp8"] == 2
+    assert fp8["available"] and fp8["gbps"] == pytest.approx(nb8 / 0.5e-3 / 1e9)  # 2 layers in 1 ms
+    assert fp8["pct_ceiling"] == pytest.approx(fp8["gbps"] / 10)
+    if fits:
+        assert record["timing"] == "balanced rounds of both"
+        assert bf16["available"] and bf16["gbps"] == pytest.approx(nb16 / 0.5e-3 / 1e9)
+        assert len(fp8["replay_ms_rounds"]) == len(bf16["replay_ms_rounds"]) >= 5
+        assert record["fp8_speedup_per_token"] == pytest.approx(1.0)
+    else:
+        assert record["timing"] == "one pass each, alone"
+        assert not bf16["available"] and bf16["error"] == "too large"
+        assert record["fp8_speedup_per_token"] is None
+
+
 @pytest.mark.parametrize("q_scale", [3e4, 1e-3])
 def test_fp8_cache_bf16_query_far_from_fp16_range(q_scale):
     """With an e4m3 cache and a bf16 query the kernel computes in fp16 after scaling q by a power of

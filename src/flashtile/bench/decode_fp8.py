@@ -20,7 +20,7 @@ import torch
 from .common import (add_common_arguments, check_without_gpu, choose_device, environment, format_number,
                      format_seqlen, gbps, result_path, write_json)
 from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, ROUNDS, LayerCaches, Point, Step,
-                     _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for,
+                     _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for, measure,
                      measure_ceiling, measure_providers, paginate, point_bytes)
 
 FP8 = torch.float8_e4m3fn
@@ -167,23 +167,21 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
         torch.cuda.empty_cache()
     else:
         for name, layers, nbytes in ((CONTIGUOUS, layers_bf16, nb16), (FP8_PROVIDER, layers_fp8, nb8)):
-            total = layers * nbytes * (2 if name == FP8_PROVIDER else 1)
+            total = layers * nbytes * (2 if name == FP8_PROVIDER else 1)  # ... and the fp8 allocation's
             reason = ("too large" if layers * nbytes > MAX_TOTAL_BYTES else None) or _memory_skip(total, device)
             if reason:
                 record["providers"][name] = {"available": False, "error": reason}
                 continue
             if name == CONTIGUOUS:
                 caches = LayerCaches.allocate(point, layers, device)
-                steps = None
+                record["providers"][name] = measure(name, caches, q, lengths, {}, gpu_timer, nbytes, ceiling)
             else:
                 caches8 = FP8Caches.allocate(point, layers, device)
-                caches = LayerCaches(point, layers, caches8.k, caches8.v)  # only .layers is read
-                steps = {name: fp8_step(caches8, q, lengths)}
-                del caches8
-            record["providers"][name] = measure_providers([name], caches, q, lengths, {}, gpu_timer,
-                                                          nbytes, ceiling, rounds=ROUNDS,
-                                                          steps=steps)[name]
-            caches = steps = None
+                holder = LayerCaches(point, layers, caches8.k, caches8.v)  # measure reads .layers only
+                record["providers"][name] = measure(name, holder, q, lengths, {}, gpu_timer, nbytes,
+                                                    ceiling, step=fp8_step(caches8, q, lengths))
+                del caches8, holder
+            caches = None
             torch.cuda.empty_cache()
     bf16, fp8 = record["providers"][CONTIGUOUS], record["providers"][FP8_PROVIDER]
     record["fp8_speedup_per_token"] = (bf16["ms_per_layer"] / fp8["ms_per_layer"]
