@@ -18,23 +18,45 @@ from flashtile.bench.common import time_in_rounds
 from flashtile.bench.decode import LayerCaches, Point, gpu_timer, layers_for, measure_ceiling, point_bytes, prepare_replay
 from flashtile.bench.decode_fp8 import FP8Caches, fp8_layers, fp8_point_bytes, fp8_step
 
-POINTS = ((64, 32, 8, 16384), (16, 32, 8, 32768), (16, 32, 8, 131072), (64, 12, 2, 16384),
-          (16, 12, 2, 16384))
+def rate(nbytes: int, ms: list, ceiling: float) -> tuple[float, float, float]:
+    """(median ms, % of the read ceiling, spread of the rounds in % of the median) of ``nbytes``
+    read in each of the times ``ms``."""
+    med = statistics.median(ms)
+    return med, 100 * nbytes / (med * 1e-3) / 1e9 / ceiling, 100 * (max(ms) - min(ms)) / med
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
+def start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.device, float]:
+    """Arguments (``parser``'s and --out), the GPU and its read ceiling (printed)."""
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceiling = measure_ceiling(device)["sum_gbps"]
     print(f"read ceiling {ceiling:.0f} GB/s")
+    return args, device, ceiling
+
+
+def point_inputs(batch: int, heads: int, heads_k: int, context: int, device: torch.device):
+    """(point, layers holding >= 1 GiB of either cache, a bf16 query, full lengths)."""
+    point = Point("p", batch, heads, heads_k, context)
+    layers = max(layers_for(point), fp8_layers(point, None))
+    q = torch.randn(batch, 1, heads, 128, device=device, dtype=torch.bfloat16)
+    return point, layers, q, torch.full((batch,), context, dtype=torch.int32, device=device)
+
+
+def write_points(out: str, name: str, ceiling: float, rows: list) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"ceiling_gbps": ceiling, "points": rows}, f, indent=1)
+
+
+POINTS = ((64, 32, 8, 16384), (16, 32, 8, 32768), (16, 32, 8, 131072), (64, 12, 2, 16384),
+          (16, 12, 2, 16384))
+
+
+def main() -> int:
+    args, device, ceiling = start(argparse.ArgumentParser())
     rows = []
     for batch, heads, heads_k, context in POINTS:
-        point = Point("p", batch, heads, heads_k, context)
-        layers = max(layers_for(point), fp8_layers(point, None))
-        q = torch.randn(batch, 1, heads, 128, device=device, dtype=torch.bfloat16)
-        lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+        point, layers, q, lengths = point_inputs(batch, heads, heads_k, context, device)
         caches = LayerCaches.allocate(point, layers, device)
         caches8 = FP8Caches.allocate(point, layers, device)
         replay16, _, err16 = prepare_replay("flashtile", caches, q, lengths, {})
@@ -51,16 +73,14 @@ def main() -> int:
                 calls[name]()  # warm-up pass
                 times = {name: [calls[name]() for _ in range(6)]}
             for name, ms in times.items():
-                med = statistics.median(ms)
-                pct = 100 * nbytes[name] / (med * 1e-3) / 1e9 / ceiling
+                _, pct, spread = rate(nbytes[name], ms, ceiling)
                 result[f"{mode}: {name}"] = {"ms": ms, "pct_ceiling": pct}
                 print(f"B{batch} {heads}/{heads_k} {context:>6} {mode:16s} {name:5s} {pct:6.1f}%  "
-                      f"spread {100 * (max(ms) - min(ms)) / med:4.1f}%", flush=True)
+                      f"spread {spread:4.1f}%", flush=True)
         rows.append(result)
         del caches, caches8, replay16, replay8, calls
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "decode-fp8-rounds.json"), "w") as f:
-        json.dump({"ceiling_gbps": ceiling, "points": rows}, f, indent=1)
+    write_points(args.out, "decode-fp8-rounds.json", ceiling, rows)
     return 0
 
 

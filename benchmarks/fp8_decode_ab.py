@@ -46,19 +46,26 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
 
-    def step(wanted, config=None, splits=0):
+    def step(wanted, config=None, splits=0, v_regs=True):
         s = fp8_step(caches, q, lengths)
         # the config for every pair count (both e4m3 plans), and the split count if given
-        settings = {"GLUON_E4M3": config, "GLUON_E4M3_WIDE": config} if config else {}
+        settings = ({"GLUON_E4M3": config, "GLUON_E4M3_FOUR": config, "GLUON_E4M3_WIDE": config}
+                    if config else {})
+        if config or not v_regs:
+            settings["E4M3_V_REGS"] = v_regs
         if splits:
             settings["split_heuristic"] = lambda *args, **kwargs: splits
         call = forced(s.call, wanted, **settings)
         return bench.Step(call, s.backend, dict(s.info))
 
-    steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None)}
-    for block_n, stages, per_sm, *splits in CONFIGS:
-        name = f"e4m3 Gluon n{block_n} s{stages} {per_sm}/SM" + (f" {splits[0]} splits" if splits else "")
-        steps[name] = step(True, gluon_config(block_n, stages, per_sm), *splits)
+    steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None),
+             # the plans and kernel before V^T went to registers (decode.E4M3_V_REGS)
+             "e4m3 V in shared memory": step(True, None, 0, False)}
+    for block_n, stages, per_sm, *rest in CONFIGS:
+        splits, v_regs = (rest + [0, 0])[:2]
+        name = (f"e4m3 Gluon n{block_n} s{stages} {per_sm}/SM" + (f" {splits} splits" if splits else "")
+                + (" V regs" if v_regs else ""))
+        steps[name] = step(True, gluon_config(block_n, stages, per_sm), splits, bool(v_regs))
     results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes,
                                       ceiling, rounds=rounds, steps=steps)
     base = results["e4m3 Triton"]
@@ -79,7 +86,8 @@ def main():
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--configs", default="",
-                        help="more Gluon e4m3 plans to time: 'block_n,stages,programs per SM[,splits];...'")
+                        help="more Gluon e4m3 plans to time: 'block_n,stages,programs per SM[,splits[,V in "
+                             "registers 0/1]];...' (splits 0: the plan's)")
     args = parser.parse_args()
     global CONFIGS
     CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]

@@ -12,6 +12,7 @@ sequence's end and outputs start as NaN. Writes gluon-decode-check.json under --
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -269,12 +270,20 @@ def main():
                     help="16-bit cases through the 64-row consumer (decode.GLUON_T16 off)")
     ap.add_argument("--contiguous", action="store_true", help="time contiguous caches too")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--e4m3-plan", help="'stages,programs per SM,V in registers 0/1' for the e4m3 "
+                    "cases (decode.GLUON_E4M3, GLUON_E4M3_FOUR, GLUON_E4M3_WIDE, E4M3_V_REGS)")
     ap.add_argument("--points", help="'B,H,Hk,context;...' (default: the seven below)")
     ap.add_argument("--variants", help="'block_n,stages,programs_per_sm,pdl,heads_first;...'")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.rows_consumer:
         dec.GLUON_T16 = False
+    if args.e4m3_plan:
+        stages, per_sm, v_regs = (int(x) for x in args.e4m3_plan.split(","))
+        for name in ("GLUON_E4M3", "GLUON_E4M3_FOUR", "GLUON_E4M3_WIDE"):
+            setattr(dec, name, dataclasses.replace(getattr(dec, name), num_stages=stages,
+                                                   programs_per_sm=per_sm))
+        dec.E4M3_V_REGS = bool(v_regs)
     result = {"cases": [], "timings": []}
     if not args.skip_check:
         cases = [] if args.fp8_only else [(c, False) for c in CASES] + [(c, True) for c in CASES]

@@ -101,32 +101,43 @@ def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
     assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True)
     with pytest.raises(ValueError):
         gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True, rows_n=8)
+    with pytest.raises(ValueError):
+        gluon_decode.DecodeVariant(128, block_n=64, rows_n=8, v_regs=True)  # 16-bit: no widening
     for bad in ({"rows_n": 12}, {"rows_n": 8, "block_n": 128}, {"rows_n": 0}):
         with pytest.raises(ValueError):
             gluon_decode.DecodeVariant(**{"head_dim": 128, "block_n": 64, "fp8": True, **bad})
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
-    # B1 with 32/8 heads (4 query rows a KV head): three programs per SM, one wave of splits
+    # B1 with 32/8 heads (4 query rows a KV head): three programs per SM, one wave of splits, V^T
+    # in registers
     splits, _, _, merge, variant = decode._gluon_plan(1, 8, 128, torch.bfloat16, torch.device("cpu"),
                                                       32768, 0, 0, False, False, False, True, 4)
     assert variant.fp8 and not variant.paged and (variant.block_n, variant.stages) == (64, 2)
-    assert variant.rows_n == 8 and gluon_decode._launch_shape(variant)["maxnreg"] == 80
+    assert variant.rows_n == 8 and variant.v_regs and gluon_decode._launch_shape(variant)["maxnreg"] == 80
     assert splits == 49 and merge is not None
-    # 512 pairs (B64, 32/8) unsplit would be 1.3 waves of three per SM: 3 splits fill 3.9 waves
-    splits, _, _, merge, variant = decode._gluon_plan(64, 8, 128, torch.bfloat16, torch.device("cpu"),
-                                                      16384, 0, 0, False, False, False, True, 4)
-    assert (variant.stages, gluon_decode._launch_shape(variant)["maxnreg"]) == (2, 80)
-    assert splits == 3 and merge is not None
-    # no split of a 1k cache reads 1024 keys, and 2 splits of a 2k one fill their last wave less
-    # than two per SM unsplit: unsplit, two per SM with 4 stages
-    for capacity in (1024, 2048):
-        splits, _, _, _, variant = decode._gluon_plan(64, 8, 128, torch.bfloat16,
-                                                      torch.device("cpu"), capacity, 0, 0, False,
-                                                      False, False, True, 4)
-        assert splits == 1 and variant.stages == 4
-        assert gluon_decode._launch_shape(variant)["maxnreg"] == 128
-    # 400 pairs: 8 splits fill 90% of their last wave, two per SM unsplit 76%
-    assert decode._gluon_plan(50, 8, 128, torch.bfloat16, torch.device("cpu"), 16384, 0, 0, False,
-                              False, False, True, 4)[0] == 8
+
+    def e4m3_plan(batch, capacity, rows=4):
+        splits, _, _, merge, variant = decode._gluon_plan(batch, 8, 128, torch.bfloat16,
+                                                          torch.device("cpu"), capacity, 0, 0, False,
+                                                          False, False, True, rows)
+        assert (merge is not None) == (splits > 1)
+        return splits, variant.stages, variant.v_regs, gluon_decode._launch_shape(variant)["maxnreg"]
+    # From E4M3_FOUR_MIN_PAIRS pairs with <= 8 rows: four per SM at 64 registers; 512 pairs (B64
+    # 32/8) and 400 (B50) are one wave of them, unsplit, at any length
+    for batch in (64, 50):
+        for capacity in (1024, 2048, 16384):
+            assert e4m3_plan(batch, capacity) == (1, 2, True, 64)
+    assert e4m3_plan(16, 32768) == (4, 2, True, 64)  # 128 pairs: 4 splits, one wave
+    assert e4m3_plan(4, 32768) == (12, 2, True, 80)  # 32 pairs: three per SM
+    assert e4m3_plan(64, 16384, rows=12) == (3, 2, True, 80)  # 16 rows: three per SM, 3 splits
+    # past one wave: the fewest splits that fill >= 95% of their waves, else two per SM unsplit
+    assert e4m3_plan(128, 16384) == (1, 2, True, 64)  # 1024 pairs: 1.94 waves
+    assert e4m3_plan(96, 16384) == (2, 2, True, 64)  # 768: 1.45 waves unsplit, 2.91 with 2 splits
+    assert e4m3_plan(80, 1024) == (1, 4, False, 128)  # 640, 1k: 1.21 waves, two per SM 2.42
+    # V^T in shared memory (E4M3_V_REGS off): three per SM and 3 splits, or two per SM unsplit
+    monkeypatch.setattr(decode, "E4M3_V_REGS", False)
+    assert e4m3_plan(64, 16384) == (3, 2, False, 80)
+    assert e4m3_plan(64, 1024) == (1, 4, False, 128)
+    monkeypatch.setattr(decode, "E4M3_V_REGS", True)
     # query rows a KV head: 8 -> 8, 12 (Sq 3 x group 4) -> 16, 32 -> 32, 33 -> the 64-row consumer
     for rows, rows_n, per_sm in ((8, 8, 3), (12, 16, 3), (17, 32, 2), (32, 32, 2)):
         variant = decode._gluon_plan(2, 2, 128, torch.bfloat16, torch.device("cpu"), 4096, 0, 0, True,

@@ -457,26 +457,41 @@ GLUON_TWO_PER_SM = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True,
 # of three per SM against 1.9 of two); at 1k, 3 splits of 341 keys took 53.7 us
 # (decode-fp8-nvidia-h200-20261201-a.json), GLUON_E4M3_WIDE 48.2 us.
 GLUON_E4M3 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=3)
+# With at most 16 query rows a KV head, V^T is widened in registers as the A operand of P V
+# (gluon_decode.DecodeVariant.v_regs) instead of in two shared fp16 tiles (no stores, no 32 KB):
+# same-run A/B against the shared tiles (fp8-decode-ab-vregs-h200-20261201-a/-b), three per SM,
+# 2 stages both: B1 32/8 32k 63.8 -> 68.0% of the ceiling, 128k 86.2 -> 90.6%, B1 12/2 32k 35.5
+# -> 38.6%, B16 12/2 16k/32k 76.8/85.8 -> 80.9/90.1%, B16 32/8 4k/32k 76.3/90.9 -> 80.9/98.0%,
+# B64 12/2 16k 89.5 -> 95.1%, B64 32/8 4k/16k/128k 84.2/92.7/89.4 -> 89.9/99.5/95.6%. Deeper
+# rings, which the freed shared memory allows, were slower: 3 stages 0-9%, 4 stages 0.5-12%.
+E4M3_V_REGS = True
+# ... and with at most 8 rows the consumer fits 64 registers: four CTAs per SM, which from
+# E4M3_FOUR_MIN_PAIRS (sequence, KV head) pairs read more (-b: B64 32/8 4k/16k/128k 95.8/104.0/98.2%,
+# B16 32/8 4k/32k 82.0/99.2%, B64 12/2 16k 95.5%), the same at 32 pairs (B16 12/2) and less at 8
+# and 2 (B1 32/8 32k/128k 64.9/88.7%, B1 12/2 32k 38.1%: 66 splits against 49).
+GLUON_E4M3_FOUR = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=4)
+E4M3_FOUR_MIN_PAIRS = 64
 GLUON_E4M3_WIDE = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 E4M3_MAX_WAVE_SPLITS = 8
 E4M3_MIN_WAVE_SPLIT = 1024  # keys of the capacity a wave-filling split reads at least
 
 
-def _e4m3_wave_splits(pairs: int, sms: int, capacity: int) -> int:
-    """Splits of GLUON_E4M3 programs for more pairs than one wave of them holds: the fewest whose
-    waves are 95% full on average (waves / ceil(waves)) or more, else the fullest, none shorter than
-    E4M3_MIN_WAVE_SPLIT keys of the capacity (at most E4M3_MAX_WAVE_SPLITS); 1 (GLUON_E4M3_WIDE,
-    unsplit) where its waves are fuller or no split is that long."""
+def _e4m3_wave_plan(pairs: int, sms: int, capacity: int,
+                    config: DecodeConfig) -> tuple[int, DecodeConfig]:
+    """(splits, config) for more pairs than one wave of ``config``'s programs (three or four per
+    SM) holds: the fewest splits whose waves are 95% full on average (waves / ceil(waves)) or more,
+    else the fullest, none shorter than E4M3_MIN_WAVE_SPLIT keys of the capacity (at most
+    E4M3_MAX_WAVE_SPLITS); (1, GLUON_E4M3_WIDE) where its unsplit waves are fuller."""
     most = max(1, min(E4M3_MAX_WAVE_SPLITS, capacity // E4M3_MIN_WAVE_SPLIT))
 
     def fill(programs: int, per_sm: int) -> float:
         waves = programs / (per_sm * sms)
         return waves / math.ceil(waves)
-    three = {s: round(fill(s * pairs, GLUON_E4M3.programs_per_sm), 3) for s in range(2, most + 1)}
-    good = [s for s in three if three[s] >= 0.95]
-    best = good[0] if good else max(three, key=lambda s: (three[s], -s), default=1)
+    fills = {s: round(fill(s * pairs, config.programs_per_sm), 3) for s in range(1, most + 1)}
+    good = [s for s in fills if fills[s] >= 0.95]
+    best = good[0] if good else max(fills, key=lambda s: (fills[s], -s))
     wide = round(fill(pairs, GLUON_E4M3_WIDE.programs_per_sm), 3)
-    return best if best > 1 and three[best] >= wide else 1
+    return (best, config) if fills[best] >= wide else (1, GLUON_E4M3_WIDE)
 # 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB); more rows take the
 # Triton kernel (the transposed consumer spilled at 64)
 GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
@@ -577,31 +592,36 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     transposed = fp8 or _t16_wanted(page_size > 0, pairs, sms, capacity, rows)
     if transposed and not fp8:
         base = _t16_plan(pairs, sms, capacity)
-    wave_splits = 0  # e4m3 past one wave of three CTAs per SM: the splits that fill the waves
+    wave_splits = 0  # e4m3 past one wave of three (four) CTAs per SM: the splits that fill the waves
     if fp8:
+        many = (GLUON_E4M3_FOUR if E4M3_V_REGS and rows <= 8 and pairs >= E4M3_FOUR_MIN_PAIRS
+                else GLUON_E4M3)
         if rows > 16:
             base = GLUON_E4M3_ROWS32
-        elif pairs <= GLUON_E4M3.programs_per_sm * sms:
-            base = GLUON_E4M3
+        elif pairs <= many.programs_per_sm * sms:
+            base = many
         else:
-            wave_splits = _e4m3_wave_splits(pairs, sms, capacity)
-            base = GLUON_E4M3 if wave_splits > 1 else GLUON_E4M3_WIDE
+            wave_splits, base = _e4m3_wave_plan(pairs, sms, capacity, many)
     if one_launch:
         splits = 1
     elif num_splits > 0:
         splits = num_splits
-    elif wave_splits > 1:
+    elif wave_splits:
         splits = wave_splits
     else:
         most = max(1, min(128, base.programs_per_sm * sms // pairs))
         splits = split_heuristic(batch, heads_k, capacity, device,
                                  dataclasses.replace(base, max_splits=most))
+    # V^T in registers: three CTAs per SM at 80 registers, four at 64 (rows <= 8 only: 16 spill)
+    v_regs = fp8 and E4M3_V_REGS and rows <= (8 if base.programs_per_sm == 4 else 16) \
+        and base.programs_per_sm >= 3
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
         heads_first=True, fp8=fp8,
         # the query rows a KV head as the N of transposed tiles (8, 16 or 32)
-        rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0)
+        rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0,
+        v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 

@@ -27,8 +27,8 @@ contiguous caches of at most 8 pairs, and contiguous e4m3 caches. Under the SM c
 16-bit call with at most 32 query rows per KV head runs the transposed consumer
 (``_decode_consumer_t``: the keys as the wgmmas' M, the query rows as their N). The
 e4m3-cache form (``fp8``, contiguous caches: S by e4m3 wgmma with the query as hi + mid e4m3 terms,
-V widened to fp16 in shared memory) runs transposed (``rows_n``: the keys as the wgmmas' M, the
-query rows as their N).
+V widened to fp16 in registers as P V's A operand (``v_regs``) or in shared memory) runs transposed
+(``rows_n``: the keys as the wgmmas' M, the query rows as their N).
 
 This module imports on machines without a GPU; ``compile_for_sm90`` builds a variant there.
 """
@@ -50,7 +50,8 @@ if _GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
 
     from .gluon_forward import _to_16bit, _wgmma_layout
 
@@ -78,6 +79,10 @@ class DecodeVariant:
     # > 0: the transposed consumer, with the query rows (8, 16 or 32) as the N of its wgmmas (S^T =
     # K Q^T, O^T = V^T P^T); 0: 64 query rows as their M (16-bit caches only)
     rows_n: int = 0
+    # e4m3: V^T widened into registers as the A operand of P V (no widened V tiles in shared
+    # memory, whose 32 KB then go to ring stages)
+    v_regs: bool = False
+    regs: int = 0  # > 0: registers a thread (maxnreg), else from the CTAs per SM shared memory allows
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
@@ -90,6 +95,8 @@ class DecodeVariant:
             # investigated, not allowed; 64 rows spilled)
             raise ValueError("rows_n: 8, 16 or 32 query rows (required with e4m3 caches), 64-key "
                              "tiles")
+        if self.v_regs and not self.fp8:
+            raise ValueError("v_regs: e4m3 caches only")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -100,13 +107,14 @@ class DecodeVariant:
         return (f"decode-d{self.head_dim}-{self.dtype}-{kind}-n{self.block_n}-s{self.stages}"
                 + ("-causal" if self.causal else "") + ("-batchidx" if self.batch_idx else "")
                 + ("-pdl" if self.pdl else "") + ("-hf" if self.heads_first else "")
-                + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else ""))
+                + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else "")
+                + ("-vregs" if self.v_regs else "") + (f"-r{self.regs}" if self.regs else ""))
 
     @property
     def shared_bytes(self) -> int:
         if self.fp8:  # e4m3 ring, two e4m3 Q terms, two widened fp16 V tiles and two P^T tiles
             return 2 * self.stages * self.block_n * self.head_dim + 2 * self.rows_n * self.head_dim \
-                + 2 * 2 * self.block_n * (self.head_dim + self.rows_n)
+                + 2 * 2 * self.block_n * ((0 if self.v_regs else self.head_dim) + self.rows_n)
         if self.rows_n:  # the transposed consumer: Q of rows_n rows and two P^T tiles
             return 2 * (2 * self.stages * self.block_n * self.head_dim + self.rows_n * self.head_dim
                         + 2 * self.block_n * self.rows_n)
@@ -479,14 +487,18 @@ if _GLUON:
                                stride_lrb, stride_lrh,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
-                               HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr):
+                               HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
+                               V_REGS: gl.constexpr = False):
         """4 warps, e4m3 cache, 16-bit query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
         ring, the query as hi + mid e4m3 terms (q scaled by a power of two into [128, 256), hi its
         e4m3 rounding, mid the e4m3 rounding of the rest: bf16's 8 significant bits); K's per-key
         descales on the score rows. O^T += V^T P^T in fp16 (e4m3 widens to it in one cvt per pair)
-        with V widened into a shared tile (e4m3 wgmma takes its operands K-major only, and V's keys
+        with V^T widened in registers as the A operand (V_REGS: byte loads of key pairs from the
+        ring, so no widened tile, its stores and fence; the P V of a tile runs while the next tile's
+        TMA wait and retires before its S, whose accumulators then take the registers) or V
+        widened into a shared tile (e4m3 wgmma takes its operands K-major only, and V's keys
         are its rows) and P^T stored next to it.
 
         V's per-key descale joins the exponent: u = s + log2(v_ds) (s the scaled score in log2
@@ -494,7 +506,7 @@ if _GLUON:
         2^(s - m_u), so O = sum P' V / sum P' / v_ds needs no per-tile largest descale. A key whose
         descale is 0 (its V row is zero) counts in the sum with u = s and weight 0. Each thread
         keeps its own share of the row sums (reduced once at the end); the row max crosses the
-        warps every tile. Each tile's P V runs under the next tile's S and softmax."""
+        warps every tile. Without V_REGS each tile's P V runs under the next tile's S and softmax."""
         split, batch, kv_head, num_splits = _program(HEADS_FIRST)
         seqlen_k = gl.minimum(gl.maximum(gl.load(CacheSeqlens + batch), 0), capacity)
         t_lo, t_hi = _split_tiles(seqlen_k, split, num_splits, BLOCK_N)
@@ -517,9 +529,13 @@ if _GLUON:
         qh_smem.store(q_hi)
         qm_smem.store((q - q_hi.to(gl.float32)).to(gl.float8e4nv))
         score_scale = qk_scale / q_scale
-        for b in gl.static_range(2):
-            v16_smem.index(b).store(gl.zeros([BLOCK_N, HEAD_DIM], gl.float16, layout=io_layout))
-            pt_smem.index(b).store(gl.zeros([BLOCK_N, N], gl.float16, layout=st_layout))
+        if not V_REGS:
+            for b in gl.static_range(2):
+                v16_smem.index(b).store(gl.zeros([BLOCK_N, HEAD_DIM], gl.float16, layout=io_layout))
+                pt_smem.index(b).store(gl.zeros([BLOCK_N, N], gl.float16, layout=st_layout))
+        # V_REGS: V^T [HEAD_DIM, BLOCK_N] read from the ring straight into the A operand's registers
+        # (pairs of keys per head dim: byte loads), widened there
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ot_layout, k_width=2)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -535,6 +551,8 @@ if _GLUON:
         l_acc = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
         o_t = gl.zeros([HEAD_DIM, N], gl.float32, layout=ot_layout)
         zero_st = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
+        o_tok = warpgroup_mma_init(o_t)  # V_REGS: the P V in flight (and its A operand)
+        v_a = gl.zeros([HEAD_DIM, BLOCK_N], gl.float16, layout=a_layout)
         key = t_lo * BLOCK_N + keys0
         k_ds_next = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key < seqlen_k,
                             other=0.0)
@@ -553,6 +571,10 @@ if _GLUON:
                                 mask=nxt < seqlen_k, other=0.0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             k_tile = k_bufs.index(slot)
+            if V_REGS:
+                # The tile before's P V (issued at its end) retires before this tile's S takes
+                # registers: its A operand (V^T, 32 registers) is free again.
+                o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v_a, pt_smem))
             # S^T as eight one-step e4m3 wgmmas (32 head dims of one query term each) into their
             # own accumulators, added in fp32: an e4m3 wgmma keeps a running sum of more products
             # in reduced precision (4 values a thread at N = 8: 28 adds).
@@ -566,17 +588,26 @@ if _GLUON:
             s5 = _s_part(k_tile, qm_smem, 1, zero_st)
             s6 = _s_part(k_tile, qm_smem, 2 % C, zero_st)
             s7 = _s_part(k_tile, qm_smem, 3 % C, zero_st)
-            # The tile before's P V (zeros before the first tile), under this tile's S and softmax.
-            prev = (i + 1) % 2
-            o_tok = warpgroup_mma(v16_smem.index(prev).permute((1, 0)), pt_smem.index(prev), o_t,
-                                  is_async=True)
-            s0, s1, s2, s3, s4, s5, s6, s7, _, _, _ = warpgroup_mma_wait(
-                1, deps=(s0, s1, s2, s3, s4, s5, s6, s7, k_tile, qh_smem, qm_smem))
+            if V_REGS:
+                s0, s1, s2, s3, s4, s5, s6, s7, _, _, _ = warpgroup_mma_wait(
+                    0, deps=(s0, s1, s2, s3, s4, s5, s6, s7, k_tile, qh_smem, qm_smem))
+            else:
+                # The tile before's P V (zeros before the first tile), under this tile's S and
+                # softmax.
+                prev = (i + 1) % 2
+                o_tok = warpgroup_mma(v16_smem.index(prev).permute((1, 0)), pt_smem.index(prev), o_t,
+                                      is_async=True)
+                s0, s1, s2, s3, s4, s5, s6, s7, _, _, _ = warpgroup_mma_wait(
+                    1, deps=(s0, s1, s2, s3, s4, s5, s6, s7, k_tile, qh_smem, qm_smem))
             if C == 4:
                 s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
             else:
                 s = (s0 + s1) + (s4 + s5)
-            v8 = v_bufs.index(slot).load(io_layout)
+            if V_REGS:
+                _zero_tail_rows(v_bufs.index(slot), t, seqlen_k, BLOCK_N, io_layout)
+                v_a = v_bufs.index(slot).permute((1, 0)).load(a_layout).to(gl.float16)
+            else:
+                v8 = v_bufs.index(slot).load(io_layout)
             mbarrier.arrive(empty.index(slot))  # K and V are out of the ring
             has_v = v_ds > 0.0
             log_v = gl.where(has_v, gl.log2(gl.where(has_v, v_ds, 1.0)), 0.0)
@@ -584,20 +615,31 @@ if _GLUON:
             p, m_u, alpha = _t_softmax(u, key, seqlen_k, cols_pos, m_u, CAUSAL)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p * gl.expand_dims(gl.exp2(-log_v), 1)
             p16 = gl.where(gl.expand_dims(has_v, 1), p, 0.0).to(gl.float16)
-            v16 = v8.to(gl.float16)
-            if t * BLOCK_N + BLOCK_N > seqlen_k:
-                # Rows past the sequence (its last tile) hold whatever the cache does: zeros instead.
-                v16 = gl.where(gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1), v16,
-                               gl.zeros_like(v16))
-            # Two V / P^T buffers: tile t's go to the one P V of tile t - 2 read, retired by every
-            # warp before the last tile's closing barrier, so no warp waits for another here.
-            v16_smem.index(i % 2).store(v16)
-            pt_smem.index(i % 2).store(p16)
-            o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v16_smem, pt_smem))
-            o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
-            fence_async_shared()
-            gl.thread_barrier()
-        if t_hi > t_lo:
+            if V_REGS:
+                # P^T in the buffer the P V of tile t - 2 read (retired by every warp before the
+                # last tile's closing barrier); this tile's P V runs while the next tile's wait.
+                pt_smem.index(i % 2).store(p16)
+                o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
+                fence_async_shared()
+                gl.thread_barrier()
+                o_tok = warpgroup_mma(v_a, pt_smem.index(i % 2), o_t, is_async=True)
+            else:
+                v16 = v8.to(gl.float16)
+                if t * BLOCK_N + BLOCK_N > seqlen_k:
+                    # Rows past the sequence (its last tile) hold whatever the cache does: zeros.
+                    v16 = gl.where(gl.expand_dims(t * BLOCK_N + v_rows < seqlen_k, 1), v16,
+                                   gl.zeros_like(v16))
+                # Two V / P^T buffers: tile t's go to the one P V of tile t - 2 read, retired by
+                # every warp before the last tile's closing barrier, so no warp waits for another.
+                v16_smem.index(i % 2).store(v16)
+                pt_smem.index(i % 2).store(p16)
+                o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v16_smem, pt_smem))
+                o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
+                fence_async_shared()
+                gl.thread_barrier()
+        if V_REGS:
+            o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v_a, pt_smem))
+        elif t_hi > t_lo:
             last = (t_hi - t_lo + 1) % 2
             o_t = warpgroup_mma(v16_smem.index(last).permute((1, 0)), pt_smem.index(last), o_t)
         _write_rows(o_t, gl.sum(l_acc, 0), m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
@@ -621,7 +663,7 @@ if _GLUON:
                            TILE_LAYOUT: gl.constexpr, SLAB_LAYOUT: gl.constexpr,
                            Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
-                           PT_LAYOUT: gl.constexpr = None):
+                           PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -648,8 +690,10 @@ if _GLUON:
         if FP8:
             qh_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
             qm_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
-            v16_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, HEAD_DIM], V16_LAYOUT)
             pt_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS_N], PT_LAYOUT)
+            # (V_REGS: no widened V tiles; the consumer never reads the argument)
+            v16_smem = pt_smem if V_REGS else gl.allocate_shared_memory(
+                gl.float16, [2, BLOCK_N, HEAD_DIM], V16_LAYOUT)
             gl.warp_specialize([
                 (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem,
                                           qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready, empty,
@@ -658,7 +702,8 @@ if _GLUON:
                                           stride_dss, stride_dsh, stride_os, stride_ob, stride_oq,
                                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                           stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
-                                          CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST, BATCH_IDX)),
+                                          CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST, BATCH_IDX,
+                                          V_REGS)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -737,12 +782,15 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 EMPTY_LSE=math.inf, HEAD_DIM=variant.head_dim, TILE_LAYOUT=tile, SLAB_LAYOUT=slab,
                 Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
+                V_REGS=variant.v_regs,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
 def _launch_shape(variant: DecodeVariant) -> dict:
     # 4 consumer + 1 producer warps launch as 8; two CTAs per SM (the 64-key ring) need registers
     # for both: 128 per thread, of which the producer warp keeps 24.
+    if variant.regs:
+        return {"num_warps": 4, "maxnreg": variant.regs}
     if variant.rows_n and 3 * (variant.shared_bytes + 2048) <= 228 * 1024:
         return {"num_warps": 4, "maxnreg": 80}  # the transposed consumers: three CTAs per SM
     if 2 * (variant.shared_bytes + 2048) <= 228 * 1024:
@@ -915,6 +963,13 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
             (dataclasses.replace(fp8, head_dim=64, rows_n=16), True),
             (dataclasses.replace(fp8, rows_n=16), True), (dataclasses.replace(fp8, rows_n=32), True),
             (dataclasses.replace(fp8, stages=4), True)]
+    # V^T in registers (decode.E4M3_V_REGS): three per SM (80 registers) at 8 and 16 rows, four per
+    # SM (64) at 8
+    vregs = dataclasses.replace(fp8, v_regs=True)
+    out += [(vregs, True), (dataclasses.replace(vregs, rows_n=16), True),
+            (dataclasses.replace(vregs, regs=64), True), (dataclasses.replace(vregs, regs=64), False),
+            (dataclasses.replace(vregs, regs=64, causal=True, batch_idx=True), True),
+            (dataclasses.replace(vregs, head_dim=64, rows_n=16), True)]
     return out
 
 
