@@ -107,6 +107,7 @@ command_for() {
         ncu-gluon) echo "python benchmarks/ncu_gluon.py --all" ;;
         decode-fp8-rounds) echo "python benchmarks/decode_fp8_rounds.py --out $OUT" ;;
         decode-fp8-layout) echo "python benchmarks/decode_fp8_layout.py --out $OUT" ;;
+        ncu-decode-source) echo "python benchmarks/ncu_decode.py --source ${CASE:-fp8-12-2} $OUT" ;;
         ncu-gluon-source) echo "python benchmarks/ncu_gluon.py --source fp8-full-n256-s2-ws-p1-poly2 $OUT" ;;
         gluon-debug) echo "python benchmarks/gluon_debug.py --out $OUT" ;;
         gluon-decode-check) echo "python benchmarks/gluon_decode_check.py --out $OUT" ;;
@@ -140,7 +141,7 @@ command_for() {
         fp8-decode-ab-b1) echo "python benchmarks/fp8_decode_ab.py --out $OUT --points '1,32,8,32768;1,32,8,131072;1,12,2,32768;1,12,2,131072' --configs '64,2,3,16;64,2,3,24;64,2,3,33;64,2,3,66;64,4,2,16;64,4,2,33'" ;;
         fp8-decode-ab-tiles) echo "python benchmarks/fp8_decode_ab.py --out $OUT --configs '64,2,3;64,3,2;128,2,1'" ;;
         gluon-decode-correct-vregs) echo "python benchmarks/gluon_decode_check.py --no-timing --fp8-only --e4m3-plan ${E4M3_PLAN:-4,3,1} --out $OUT" ;;
-        fp8-decode-ab-vregs) echo "python benchmarks/fp8_decode_ab.py --out $OUT --points '${POINTS:-1,32,8,32768;1,12,2,32768;16,12,2,16384;16,32,8,32768;64,32,8,16384;64,12,2,16384;16,32,8,4096;1,32,8,131072}' --configs '${CONFIGS:-64,2,3,0,0;64,2,3,0,1;64,4,3,0,1;64,3,3,0,1}'" ;;
+        fp8-decode-ab-vregs) echo "python benchmarks/fp8_decode_ab.py --out $OUT --points '${POINTS:-1,32,8,32768;1,12,2,32768;16,12,2,16384;16,32,8,32768;64,32,8,16384;64,12,2,16384;16,32,8,4096;1,32,8,131072}' --configs '${CONFIGS:-64,2,3,0,0;64,2,3,0,1;64,4,3,0,1;64,3,3,0,1}' ${BASELINE:+--baseline $BASELINE}" ;;
         gluon-decode-correct-fp8) echo "python benchmarks/gluon_decode_check.py --no-timing --fp8-only --out $OUT" ;;
         gluon-decode-correct-rows) echo "python benchmarks/gluon_decode_check.py --no-timing --rows-consumer --out $OUT" ;;
         paged-gap-t16) echo "python benchmarks/paged_gap.py --out $OUT --rounds 6 --points '1,12,2,32768;16,12,2,32768;64,12,2,16384;1,32,8,32768;16,32,8,16384' --transposed '64,3,2;64,2,3;64,4,1'" ;;

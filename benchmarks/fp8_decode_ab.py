@@ -25,8 +25,9 @@ from flashtile.bench.decode_fp8 import FP8Caches, fp8_point_bytes, fp8_step
 from flashtile.kernels import decode as dec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paged_gap import forced, run_points  # noqa: E402
+from paged_gap import forced, load_baseline, run_points, swapped  # noqa: E402
 
+BASELINE: list = []  # --baseline: (path, older kernels/gluon_decode.py loaded as a module)
 CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM[, splits]), --configs
 POINTS = ("16,32,8,32768;64,12,2,16384;16,32,8,4096;64,32,8,16384;16,12,2,32768;1,32,8,32768;"
           "1,12,2,32768;16,32,8,1024")
@@ -46,8 +47,15 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
 
-    def step(wanted, config=None, splits=0, v_regs=True):
+    def step(wanted, config=None, splits=0, v_regs=True, module=None, no_merge=False):
         s = fp8_step(caches, q, lengths)
+        if module is not None or no_merge:
+            inner = s.call
+
+            def run(layer):
+                with swapped(module, no_merge):
+                    return inner(layer)
+            s = bench.Step(run, s.backend, dict(s.info))
         # the config for every pair count (both e4m3 plans), and the split count if given
         settings = ({"GLUON_E4M3": config, "GLUON_E4M3_FOUR": config, "GLUON_E4M3_WIDE": config}
                     if config else {})
@@ -61,6 +69,10 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None),
              # the plans and kernel before V^T went to registers (decode.E4M3_V_REGS)
              "e4m3 V in shared memory": step(True, None, 0, False)}
+    for path, module in BASELINE:  # the working tree's kernel against older gluon_decode.py files
+        steps[f"e4m3 {os.path.basename(path)}"] = step(None, module=module)
+    if BASELINE:
+        steps["e4m3 split kernel only"] = step(None, no_merge=True)
     for block_n, stages, per_sm, *rest in CONFIGS:
         splits, v_regs = (rest + [0, 0])[:2]
         name = (f"e4m3 Gluon n{block_n} s{stages} {per_sm}/SM" + (f" {splits} splits" if splits else "")
@@ -88,8 +100,13 @@ def main():
     parser.add_argument("--configs", default="",
                         help="more Gluon e4m3 plans to time: 'block_n,stages,programs per SM[,splits[,V in "
                              "registers 0/1]];...' (splits 0: the plan's)")
+    parser.add_argument("--baseline", default=None,
+                        help="older kernels/gluon_decode.py files to time against (same plans), "
+                             "comma-separated")
     args = parser.parse_args()
-    global CONFIGS
+    global CONFIGS, BASELINE
+    if args.baseline:
+        BASELINE = [(path, load_baseline(path)) for path in args.baseline.split(",")]
     CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds),
                args.out, "fp8-decode-ab.json", rounds=args.rounds)

@@ -209,8 +209,12 @@ FP8_CASES = [
     (2, 16, 4, 1, [777, 65], 1, False, True),
     (16, 32, 8, 1, [(i * 331) % 5000 + 1 for i in range(16)], 0, False, False),
     (2, 8, 1, 1, [3000, 129], 0, False, False, 64),
-    # more pairs than a wave of three programs per SM: the plan's wave-filling splits (3 here)
+    # 512 pairs: one wave of four programs per SM (V^T in registers), unsplit
     (64, 32, 8, 1, [(i * 797) % 6000 + 1 for i in range(63)] + [6000], 0, False, False),
+    # 640 pairs of <= 1000 keys: two per SM, 4 stages, V widened into shared tiles
+    (80, 32, 8, 1, [(i * 389) % 1000 + 1 for i in range(80)], 0, False, False),
+    # 32 query rows a KV head (Sq 8 x group 4): two per SM, V widened into shared tiles
+    (2, 32, 8, 8, [700, 1500], 0, True, False),
 ]
 
 

@@ -2,14 +2,16 @@
 
     PYTHONPATH=src python benchmarks/ncu_decode.py --all      # every case under ncu
     PYTHONPATH=src python benchmarks/ncu_decode.py CASE       # one case, no profiler
+    PYTHONPATH=src python benchmarks/ncu_decode.py --source CASE OUT_DIR  # stall samples per SASS line
 
 CASE: contiguous (B1 32/8, 32k, bf16), paged16 (the same through a shuffled 16-token page table) or
-fp8 (B16 32/8, 32k, e4m3 cache with per-key descales). Each runs the decode three times (two warm-ups,
+fp8 (B16 32/8, 32k, e4m3 cache with per-key descales), fp8-12-2 (B16 12/2, 16k, e4m3). Each runs the decode three times (two warm-ups,
 then the profiled launch).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -25,6 +27,11 @@ NCU = ["ncu", "--target-processes", "all", "-k", "regex:_attn_decode", "--launch
 
 def main() -> int:
     case = sys.argv[1]
+    if case == "--source":  # the Gluon decode kernel (the e4m3 cases take it on sm_90)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ncu_gluon import source_profile
+        ncu = [*NCU[:4], "regex:_attn_decode_gluon", *NCU[5:9]]
+        return source_profile(ncu, [sys.executable, __file__, sys.argv[2]], sys.argv[3])
     if case == "--all":
         import subprocess
         status = 0
@@ -33,19 +40,20 @@ def main() -> int:
             status |= subprocess.call(NCU + [sys.executable, __file__, name])
         return status
     dev = torch.device("cuda")
-    batch, ctx = (16, 32768) if case == "fp8" else (1, 32768)
-    q = torch.randn(batch, 1, 32, 128, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(batch, ctx, 8, 128, device=dev, dtype=torch.bfloat16)
+    batch, ctx = {"fp8": (16, 32768), "fp8-12-2": (16, 16384)}.get(case, (1, 32768))
+    heads, heads_k = (12, 2) if case == "fp8-12-2" else (32, 8)
+    q = torch.randn(batch, 1, heads, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch, ctx, heads_k, 128, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     lengths = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     kw = {}
     if case == "paged16":
         k, v = k.view(-1, 16, 8, 128), v.view(-1, 16, 8, 128)
         kw["block_table"] = shuffled_block_table(batch, ctx // 16, dev)
-    elif case == "fp8":
+    elif case.startswith("fp8"):
         k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        kw["k_descale"] = torch.rand(batch, ctx, 8, device=dev) + 0.5
-        kw["v_descale"] = torch.rand(batch, ctx, 8, device=dev) + 0.5
+        kw["k_descale"] = torch.rand(batch, ctx, heads_k, device=dev) + 0.5
+        kw["v_descale"] = torch.rand(batch, ctx, heads_k, device=dev) + 0.5
     for _ in range(3):
         flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, **kw)
     torch.cuda.synchronize()

@@ -37,13 +37,19 @@ CASES = ("bf16", "fp8-full-n128-s3-ws-pingpong", "fp8-full-n128-s3-ws")
 
 
 def _source(case: str, out_dir: str) -> int:
+    return source_profile(NCU, [sys.executable, __file__, case], out_dir)
+
+
+def source_profile(ncu: list, command: list, out_dir: str) -> int:
+    """Run ``command`` under ``ncu`` (its kernel filter and launch selection) sampling warp
+    stalls per SASS instruction; write the source page as CSV under ``out_dir`` and print the
+    stall reasons and the instructions with the most samples."""
     import csv
     import io
     import os
     report = os.path.join(out_dir, "ncu-source")
-    status = subprocess.call(NCU + ["--clock-control", "none", "--section", "SourceCounters",
-                                    "--section", "WarpStateStats", "-f", "-o", report,
-                                    sys.executable, __file__, case])
+    status = subprocess.call(ncu + ["--clock-control", "none", "--section", "SourceCounters",
+                                    "--section", "WarpStateStats", "-f", "-o", report, *command])
     details = subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "details"],
                              capture_output=True, text=True)
     print(details.stdout[-6000:], details.stderr[-2000:], flush=True)

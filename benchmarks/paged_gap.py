@@ -77,7 +77,8 @@ def swapped(gluon_module=None, no_merge=False):
 
 def load_baseline(path: str):
     """An older kernels/gluon_decode.py as a module of the flashtile.kernels package."""
-    spec = importlib.util.spec_from_file_location("flashtile.kernels.gluon_decode_baseline", path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"flashtile.kernels.baseline_{stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)

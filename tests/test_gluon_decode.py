@@ -103,6 +103,8 @@ def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
         gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True, rows_n=8)
     with pytest.raises(ValueError):
         gluon_decode.DecodeVariant(128, block_n=64, rows_n=8, v_regs=True)  # 16-bit: no widening
+    with pytest.raises(ValueError):
+        gluon_decode.DecodeVariant(128, block_n=64, rows_n=8, ds_ring=True)  # 16-bit: no descales
     for bad in ({"rows_n": 12}, {"rows_n": 8, "block_n": 128}, {"rows_n": 0}):
         with pytest.raises(ValueError):
             gluon_decode.DecodeVariant(**{"head_dim": 128, "block_n": 64, "fp8": True, **bad})
@@ -114,6 +116,7 @@ def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
     assert variant.fp8 and not variant.paged and (variant.block_n, variant.stages) == (64, 2)
     assert variant.rows_n == 8 and variant.v_regs and gluon_decode._launch_shape(variant)["maxnreg"] == 80
     assert splits == 49 and merge is not None
+    assert variant.ds_ring  # splits of 669 keys: the producer loads the descales
 
     def e4m3_plan(batch, capacity, rows=4):
         splits, _, _, merge, variant = decode._gluon_plan(batch, 8, 128, torch.bfloat16,
@@ -129,10 +132,17 @@ def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
     assert e4m3_plan(16, 32768) == (4, 2, True, 64)  # 128 pairs: 4 splits, one wave
     assert e4m3_plan(4, 32768) == (12, 2, True, 80)  # 32 pairs: three per SM
     assert e4m3_plan(64, 16384, rows=12) == (3, 2, True, 80)  # 16 rows: three per SM, 3 splits
-    # past one wave: the fewest splits that fill >= 95% of their waves, else two per SM unsplit
-    assert e4m3_plan(128, 16384) == (1, 2, True, 64)  # 1024 pairs: 1.94 waves
-    assert e4m3_plan(96, 16384) == (2, 2, True, 64)  # 768: 1.45 waves unsplit, 2.91 with 2 splits
-    assert e4m3_plan(80, 1024) == (1, 4, False, 128)  # 640, 1k: 1.21 waves, two per SM 2.42
+    # past one wave: the fewest splits that fill >= 95% of their waves, four per SM first, else
+    # the fullest waves
+    assert e4m3_plan(128, 16384) == (1, 2, True, 64)  # 1024 pairs: 1.94 waves of four per SM
+    assert e4m3_plan(96, 16384) == (1, 2, True, 80)  # 768: 1.45 waves of four, 1.94 of three
+    assert e4m3_plan(80, 1024) == (1, 2, True, 80)  # 640, 1k: 1.21 waves of four, 1.62 of three
+    assert e4m3_plan(160, 16384) == (2, 2, True, 64)  # 1280: 2.42 / 3.23 waves, 2 splits 4.85 of four
+    # the descales through the producer's ring for splits of at most E4M3_DS_RING_SPLIT keys
+    for batch, capacity, ring in ((64, 16384, False), (64, 2048, True), (16, 16384, False),
+                                  (16, 32768, False), (1, 131072, True)):
+        assert decode._gluon_plan(batch, 8, 128, torch.bfloat16, torch.device("cpu"), capacity, 0, 0,
+                                  False, False, False, True, 4)[4].ds_ring == ring
     # V^T in shared memory (E4M3_V_REGS off): three per SM and 3 splits, or two per SM unsplit
     monkeypatch.setattr(decode, "E4M3_V_REGS", False)
     assert e4m3_plan(64, 16384) == (3, 2, False, 80)

@@ -471,27 +471,39 @@ E4M3_V_REGS = True
 # and 2 (B1 32/8 32k/128k 64.9/88.7%, B1 12/2 32k 38.1%: 66 splits against 49).
 GLUON_E4M3_FOUR = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=4)
 E4M3_FOUR_MIN_PAIRS = 64
+# ... and splits of at most E4M3_DS_RING_SPLIT keys of the capacity have the producer load each
+# tile's descales into a shared ring (gluon_decode.DecodeVariant.ds_ring) instead of the consumer
+# a tile ahead, whose loop waited for those loads (a third of its stall samples at B16 12/2 16k,
+# ncu-decode-source-fp8-12-2-h200-20261201.log): same-run A/B (fp8-decode-ab-vregs-h200-20261201-f)
+# B1 12/2 32k 38.2 -> 39.5%, B16 12/2 16k 80.9 -> 82.4%, B1 32/8 32k/128k 67.7/90.4 -> 69.0/91.9%,
+# B64 12/2 4k 80.5 -> 81.8%, B16 32/8 4k 81.9 -> 82.1%; but with long splits, where the memory is
+# saturated, 2-4% less (B64 32/8 16k/32k 104.9/105.4 -> 101.7/102.7%, B16 32/8 128k 105.6 -> 102.1%)
+E4M3_DS_RING_SPLIT = 3072  # between 2675 (ring faster) and 4096 (B16 32/8 16k: 95 against 97% in bench decode-fp8 -e / -d)
 GLUON_E4M3_WIDE = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 E4M3_MAX_WAVE_SPLITS = 8
 E4M3_MIN_WAVE_SPLIT = 1024  # keys of the capacity a wave-filling split reads at least
 
 
-def _e4m3_wave_plan(pairs: int, sms: int, capacity: int,
-                    config: DecodeConfig) -> tuple[int, DecodeConfig]:
-    """(splits, config) for more pairs than one wave of ``config``'s programs (three or four per
-    SM) holds: the fewest splits whose waves are 95% full on average (waves / ceil(waves)) or more,
-    else the fullest, none shorter than E4M3_MIN_WAVE_SPLIT keys of the capacity (at most
-    E4M3_MAX_WAVE_SPLITS); (1, GLUON_E4M3_WIDE) where its unsplit waves are fuller."""
+def _e4m3_wave_plan(pairs: int, sms: int, capacity: int, configs: tuple,
+                    wide: DecodeConfig | None) -> tuple[int, DecodeConfig]:
+    """(splits, config) for more pairs than one wave of the first of ``configs`` (four or three
+    programs per SM) holds: the fewest splits whose waves are 95% full on average (waves /
+    ceil(waves)) or more, with the first config that gets there, else the fullest, none shorter
+    than E4M3_MIN_WAVE_SPLIT keys of the capacity (at most E4M3_MAX_WAVE_SPLITS); (1, ``wide``)
+    where its unsplit waves are fuller still."""
     most = max(1, min(E4M3_MAX_WAVE_SPLITS, capacity // E4M3_MIN_WAVE_SPLIT))
 
     def fill(programs: int, per_sm: int) -> float:
         waves = programs / (per_sm * sms)
-        return waves / math.ceil(waves)
-    fills = {s: round(fill(s * pairs, config.programs_per_sm), 3) for s in range(1, most + 1)}
-    good = [s for s in fills if fills[s] >= 0.95]
-    best = good[0] if good else max(fills, key=lambda s: (fills[s], -s))
-    wide = round(fill(pairs, GLUON_E4M3_WIDE.programs_per_sm), 3)
-    return (best, config) if fills[best] >= wide else (1, GLUON_E4M3_WIDE)
+        return round(waves / math.ceil(waves), 3)
+    options = [(s, c) for s in range(1, most + 1) for c in configs]
+    good = [o for o in options if fill(o[0] * pairs, o[1].programs_per_sm) >= 0.95]
+    best = good[0] if good else max(options, key=lambda o: (fill(o[0] * pairs, o[1].programs_per_sm),
+                                                            -o[0]))
+    if wide is not None and fill(pairs, wide.programs_per_sm) > fill(best[0] * pairs,
+                                                                      best[1].programs_per_sm):
+        return 1, wide
+    return best
 # 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB); more rows take the
 # Triton kernel (the transposed consumer spilled at 64)
 GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
@@ -601,7 +613,13 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         elif pairs <= many.programs_per_sm * sms:
             base = many
         else:
-            wave_splits, base = _e4m3_wave_plan(pairs, sms, capacity, many)
+            # V^T in registers: four or three per SM, split to fill the waves (two per SM, 4
+            # stages, unsplit: 63% at B80 32/8 1k where three per SM unsplit read 80%,
+            # fp8-decode-ab-vregs-h200-20261201-wide.log, whose baseline rows failed to run: a bug of
+            # the tool, fixed since); the shared-tile kernel: three per SM or two
+            wave_splits, base = _e4m3_wave_plan(
+                pairs, sms, capacity, (many, GLUON_E4M3) if many is not GLUON_E4M3 else (many,),
+                None if E4M3_V_REGS else GLUON_E4M3_WIDE)
     if one_launch:
         splits = 1
     elif num_splits > 0:
@@ -615,13 +633,14 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     # V^T in registers: three CTAs per SM at 80 registers, four at 64 (rows <= 8 only: 16 spill)
     v_regs = fp8 and E4M3_V_REGS and rows <= (8 if base.programs_per_sm == 4 else 16) \
         and base.programs_per_sm >= 3
+    ds_ring = v_regs and -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
         heads_first=True, fp8=fp8,
         # the query rows a KV head as the N of transposed tiles (8, 16 or 32)
         rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0,
-        v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0)
+        v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0, ds_ring=ds_ring)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 

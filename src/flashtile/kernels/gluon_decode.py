@@ -83,6 +83,9 @@ class DecodeVariant:
     # memory, whose 32 KB then go to ring stages)
     v_regs: bool = False
     regs: int = 0  # > 0: registers a thread (maxnreg), else from the CTAs per SM shared memory allows
+    # e4m3: the producer loads each tile's descales into a shared ring (else the consumer, a tile
+    # ahead)
+    ds_ring: bool = False
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
@@ -95,8 +98,8 @@ class DecodeVariant:
             # investigated, not allowed; 64 rows spilled)
             raise ValueError("rows_n: 8, 16 or 32 query rows (required with e4m3 caches), 64-key "
                              "tiles")
-        if self.v_regs and not self.fp8:
-            raise ValueError("v_regs: e4m3 caches only")
+        if (self.v_regs or self.ds_ring) and not self.fp8:
+            raise ValueError("v_regs, ds_ring: e4m3 caches only")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -108,12 +111,15 @@ class DecodeVariant:
                 + ("-causal" if self.causal else "") + ("-batchidx" if self.batch_idx else "")
                 + ("-pdl" if self.pdl else "") + ("-hf" if self.heads_first else "")
                 + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else "")
-                + ("-vregs" if self.v_regs else "") + (f"-r{self.regs}" if self.regs else ""))
+                + ("-vregs" if self.v_regs else "") + (f"-r{self.regs}" if self.regs else "")
+                + ("-dsring" if self.ds_ring else ""))
 
     @property
     def shared_bytes(self) -> int:
-        if self.fp8:  # e4m3 ring, two e4m3 Q terms, two widened fp16 V tiles and two P^T tiles
-            return 2 * self.stages * self.block_n * self.head_dim + 2 * self.rows_n * self.head_dim \
+        if self.fp8:  # e4m3 ring (and its float32 descales), two e4m3 Q terms, two widened fp16 V
+            # tiles (not with v_regs) and two P^T tiles
+            return 2 * self.stages * self.block_n * (self.head_dim + (4 if self.ds_ring else 0)) \
+                + 2 * self.rows_n * self.head_dim \
                 + 2 * 2 * self.block_n * ((0 if self.v_regs else self.head_dim) + self.rows_n)
         if self.rows_n:  # the transposed consumer: Q of rows_n rows and two P^T tiles
             return 2 * (2 * self.stages * self.block_n * self.head_dim + self.rows_n * self.head_dim
@@ -161,10 +167,15 @@ if _GLUON:
                          CacheBatchIdx, stride_btb, table_width, capacity, page_size, page_shift,
                          BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
                          PAGED: gl.constexpr, BATCH_IDX: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                         SLAB_COLS: gl.constexpr, SLAB_LAYOUT: gl.constexpr):
+                         SLAB_COLS: gl.constexpr, SLAB_LAYOUT: gl.constexpr, ds_bufs=None,
+                         KDescale=None, VDescale=None, stride_dsb=0, stride_dss=0, stride_dsh=0,
+                         DS_RING: gl.constexpr = False):
         """1 warp: for each key tile of the split, its pages' numbers from the block table (loaded
         before the wait for the slot, so their latency hides under it), then one TMA box per page
-        and slab for K and for V, all completing the slot's ``ready`` barrier."""
+        and slab for K and for V, all completing the slot's ``ready`` barrier. DS_RING: then the tile's
+        K and V descales, loaded and stored to rows 2 slot and 2 slot + 1 of ``ds_bufs`` [2 STAGES,
+        BLOCK_N] (zeros past the sequence), and a second arrival on ``ready``: their latency waits here, in a warp that
+        otherwise waits for free slots, and under the tile's TMA, not in the consumer's loop."""
         HEAD_DIM: gl.constexpr = k_bufs.shape[2]
         PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
         TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * k_bufs.dtype.primitive_bitwidth // 8
@@ -186,9 +197,14 @@ if _GLUON:
             ids_guess = gl.load(BlockTable + table_row + first, mask=first < table_width, other=0)
         seqlen_k = gl.minimum(gl.maximum(gl.load(CacheSeqlens + batch), 0), capacity)
         t_lo, t_hi = _split_tiles(seqlen_k, split, num_splits, BLOCK_N)
-        row_base = batch * capacity  # a contiguous cache: this sequence's first row
+        cache_row = batch
         if BATCH_IDX:
-            row_base = gl.load(CacheBatchIdx + batch) * capacity
+            cache_row = gl.load(CacheBatchIdx + batch)
+        row_base = cache_row * capacity  # a contiguous cache: this sequence's first row
+        if DS_RING:
+            ds_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+            ds_keys = gl.arange(0, BLOCK_N, layout=ds_layout)
+            ds_base = cache_row.to(gl.int64) * stride_dsb + kv_head.to(gl.int64) * stride_dsh
         if PAGED:
             first = (t_lo * BLOCK_N >> page_shift) + offs
             again = gl.load(BlockTable + table_row + first,
@@ -220,6 +236,12 @@ if _GLUON:
                     tma.async_copy_global_to_shared(
                         v_desc, [row, col0 + c * SLAB_COLS], ready.index(slot),
                         _slab_rows(v_bufs, slot, c, p * PAGE_ROWS, PAGE_ROWS, SLAB_COLS, SLAB_LAYOUT))
+            if DS_RING:
+                key = key0 + ds_keys
+                at = ds_base + key.to(gl.int64) * stride_dss
+                ds_bufs.index(2 * slot).store(gl.load(KDescale + at, mask=key < seqlen_k, other=0.0))
+                ds_bufs.index(2 * slot + 1).store(gl.load(VDescale + at, mask=key < seqlen_k, other=0.0))
+                mbarrier.arrive(ready.index(slot))
 
     @gluon.jit
     def _loop_state(seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -478,23 +500,26 @@ if _GLUON:
                              is_async=True)
 
     @gluon.jit
-    def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem, qm_smem,
-                               v16_smem, pt_smem, k_bufs, v_bufs, ready, empty, CacheSeqlens,
-                               CacheBatchIdx, capacity, seqlen_q, group_size, qk_scale,
-                               stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
-                               stride_os, stride_ob, stride_oq, stride_oh,
+    def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, ds_bufs, KDescale, VDescale, qh_smem,
+                               qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready, empty,
+                               CacheSeqlens, CacheBatchIdx, capacity, seqlen_q, group_size,
+                               qk_scale, stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss,
+                               stride_dsh, stride_os, stride_ob, stride_oq, stride_oh,
                                stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
                                stride_lrb, stride_lrh,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
                                HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
-                               V_REGS: gl.constexpr = False):
+                               V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False):
         """4 warps, e4m3 cache, 16-bit query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
         ring, the query as hi + mid e4m3 terms (q scaled by a power of two into [128, 256), hi its
         e4m3 rounding, mid the e4m3 rounding of the rest: bf16's 8 significant bits); K's per-key
-        descales on the score rows. O^T += V^T P^T in fp16 (e4m3 widens to it in one cvt per pair)
+        descales on the score rows: loaded here a tile ahead, or (DS_RING) left by the producer in
+        ``ds_bufs`` rows 2 slot and 2 slot + 1 (loaded here, the loop waits for each load at its
+        end, where the prefetched value moves into its loop-carried register: a third of the loop's
+        stall samples at B16 12/2 16k). O^T += V^T P^T in fp16 (e4m3 widens to it in one cvt per pair)
         with V^T widened in registers as the A operand (V_REGS: byte loads of key pairs from the
         ring, so no widened tile, its stores and fence; the P V of a tile runs while the next tile's
         TMA wait and retires before its S, whose accumulators then take the registers) or V
@@ -554,21 +579,25 @@ if _GLUON:
         o_tok = warpgroup_mma_init(o_t)  # V_REGS: the P V in flight (and its A operand)
         v_a = gl.zeros([HEAD_DIM, BLOCK_N], gl.float16, layout=a_layout)
         key = t_lo * BLOCK_N + keys0
-        k_ds_next = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key < seqlen_k,
-                            other=0.0)
-        v_ds_next = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss, mask=key < seqlen_k,
-                            other=0.0)
+        k_ds_next = gl.zeros([BLOCK_N], gl.float32, layout=key_layout)
+        v_ds_next = k_ds_next
+        if not DS_RING:
+            k_ds_next = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss,
+                                mask=key < seqlen_k, other=0.0)
+            v_ds_next = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss,
+                                mask=key < seqlen_k, other=0.0)
         for t in range(t_lo, t_hi):
             i = t - t_lo
             slot = i % STAGES
             key = t * BLOCK_N + keys0
             k_ds = k_ds_next
             v_ds = v_ds_next
-            nxt = key + BLOCK_N
-            k_ds_next = gl.load(KDescale + ds_base + nxt.to(gl.int64) * stride_dss,
-                                mask=nxt < seqlen_k, other=0.0)
-            v_ds_next = gl.load(VDescale + ds_base + nxt.to(gl.int64) * stride_dss,
-                                mask=nxt < seqlen_k, other=0.0)
+            if not DS_RING:
+                nxt = key + BLOCK_N
+                k_ds_next = gl.load(KDescale + ds_base + nxt.to(gl.int64) * stride_dss,
+                                    mask=nxt < seqlen_k, other=0.0)
+                v_ds_next = gl.load(VDescale + ds_base + nxt.to(gl.int64) * stride_dss,
+                                    mask=nxt < seqlen_k, other=0.0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             k_tile = k_bufs.index(slot)
             if V_REGS:
@@ -608,7 +637,10 @@ if _GLUON:
                 v_a = v_bufs.index(slot).permute((1, 0)).load(a_layout).to(gl.float16)
             else:
                 v8 = v_bufs.index(slot).load(io_layout)
-            mbarrier.arrive(empty.index(slot))  # K and V are out of the ring
+            if DS_RING:
+                k_ds = ds_bufs.index(2 * slot).load(key_layout)
+                v_ds = ds_bufs.index(2 * slot + 1).load(key_layout)
+            mbarrier.arrive(empty.index(slot))  # K, V and their descales are out of the ring
             has_v = v_ds > 0.0
             log_v = gl.where(has_v, gl.log2(gl.where(has_v, v_ds, 1.0)), 0.0)
             u = s * gl.expand_dims(k_ds * score_scale, 1) + gl.expand_dims(log_v, 1)
@@ -663,7 +695,8 @@ if _GLUON:
                            TILE_LAYOUT: gl.constexpr, SLAB_LAYOUT: gl.constexpr,
                            Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
-                           PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False):
+                           PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False,
+                           DS_RING: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -679,35 +712,40 @@ if _GLUON:
                                       dtype=gl.int32, is_pure=False, pack=1)
 
         # the producer keeps a tile's page numbers (and the next tile's) in every lane
-        PRODUCER_REGS: gl.constexpr = 32 if PAGED else 24
+        PRODUCER_REGS: gl.constexpr = 32 if PAGED or DS_RING else 24
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            # DS_RING: the TMA bytes' arrival and the producer's once the descales are stored
+            mbarrier.init(ready.index(i), count=2 if DS_RING else 1)
             mbarrier.init(empty.index(i), count=1)
         if FP8:
             qh_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
             qm_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
             pt_smem = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, ROWS_N], PT_LAYOUT)
+            ds_bufs = pt_smem if not DS_RING else gl.allocate_shared_memory(
+                gl.float32, [2 * STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             # (V_REGS: no widened V tiles; the consumer never reads the argument)
             v16_smem = pt_smem if V_REGS else gl.allocate_shared_memory(
                 gl.float16, [2, BLOCK_N, HEAD_DIM], V16_LAYOUT)
             gl.warp_specialize([
-                (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, KDescale, VDescale, qh_smem,
-                                          qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready, empty,
-                                          CacheSeqlens, CacheBatchIdx, capacity, seqlen_q, group_size,
-                                          qk_scale, stride_qb, stride_qs, stride_qh, stride_dsb,
-                                          stride_dss, stride_dsh, stride_os, stride_ob, stride_oq,
+                (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, ds_bufs, KDescale, VDescale,
+                                          qh_smem, qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready,
+                                          empty, CacheSeqlens, CacheBatchIdx, capacity, seqlen_q,
+                                          group_size, qk_scale, stride_qb, stride_qs, stride_qh,
+                                          stride_dsb, stride_dss, stride_dsh,
+                                          stride_os, stride_ob, stride_oq,
                                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                           stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
-                                          CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST, BATCH_IDX,
-                                          V_REGS)),
+                                          CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST,
+                                          BATCH_IDX, V_REGS, DS_RING)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
-                                    BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT)),
+                                    BATCH_IDX, HEADS_FIRST, SLAB_COLS, SLAB_LAYOUT, ds_bufs,
+                                    KDescale, VDescale, stride_dsb, stride_dss, stride_dsh, DS_RING)),
             ], [1], [PRODUCER_REGS])
         elif ROWS_N > 0:
             q_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
@@ -782,7 +820,7 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 EMPTY_LSE=math.inf, HEAD_DIM=variant.head_dim, TILE_LAYOUT=tile, SLAB_LAYOUT=slab,
                 Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
-                V_REGS=variant.v_regs,
+                V_REGS=variant.v_regs, DS_RING=variant.ds_ring,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
@@ -970,6 +1008,12 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
             (dataclasses.replace(vregs, regs=64), True), (dataclasses.replace(vregs, regs=64), False),
             (dataclasses.replace(vregs, regs=64, causal=True, batch_idx=True), True),
             (dataclasses.replace(vregs, head_dim=64, rows_n=16), True)]
+    # ... with the descales loaded by the producer into a shared ring (short splits)
+    ring = dataclasses.replace(vregs, ds_ring=True)
+    out += [(ring, True), (dataclasses.replace(ring, rows_n=16), True),
+            (dataclasses.replace(ring, regs=64), True),
+            (dataclasses.replace(ring, regs=64, causal=True, batch_idx=True), False),
+            (dataclasses.replace(ring, head_dim=64, rows_n=16), True)]
     return out
 
 
