@@ -1,6 +1,6 @@
 """The e4m3-cache decode: the portable Triton kernel (forced) against what dispatch picks (the Gluon
-TMA kernel's transposed e4m3 form on contiguous caches) and any --configs of the Gluon plan, timed
-in balanced rounds.
+TMA kernel's transposed e4m3 form) and any --configs of the Gluon plan, and with --pages the same
+caches read as page pools, timed in balanced rounds.
 
     PYTHONPATH=src python benchmarks/fp8_decode_ab.py --out $OUT [--points 'B,H,Hk,ctx;...']
 
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_gap import forced, load_baseline, run_points, swapped  # noqa: E402
 
 BASELINE: list = []  # --baseline: (path, older kernels/gluon_decode.py loaded as a module)
+PAGES: list = []  # --pages: the caches also read as page pools of these sizes
 CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM[, splits]), --configs
 POINTS = ("16,32,8,32768;64,12,2,16384;16,32,8,4096;64,32,8,16384;16,12,2,32768;1,32,8,32768;"
           "1,12,2,32768;16,32,8,1024")
@@ -66,9 +67,26 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
         call = forced(s.call, wanted, **settings)
         return bench.Step(call, s.backend, dict(s.info))
 
-    steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None),
-             # the plans and kernel before V^T went to registers (decode.E4M3_V_REGS)
-             "e4m3 V in shared memory": step(True, None, 0, False)}
+    def paged_step(page, wanted):
+        """The same layer caches read as page pools (pages in a shuffled order, descales alike)."""
+        import flashtile
+        table = bench.shuffled_block_table(point.batch, point.context // page, device)
+        shape = (-1, page, point.heads_k, point.head_dim)
+
+        def call(layer):
+            return flashtile.flash_attn_with_kvcache(
+                q, caches.k[layer].view(shape), caches.v[layer].view(shape), cache_seqlens=lengths,
+                block_table=table, causal=True, k_descale=caches.k_descale[layer].view(shape[:3]),
+                v_descale=caches.v_descale[layer].view(shape[:3]))
+        return bench.Step(forced(call, wanted), info={"page_size": page})
+
+    steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None)}
+    if not PAGES:
+        # the plans and kernel before V^T went to registers (decode.E4M3_V_REGS)
+        steps["e4m3 V in shared memory"] = step(True, None, 0, False)
+    for page in PAGES:
+        steps[f"e4m3 P{page} Triton"] = paged_step(page, False)
+        steps[f"e4m3 P{page} dispatched"] = paged_step(page, None)
     for path, module in BASELINE:  # the working tree's kernel against older gluon_decode.py files
         steps[f"e4m3 {os.path.basename(path)}"] = step(None, module=module)
     if BASELINE:
@@ -103,8 +121,12 @@ def main():
     parser.add_argument("--baseline", default=None,
                         help="older kernels/gluon_decode.py files to time against (same plans), "
                              "comma-separated")
+    parser.add_argument("--pages", default="",
+                        help="page sizes, comma-separated: the same caches also as page pools, through "
+                             "the Triton kernel (forced) and as dispatched")
     args = parser.parse_args()
-    global CONFIGS, BASELINE
+    global CONFIGS, BASELINE, PAGES
+    PAGES = [int(p) for p in args.pages.split(",") if p]
     if args.baseline:
         BASELINE = [(path, load_baseline(path)) for path in args.baseline.split(",")]
     CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]

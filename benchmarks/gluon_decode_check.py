@@ -22,7 +22,8 @@ import torch
 
 from decode_probe import time_layers  # this directory: run as a script
 from flashtile import reference
-from flashtile.bench.decode import LayerCaches, Point, layers_for, measure_ceiling, shuffled_block_table
+from flashtile.bench.decode import (LayerCaches, Point, layers_for, measure_ceiling, paginate,
+                                    shuffled_block_table)
 from flashtile.kernels import decode as dec
 from flashtile.kernels import gluon_decode as gd
 
@@ -143,10 +144,10 @@ CASES = [
 
 
 def check_fp8_case(batch, heads, heads_k, seqlen_q, lengths, splits, causal, batch_idx, device, seed=0,
-                   head_dim=128):
-    """An e4m3 cache with per-key descales through decode.py's planning with the Gluon kernel forced
-    (dispatch keeps e4m3 caches on the Triton kernel), against float64 attention of the dequantized
-    cache."""
+                   head_dim=128, page=0):
+    """An e4m3 cache with per-key descales (``page``: as page pools, descales too, in a shuffled
+    order) through decode.py's planning with the Gluon kernel forced, against float64 attention of
+    the dequantized cache."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     capacity = max(lengths) + 5
     rows = batch + 2 if batch_idx else batch
@@ -165,17 +166,25 @@ def check_fp8_case(batch, heads, heads_k, seqlen_q, lengths, splits, causal, bat
         v8.view(torch.uint8)[row, lengths[b]:] = 0x7F
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
-    wanted = dec.gluon_wanted  # e4m3 caches are not dispatched to the Gluon kernel: force it here
+    kc, vc, kdc, vdc, table = k8, v8, k_ds, v_ds, None
+    if page:
+        kc, vc, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), page,
+                                 generator=torch.Generator().manual_seed(seed))
+        kc, vc = kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn)
+        kdc, vdc, _ = paginate(k_ds[..., None], v_ds[..., None], page,
+                               generator=torch.Generator().manual_seed(seed))
+        kdc, vdc = kdc[..., 0].contiguous(), vdc[..., 0].contiguous()
+    wanted = dec.gluon_wanted  # every case through the Gluon kernel, whatever dispatch would pick
     dec.gluon_wanted = lambda *a, **k: True
     try:
-        prepared = dec.prepare_decode(q, k8, v8, softmax_scale=scale, window_left=-1,
+        prepared = dec.prepare_decode(q, kc, vc, softmax_scale=scale, window_left=-1,
                                       window_right=0 if causal else -1, cache_batch_idx=idx,
-                                      num_splits=splits, k_descale=k_ds)
+                                      block_table=table, num_splits=splits, k_descale=kdc)
     finally:
         dec.gluon_wanted = wanted
     if prepared.gluon is None:
         raise AssertionError("the e4m3 cache did not take the Gluon kernel")
-    out, lse = dec.run_decode(prepared, q, k8, v8, seqlens, idx, None, None, None, k_ds, v_ds)
+    out, lse = dec.run_decode(prepared, q, kc, vc, seqlens, idx, None, table, None, kdc, vdc)
     torch.cuda.synchronize()
     kd = k8.float() * k_ds[..., None]
     vd = v8.float() * v_ds[..., None]
@@ -198,7 +207,8 @@ def check_fp8_case(batch, heads, heads_k, seqlen_q, lengths, splits, causal, bat
     ok = worst <= 1.0 and all(r["lse_err"] < 2e-3 for r in rows_out)
     return {"fp8": True, "batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
             "lengths": lengths, "splits": prepared.splits, "causal": causal, "batch_idx": batch_idx,
-            "head_dim": head_dim, "worst_err_over_budget": worst, "ok": ok, "rows": rows_out}
+            "head_dim": head_dim, "page": page, "variant": prepared.gluon[0].name,
+            "worst_err_over_budget": worst, "ok": ok, "rows": rows_out}
 
 
 FP8_CASES = [
@@ -215,6 +225,14 @@ FP8_CASES = [
     (80, 32, 8, 1, [(i * 389) % 1000 + 1 for i in range(80)], 0, False, False),
     # 32 query rows a KV head (Sq 8 x group 4): two per SM, V widened into shared tiles
     (2, 32, 8, 8, [700, 1500], 0, True, False),
+    # paged (page size last): pages smaller than, equal to and larger than a 64-key tile, four per
+    # SM, 16 rows, head dim 64
+    (3, 12, 2, 1, [1, 300, 2049], 0, False, False, 128, 16),
+    (2, 32, 8, 4, [517, 1024], 3, True, False, 128, 8),
+    (2, 8, 1, 1, [3000, 129], 0, False, False, 64, 64),
+    (16, 32, 8, 1, [(i * 331) % 5000 + 1 for i in range(16)], 0, False, False, 128, 256),
+    (64, 32, 8, 1, [(i * 797) % 6000 + 1 for i in range(63)] + [6000], 0, False, False, 128, 16),
+    (1, 32, 8, 1, [40000], 0, False, False, 128, 32),
 ]
 
 
@@ -307,7 +325,7 @@ def main():
             t = time.time()
             try:
                 r = check_fp8_case(*case[:8], device=device, seed=100 + i,
-                                   **dict(zip(("head_dim",), case[8:])))
+                                   **dict(zip(("head_dim", "page"), case[8:])))
             except Exception as e:
                 r = {"case": list(case), "ok": False, "error": f"{type(e).__name__}: {e}"}
             result["cases"].append(r)

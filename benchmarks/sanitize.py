@@ -236,15 +236,16 @@ def fp8_varlen_and_cache_cases(dev) -> int:
     vd = torch.rand(3, 304, 2, device=dev) + 0.5
     new_k = torch.randn(3, 2, 2, 128, device=dev, dtype=BF16)
     new_v = torch.randn(3, 2, 2, 128, device=dev, dtype=BF16)
-    for page_size in (None, 16):
+    # (on sm_90 the paged ones take the Gluon kernel: pages under, over and of a 64-key tile)
+    for page_size in (None, 16, 8, 128, 64):
         ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
         if page_size:
-            pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size)
-            pool_kd = torch.empty(pool_k.shape[:3], device=dev)
-            pool_vd = torch.empty(pool_k.shape[:3], device=dev)
-            pool_kd[table.reshape(-1).long()] = ckd.reshape(-1, page_size, 2)
-            pool_vd[table.reshape(-1).long()] = cvd.reshape(-1, page_size, 2)
+            g = torch.Generator().manual_seed(page_size)
+            pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size, g)
+            g = torch.Generator().manual_seed(page_size)  # the same table for the descales
+            pool_kd, pool_vd, _ = paginate(ckd[..., None], cvd[..., None], page_size, g)
+            pool_kd, pool_vd = pool_kd[..., 0].contiguous(), pool_vd[..., 0].contiguous()
             got = flashtile.flash_attn_with_kvcache(qd, pool_k.view(e4m3), pool_v.view(e4m3), new_k, new_v,
                                                     cache_seqlens=seqlens, block_table=table, causal=True,
                                                     k_descale=pool_kd, v_descale=pool_vd)

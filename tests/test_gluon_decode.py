@@ -2,6 +2,8 @@
 its descriptors read. The kernel itself cannot run in the interpreter: it compiles for sm_90 in
 test_gluon_compile.py and is checked on the H200 by benchmarks/gluon_decode_check.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,13 +96,36 @@ def test_gluon_plan_contiguous(monkeypatch):
     assert splits == 1 and not variant.paged and variant.page_rows == variant.block_n == 64
 
 
-def test_contiguous_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
-    # Contiguous e4m3 caches go to the Gluon kernel's transposed consumer; paged ones stay Triton's.
+def test_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
+    # e4m3 caches go to the Gluon kernel's transposed consumer; paged ones with at most 16 query
+    # rows a KV head (V^T in registers), their descales through the producer's ring
     assert decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True)
     assert decode.gluon_wanted(False, 512, 132, 1024, fp8=True)
-    assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True)
-    with pytest.raises(ValueError):
-        gluon_decode.DecodeVariant(128, paged=True, page_rows=16, fp8=True, rows_n=8)
+    assert decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=4)
+    assert decode.gluon_wanted(True, 512, 132, 1024, fp8=True, rows=16)
+    assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=32)
+    monkeypatch.setattr(decode, "GLUON_E4M3_PAGED", False)
+    assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=4)
+    assert decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True, rows=4)
+    monkeypatch.setattr(decode, "GLUON_E4M3_PAGED", True)
+    with pytest.raises(ValueError):  # the consumer's own descale loads index contiguous caches
+        gluon_decode.DecodeVariant(128, block_n=64, paged=True, page_rows=16, fp8=True, rows_n=8,
+                                   v_regs=True)
+    paged = gluon_decode.DecodeVariant(128, block_n=64, paged=True, page_rows=16, fp8=True, rows_n=8,
+                                       v_regs=True, ds_ring=True)
+    assert paged.name.endswith("dsring") and "paged16" in paged.name
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    # paged plans are the contiguous ones (splits, CTAs per SM), with the ring at every split length
+    for batch, capacity, page in ((1, 32768, 16), (64, 16384, 8), (16, 131072, 256)):
+        contiguous = decode._gluon_plan(batch, 8, 128, torch.bfloat16, torch.device("cpu"), capacity,
+                                        0, 0, False, False, False, True, 4)
+        splits, _, _, _, variant = decode._gluon_plan(batch, 8, 128, torch.bfloat16,
+                                                      torch.device("cpu"), capacity, 0, page, False,
+                                                      False, False, True, 4)
+        assert splits == contiguous[0] and variant.ds_ring and variant.paged
+        assert variant.page_rows == min(page, 64)
+        assert dataclasses.replace(variant, paged=False, page_rows=0,
+                                   ds_ring=contiguous[4].ds_ring) == contiguous[4]
     with pytest.raises(ValueError):
         gluon_decode.DecodeVariant(128, block_n=64, rows_n=8, v_regs=True)  # 16-bit: no widening
     with pytest.raises(ValueError):

@@ -479,6 +479,13 @@ E4M3_FOUR_MIN_PAIRS = 64
 # B64 12/2 4k 80.5 -> 81.8%, B16 32/8 4k 81.9 -> 82.1%; but with long splits, where the memory is
 # saturated, 2-4% less (B64 32/8 16k/32k 104.9/105.4 -> 101.7/102.7%, B16 32/8 128k 105.6 -> 102.1%)
 E4M3_DS_RING_SPLIT = 3072  # between 2675 (ring faster) and 4096 (B16 32/8 16k: 95 against 97% in bench decode-fp8 -e / -d)
+# Paged e4m3 caches (pages of 8-256 keys, a power of two) through the Gluon kernel too, the
+# producer fetching each key's descales by its page: the plans of contiguous caches, with the ring.
+# Against the Triton kernel's paged e4m3 path in one run (fp8-decode-ab-paged-h200-20261201-a/-b,
+# us per layer, page 16/64/256): B1 32/8 32k 33.4/33.6/34.5 -> 24.4/23.8/23.7, B16 12/2 16k
+# 54.2/54.2/54.0 -> 42.0/40.3/40.3, B64 32/8 16k 862/860/842 -> 527/521/518; the contiguous caches
+# 23.9, 40.0, 508-510.
+GLUON_E4M3_PAGED = True
 GLUON_E4M3_WIDE = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 E4M3_MAX_WAVE_SPLITS = 8
 E4M3_MIN_WAVE_SPLIT = 1024  # keys of the capacity a wave-filling split reads at least
@@ -585,8 +592,9 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
     if fp8:
         # e4m3 caches: contiguous ones, by the transposed consumer (S^T = K Q^T, the query rows as
         # the wgmmas' N), 1.08-1.21x the Triton kernel's e4m3 path in fp8-decode-ab-h200-20261130;
-        # the first form (64 rows as M, 4-6 of them real) had been 0.5-0.8x. Paged: Triton's.
-        return not paged
+        # the first form (64 rows as M, 4-6 of them real) had been 0.5-0.8x. Paged: with V^T in
+        # registers (at most 16 rows) and the descales by the producer (see GLUON_E4M3_PAGED).
+        return not paged or (GLUON_E4M3_PAGED and E4M3_V_REGS and rows <= 16)
     if paged:
         return pairs < sms or pairs >= 3 * sms
     if _t16_wanted(False, pairs, sms, capacity, rows):
@@ -633,7 +641,8 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     # V^T in registers: three CTAs per SM at 80 registers, four at 64 (rows <= 8 only: 16 spill)
     v_regs = fp8 and E4M3_V_REGS and rows <= (8 if base.programs_per_sm == 4 else 16) \
         and base.programs_per_sm >= 3
-    ds_ring = v_regs and -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT
+    # (paged: always, the producer holding the page numbers the descales' addresses need)
+    ds_ring = v_regs and (page_size > 0 or -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT)
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,

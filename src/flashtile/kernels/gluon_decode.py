@@ -23,12 +23,13 @@ not reach P V). Splits and the LSE merge are the portable kernel's (``decode.com
 
 Which calls come here is ``decode.gluon_wanted``'s rule (from the H200 runs it cites): paged caches
 but at 1-3x the SM count of (sequence, KV head) pairs, a few short contiguous-cache shapes, long
-contiguous caches of at most 8 pairs, and contiguous e4m3 caches. Under the SM count of pairs a
+contiguous caches of at most 8 pairs, and e4m3 caches. Under the SM count of pairs a
 16-bit call with at most 32 query rows per KV head runs the transposed consumer
 (``_decode_consumer_t``: the keys as the wgmmas' M, the query rows as their N). The
-e4m3-cache form (``fp8``, contiguous caches: S by e4m3 wgmma with the query as hi + mid e4m3 terms,
-V widened to fp16 in registers as P V's A operand (``v_regs``) or in shared memory) runs transposed
-(``rows_n``: the keys as the wgmmas' M, the query rows as their N).
+e4m3-cache form (``fp8``: S by e4m3 wgmma with the query as hi + mid e4m3 terms, V widened to
+fp16 in registers as P V's A operand (``v_regs``) or in shared memory) runs transposed (``rows_n``:
+the keys as the wgmmas' M, the query rows as their N); on a paged e4m3 cache the producer, which
+holds the page numbers, fetches the descales too (``ds_ring``).
 
 This module imports on machines without a GPU; ``compile_for_sm90`` builds a variant there.
 """
@@ -90,8 +91,9 @@ class DecodeVariant:
     def __post_init__(self):
         if not self.page_rows or not self.paged:
             object.__setattr__(self, "page_rows", self.block_n)
-        if self.fp8 and self.paged:
-            raise ValueError("e4m3 caches: contiguous only")
+        if self.fp8 and self.paged and not self.ds_ring:
+            # the consumer's own descale loads index a contiguous cache; the producer's follow pages
+            raise ValueError("paged e4m3 caches: with ds_ring only")
         if (self.fp8 and not self.rows_n) or (self.rows_n and (self.rows_n not in (8, 16, 32)
                                                                or self.block_n != 64)):
             # (128-key tiles faulted with an illegal address on the H200 in fp8-decode-ab: not
@@ -174,7 +176,8 @@ if _GLUON:
         before the wait for the slot, so their latency hides under it), then one TMA box per page
         and slab for K and for V, all completing the slot's ``ready`` barrier. DS_RING: then the tile's
         K and V descales, loaded and stored to rows 2 slot and 2 slot + 1 of ``ds_bufs`` [2 STAGES,
-        BLOCK_N] (zeros past the sequence), and a second arrival on ``ready``: their latency waits here, in a warp that
+        BLOCK_N] (zeros past the sequence; on a paged cache from each key's page and slot, page numbers
+        the producer already holds), and a second arrival on ``ready``: their latency waits here, in a warp that
         otherwise waits for free slots, and under the tile's TMA, not in the consumer's loop."""
         HEAD_DIM: gl.constexpr = k_bufs.shape[2]
         PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
@@ -204,7 +207,10 @@ if _GLUON:
         if DS_RING:
             ds_layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
             ds_keys = gl.arange(0, BLOCK_N, layout=ds_layout)
-            ds_base = cache_row.to(gl.int64) * stride_dsb + kv_head.to(gl.int64) * stride_dsh
+            if PAGED:  # descales laid out like the page pool: (pages, page size, Hk)
+                ds_base = kv_head.to(gl.int64) * stride_dsh
+            else:
+                ds_base = cache_row.to(gl.int64) * stride_dsb + kv_head.to(gl.int64) * stride_dsh
         if PAGED:
             first = (t_lo * BLOCK_N >> page_shift) + offs
             again = gl.load(BlockTable + table_row + first,
@@ -221,12 +227,19 @@ if _GLUON:
                                    mask=(first < table_width) & (t + 1 < t_hi), other=0)
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), TILE_BYTES)
+            if DS_RING and PAGED:
+                ds_at = gl.zeros([BLOCK_N], gl.int64, layout=ds_layout)
             for p in gl.static_range(PAGES):
                 if PAGED:
                     page = gl.sum(gl.where(offs == p, ids, 0), 0)
                     row = page * page_size
                     if PAGES == 1:  # a tile inside one page: from the tile's offset in the page
                         row += key0 & (page_size - 1)
+                    if DS_RING:  # the descales of the keys this page holds
+                        slot_in_page = (row - page * page_size) + ds_keys % PAGE_ROWS
+                        ds_at = gl.where(ds_keys // PAGE_ROWS == p,
+                                         page.to(gl.int64) * stride_dsb
+                                         + slot_in_page.to(gl.int64) * stride_dss, ds_at)
                 else:
                     row = row_base + key0 + p * PAGE_ROWS
                 for c in gl.static_range(HEAD_DIM // SLAB_COLS):
@@ -238,7 +251,10 @@ if _GLUON:
                         _slab_rows(v_bufs, slot, c, p * PAGE_ROWS, PAGE_ROWS, SLAB_COLS, SLAB_LAYOUT))
             if DS_RING:
                 key = key0 + ds_keys
-                at = ds_base + key.to(gl.int64) * stride_dss
+                if PAGED:
+                    at = ds_base + ds_at
+                else:
+                    at = ds_base + key.to(gl.int64) * stride_dss
                 ds_bufs.index(2 * slot).store(gl.load(KDescale + at, mask=key < seqlen_k, other=0.0))
                 ds_bufs.index(2 * slot + 1).store(gl.load(VDescale + at, mask=key < seqlen_k, other=0.0))
                 mbarrier.arrive(ready.index(slot))
@@ -860,13 +876,13 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
               window: bool, softcap: bool, alibi: bool, leftpad: bool, k_descale=None,
               v_descale=None) -> bool:
     """Whether this kernel takes the call (else the portable one does): sm_90, 16-bit q and cache
-    of one dtype (or a contiguous e4m3 cache with a bf16 query, float32 descales of one layout and
+    of one dtype (or an e4m3 cache, contiguous or paged, with a bf16 query, float32 descales of one layout and
     at most 32 query rows per KV head), head dim 64 or 128, at most 64 query rows per KV head, no
     window, softcap, ALiBi or left padding; paged: pages of 8-256 keys, a power of two."""
     if not _GLUON or q.device.type != "cuda" or window or softcap or alibi or leftpad:
         return False
     if k_cache.dtype == torch.float8_e4m3fn:
-        if (paged or q.dtype != torch.bfloat16 or v_cache.dtype != k_cache.dtype or k_descale is None
+        if (q.dtype != torch.bfloat16 or v_cache.dtype != k_cache.dtype or k_descale is None
                 or q.shape[2] // k_cache.shape[2] * q.shape[1] > 32
                 or v_descale is None or k_descale.dtype != torch.float32
                 or v_descale.dtype != torch.float32 or k_descale.stride() != v_descale.stride()
@@ -1014,6 +1030,13 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
             (dataclasses.replace(ring, regs=64), True),
             (dataclasses.replace(ring, regs=64, causal=True, batch_idx=True), False),
             (dataclasses.replace(ring, head_dim=64, rows_n=16), True)]
+    # paged e4m3 caches (always with the descale ring): pages smaller than, equal to and larger
+    # than a tile, three and four per SM
+    paged = dataclasses.replace(ring, paged=True, page_rows=16)
+    out += [(paged, True), (paged, False), (dataclasses.replace(paged, page_rows=8, regs=64), True),
+            (dataclasses.replace(paged, page_rows=64, causal=True), True),
+            (dataclasses.replace(paged, page_rows=64, rows_n=16, regs=0), True),
+            (dataclasses.replace(paged, head_dim=64, rows_n=16), True)]
     return out
 
 
