@@ -22,6 +22,7 @@ import torch
 
 from decode_probe import time_layers  # this directory: run as a script
 from flashtile import reference
+from flashtile.bench.common import source_digest
 from flashtile.bench.decode import (LayerCaches, Point, layers_for, measure_ceiling, paginate,
                                     shuffled_block_table)
 from flashtile.kernels import decode as dec
@@ -306,7 +307,7 @@ def main():
             setattr(dec, name, dataclasses.replace(getattr(dec, name), num_stages=stages,
                                                    programs_per_sm=per_sm))
         dec.E4M3_V_REGS = bool(v_regs)
-    result = {"cases": [], "timings": []}
+    result = {"source_digest": source_digest(), "cases": [], "timings": []}
     if not args.skip_check:
         cases = [] if args.fp8_only else [(c, False) for c in CASES] + [(c, True) for c in CASES]
         for i, (case, hf) in enumerate(cases):

@@ -25,6 +25,7 @@ import sys
 import torch
 
 from flashtile.bench import decode as bench
+from flashtile.bench.common import source_digest
 from flashtile.kernels import decode as dec
 
 PAGE = 16
@@ -98,7 +99,8 @@ def run_points(points: str, probe, out: str, name: str, **meta) -> None:
             results.append(probe(bench.Point("probe", b, h, hk, ctx), device, ceiling))
         torch.cuda.empty_cache()
         with open(os.path.join(out, name), "w") as f:
-            json.dump({"ceiling_gbps": ceiling, **meta, "points": results}, f, indent=1, default=str)
+            json.dump({"ceiling_gbps": ceiling, "source_digest": source_digest(), **meta,
+                       "points": results}, f, indent=1, default=str)
 
 
 def in_order_table(batch: int, pages_per_seq: int, device) -> torch.Tensor:

@@ -197,3 +197,22 @@ def test_time_in_rounds_drops_a_call_that_fails_and_keeps_the_others():
     assert times["c"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and times["t"] == [1.0]
     single, _ = time_in_rounds({"a": make("x")}, rounds=5)
     assert single == {"a": [1.0]}  # one racer: one pass, no warm-up
+
+
+def test_source_digest_names_the_code_and_changes_with_it(tmp_path):
+    from flashtile.bench.common import environment, source_digest
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    first = source_digest(tmp_path)
+    assert first == source_digest(tmp_path) and len(first) == 16
+    (tmp_path / "notes.txt").write_text("not code")
+    assert source_digest(tmp_path) == first  # only .py files count
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != first
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "a.py").rename(tmp_path / "pkg" / "c.py")  # same bytes, another file
+    assert source_digest(tmp_path) != first
+    env = environment(torch.device("cpu"))
+    assert env["source_digest"] == source_digest() and env["git_dirty"] in (True, False, None)

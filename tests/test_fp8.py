@@ -432,18 +432,31 @@ def test_bench_decode_fp8_run_point_counts_each_caches_bytes(monkeypatch, fits):
         monkeypatch.setattr(decode_fp8, "MAX_TOTAL_BYTES", 2 * nb8 + 1)
     record = decode_fp8.run_point(point, torch.device("cpu"), 1000.0, 2, seed=0)
     bf16, fp8 = record["providers"]["flashtile"], record["providers"]["flashtile-fp8"]
-    assert record["layers_bf16"] == record["layers_fp8"] == 2
-    assert fp8["available"] and fp8["gbps"] == pytest.approx(nb8 / 0.5e-3 / 1e9)  # 2 layers in 1 ms
-    assert fp8["pct_ceiling"] == pytest.approx(fp8["gbps"] / 10)
+    paged = record["providers"]["flashtile-fp8-paged"]  # the same e4m3 caches as pools of 16 keys
+    assert record["layers_bf16"] == record["layers_fp8"] == 2 and record["page_size"] == 16
+    for p in (fp8, paged):
+        assert p["available"] and p["gbps"] == pytest.approx(nb8 / 0.5e-3 / 1e9)  # 2 layers in 1 ms
+        assert p["pct_ceiling"] == pytest.approx(p["gbps"] / 10)
+    assert record["fp8_paged_vs_contiguous"] == pytest.approx(1.0)
+    table = decode_fp8.format_table([record], "t")
+    assert "fp8 P16 GB/s" in table and "1.000x" in table
     if fits:
         assert record["timing"] == "balanced rounds of both"
         assert bf16["available"] and bf16["gbps"] == pytest.approx(nb16 / 0.5e-3 / 1e9)
         assert len(fp8["replay_ms_rounds"]) == len(bf16["replay_ms_rounds"]) >= 5
+        assert len(paged["replay_ms_rounds"]) == len(fp8["replay_ms_rounds"])
         assert record["fp8_speedup_per_token"] == pytest.approx(1.0)
     else:
         assert record["timing"] == "one pass each, alone"
         assert not bf16["available"] and bf16["error"] == "too large"
         assert record["fp8_speedup_per_token"] is None
+    # contexts that are not a multiple of the page size, or --page-size 0: no paged provider
+    for page in (0, 20):
+        monkeypatch.setattr(decode_fp8, "MAX_TOTAL_BYTES", 2 * nb8 + 1)  # (the e4m3 cache alone)
+        record = decode_fp8.run_point(point, torch.device("cpu"), 1000.0, 2, seed=0, page_size=page)
+        assert "flashtile-fp8-paged" not in record["providers"] and record["page_size"] is None
+        assert record["fp8_paged_vs_contiguous"] is None
+        assert "P16" not in decode_fp8.format_table([record], "t")
 
 
 @pytest.mark.parametrize("q_scale", [3e4, 1e-3])

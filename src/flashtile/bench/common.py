@@ -8,6 +8,7 @@ TRITON_INTERPRET before the first ``@triton.jit`` decorator runs, and that happe
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -95,6 +96,31 @@ def _git_commit() -> str | None:
         return None
 
 
+def _git_dirty() -> bool | None:
+    """Whether the package's tracked sources differ from HEAD (then git_commit alone does not name
+    the code that ran); None without git."""
+    try:
+        root = Path(__file__).resolve().parents[3]
+        done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],
+                              cwd=root, capture_output=True, text=True, timeout=10)
+        return None if done.returncode != 0 else bool(done.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def source_digest(root: Path | str | None = None) -> str:
+    """sha256 (16 hex digits) over the relative path and bytes of every .py file of the package (or
+    of ``root``), in sorted order: names the code a result came from where git cannot (a device's
+    copy of a working tree with uncommitted changes, or one without .git). Compare with
+    ``python -c "from flashtile.bench.common import source_digest; print(source_digest())"`` run
+    on a checkout."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment(device: torch.device) -> dict:
     """Versions and hardware that a result file must carry to be comparable with another one."""
     import triton
@@ -105,6 +131,8 @@ def environment(device: torch.device) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "flashtile": flashtile.__version__,
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
+        "source_digest": source_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

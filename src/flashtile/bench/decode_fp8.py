@@ -5,7 +5,8 @@ The bytes counted for the FP8 cache are its e4m3 K and V plus their descales (4 
 head, each): sum_b cache_seqlens[b] * Hk * (2 * D + 8). Both caches are timed like ``bench decode``:
 a CUDA graph over L layers, each with its own cache, at least 1 GiB of cache in all, so every read
 comes from DRAM, the two in balanced rounds (each the median of its rounds); the read ceiling is
-torch.sum's, measured in the same run. A correctness check of
+torch.sum's, measured in the same run. With ``--page-size P`` (16 unless 0) the same e4m3 caches
+are also read as page pools of P keys through a shuffled block table, timed in the same rounds. A correctness check of
 the FP8 cache against float64 attention of the dequantized cache comes first.
 """
 
@@ -21,10 +22,12 @@ from .common import (add_common_arguments, check_without_gpu, choose_device, env
                      format_seqlen, gbps, result_path, write_json)
 from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, ROUNDS, LayerCaches, Point, Step,
                      _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for, measure,
-                     measure_ceiling, measure_providers, paginate, point_bytes)
+                     measure_ceiling, measure_providers, paginate, point_bytes, shuffled_block_table)
 
 FP8 = torch.float8_e4m3fn
 FP8_PROVIDER = "flashtile-fp8"
+FP8_PAGED_PROVIDER = "flashtile-fp8-paged"  # the same e4m3 caches read as page pools
+PAGE_SIZE = 16
 
 
 def fp8_point_bytes(point: Point) -> int:
@@ -62,6 +65,23 @@ def fp8_step(caches: FP8Caches, q: torch.Tensor, lengths: torch.Tensor) -> Step:
                                                  v_descale=caches.v_descale[layer])
     return Step(call, info={"layout": "(B, S, Hk, D) e4m3 contiguous, descales (B, S, Hk) float32 for "
                                       "K and for V"})
+
+
+def fp8_paged_step(caches: FP8Caches, q: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                   block_table: torch.Tensor) -> Step:
+    """The same layer caches as page pools (B * S / P, P, Hk, D) read through ``block_table`` (every
+    page once, in a shuffled order), descales as (B * S / P, P, Hk): the same bytes as contiguous."""
+    import flashtile
+    heads_k, head_dim = caches.k.shape[3:]
+    pool = (-1, page_size, heads_k, head_dim)
+
+    def call(layer):
+        return flashtile.flash_attn_with_kvcache(
+            q, caches.k[layer].view(pool), caches.v[layer].view(pool), cache_seqlens=lengths,
+            block_table=block_table, causal=True, k_descale=caches.k_descale[layer].view(pool[:3]),
+            v_descale=caches.v_descale[layer].view(pool[:3]))
+    return Step(call, info={"layout": f"e4m3 page pools of {page_size} keys, descales alike, pages "
+                                      "in a shuffled order"})
 
 
 # ----------------------------------------------------------------------------------------- check
@@ -137,10 +157,11 @@ def fp8_layers(point: Point, override: int | None) -> int:
 
 
 def run_point(point: Point, device: torch.device, ceiling: float | None, layers_override: int | None,
-              seed: int) -> dict:
+              seed: int, page_size: int = PAGE_SIZE) -> dict:
     """Both caches timed in balanced rounds (as ``bench decode`` times its providers) over the same
     number of layers, enough for >= 1 GiB of the e4m3 cache (so more for the bf16 one); where both
-    do not fit at once, each alone over its own layer count, one pass each."""
+    do not fit at once, each alone over its own layer count, one pass each. ``page_size`` > 0: the
+    e4m3 caches also read as page pools of that many keys (FP8_PAGED_PROVIDER), timed with them."""
     nb16, nb8 = point_bytes(point), fp8_point_bytes(point)
     layers = max(layers_for(point, layers_override), fp8_layers(point, layers_override))
     fp8_total = 2 * layers * nb8  # ... and the fp8 allocation's per-layer bf16 temporary, at most
@@ -156,13 +177,24 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
+    paged = page_size > 0 and point.context % page_size == 0
+    record["page_size"] = page_size if paged else None
+    table = shuffled_block_table(point.batch, point.context // page_size, device, gen) if paged else None
+
+    def fp8_steps(caches8):
+        steps = {FP8_PROVIDER: fp8_step(caches8, q, lengths)}
+        if paged:
+            steps[FP8_PAGED_PROVIDER] = fp8_paged_step(caches8, q, lengths, page_size, table)
+        return steps
     if together:
         caches = LayerCaches.allocate(point, layers, device)
         caches8 = FP8Caches.allocate(point, layers, device)
+        steps = fp8_steps(caches8)
         record["providers"] = measure_providers(
-            [CONTIGUOUS, FP8_PROVIDER], caches, q, lengths, {}, gpu_timer, nb16, ceiling,
-            rounds=ROUNDS, steps={FP8_PROVIDER: fp8_step(caches8, q, lengths)})
-        _count_bytes(record["providers"][FP8_PROVIDER], nb8, ceiling)
+            [CONTIGUOUS, *steps], caches, q, lengths, {}, gpu_timer, nb16, ceiling,
+            rounds=ROUNDS, steps=steps)
+        for name in steps:
+            _count_bytes(record["providers"][name], nb8, ceiling)
         del caches, caches8
         torch.cuda.empty_cache()
     else:
@@ -171,6 +203,8 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
             reason = ("too large" if layers * nbytes > MAX_TOTAL_BYTES else None) or _memory_skip(total, device)
             if reason:
                 record["providers"][name] = {"available": False, "error": reason}
+                if name == FP8_PROVIDER and paged:
+                    record["providers"][FP8_PAGED_PROVIDER] = {"available": False, "error": reason}
                 continue
             if name == CONTIGUOUS:
                 caches = LayerCaches.allocate(point, layers, device)
@@ -178,14 +212,18 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
             else:
                 caches8 = FP8Caches.allocate(point, layers, device)
                 holder = LayerCaches(point, layers, caches8.k, caches8.v)  # measure reads .layers only
-                record["providers"][name] = measure(name, holder, q, lengths, {}, gpu_timer, nbytes,
-                                                    ceiling, step=fp8_step(caches8, q, lengths))
+                for fp8_name, step in fp8_steps(caches8).items():
+                    record["providers"][fp8_name] = measure(fp8_name, holder, q, lengths, {}, gpu_timer,
+                                                            nbytes, ceiling, step=step)
                 del caches8, holder
             caches = None
             torch.cuda.empty_cache()
     bf16, fp8 = record["providers"][CONTIGUOUS], record["providers"][FP8_PROVIDER]
     record["fp8_speedup_per_token"] = (bf16["ms_per_layer"] / fp8["ms_per_layer"]
                                        if bf16.get("available") and fp8.get("available") else None)
+    fp8_paged = record["providers"].get(FP8_PAGED_PROVIDER, {})
+    record["fp8_paged_vs_contiguous"] = (fp8["ms_per_layer"] / fp8_paged["ms_per_layer"]
+                                         if fp8.get("available") and fp8_paged.get("available") else None)
     return record
 
 
@@ -197,17 +235,26 @@ def _count_bytes(result: dict, nbytes: int, ceiling: float | None) -> None:
 
 
 def format_table(records: list[dict], title: str) -> str:
+    page = next((r["page_size"] for r in records if r.get("page_size")), None)
     columns = (f"{'B':>3} {'H/Hk':>6} {'ctx':>5} | {'bf16 GB/s':>9} {'%ceil':>6} | {'fp8 GB/s':>9} "
                f"{'%ceil':>6} | {'fp8 speedup':>11}")
+    if page:
+        columns += f" | {f'fp8 P{page} GB/s':>13} {'%ceil':>6} {'vs contig':>9}"
     lines = [title, columns, "-" * len(columns)]
     for r in records:
         p16, p8 = r["providers"][CONTIGUOUS], r["providers"][FP8_PROVIDER]
-        lines.append(f"{r['batch']:>3} {str(r['heads']) + '/' + str(r['heads_k']):>6} "
-                     f"{format_seqlen(r['context']):>5} | {format_number(p16.get('gbps'), '{:.0f}'):>9} "
-                     f"{format_number(p16.get('pct_ceiling'), '{:.0f}%'):>6} | "
-                     f"{format_number(p8.get('gbps'), '{:.0f}'):>9} "
-                     f"{format_number(p8.get('pct_ceiling'), '{:.0f}%'):>6} | "
-                     f"{format_number(r['fp8_speedup_per_token'], '{:.2f}x'):>11}")
+        line = (f"{r['batch']:>3} {str(r['heads']) + '/' + str(r['heads_k']):>6} "
+                f"{format_seqlen(r['context']):>5} | {format_number(p16.get('gbps'), '{:.0f}'):>9} "
+                f"{format_number(p16.get('pct_ceiling'), '{:.0f}%'):>6} | "
+                f"{format_number(p8.get('gbps'), '{:.0f}'):>9} "
+                f"{format_number(p8.get('pct_ceiling'), '{:.0f}%'):>6} | "
+                f"{format_number(r['fp8_speedup_per_token'], '{:.2f}x'):>11}")
+        if page:
+            pp = r["providers"].get(FP8_PAGED_PROVIDER, {})
+            line += (f" | {format_number(pp.get('gbps'), '{:.0f}'):>13} "
+                     f"{format_number(pp.get('pct_ceiling'), '{:.0f}%'):>6} "
+                     f"{format_number(r.get('fp8_paged_vs_contiguous'), '{:.3f}x'):>9}")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -216,6 +263,9 @@ def add_arguments(parser) -> None:
                          with_dtype=False)
     parser.add_argument("--layers", type=int, default=None, metavar="L",
                         help="layers per CUDA graph (default: enough for >= 1 GiB of cache)")
+    parser.add_argument("--page-size", type=int, default=PAGE_SIZE, metavar="P",
+                        help="also time the e4m3 caches read as page pools of P keys (0: not); "
+                             f"default {PAGE_SIZE}")
 
 
 def run(args) -> int:
@@ -230,7 +280,8 @@ def run(args) -> int:
     print(f"Read ceiling: {before['sum_gbps']:.0f} GB/s")
     records = []
     for i, point in enumerate(decode_points(args.quick)):
-        records.append(run_point(point, device, before["sum_gbps"], args.layers, seed=i))
+        records.append(run_point(point, device, before["sum_gbps"], args.layers, seed=i,
+                                 page_size=args.page_size))
         r = records[-1]
         print(f"{point.model:<13} {point.label():<22} " + ", ".join(
             f"{n} {p['gbps']:.0f} GB/s ({p['us_per_layer']:.1f} us)" if p.get("available")
