@@ -21,7 +21,7 @@ import sys
 import torch
 
 from flashtile.bench import decode as bench
-from flashtile.bench.decode_fp8 import FP8Caches, fp8_point_bytes, fp8_step
+from flashtile.bench.decode_fp8 import FP8Caches, fp8_paged_step, fp8_point_bytes, fp8_step
 from flashtile.kernels import decode as dec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,16 +69,9 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
 
     def paged_step(page, wanted):
         """The same layer caches read as page pools (pages in a shuffled order, descales alike)."""
-        import flashtile
         table = bench.shuffled_block_table(point.batch, point.context // page, device)
-        shape = (-1, page, point.heads_k, point.head_dim)
-
-        def call(layer):
-            return flashtile.flash_attn_with_kvcache(
-                q, caches.k[layer].view(shape), caches.v[layer].view(shape), cache_seqlens=lengths,
-                block_table=table, causal=True, k_descale=caches.k_descale[layer].view(shape[:3]),
-                v_descale=caches.v_descale[layer].view(shape[:3]))
-        return bench.Step(forced(call, wanted), info={"page_size": page})
+        s = fp8_paged_step(caches, q, lengths, page, table)
+        return bench.Step(forced(s.call, wanted), s.backend, dict(s.info))
 
     steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None)}
     if not PAGES:

@@ -174,11 +174,12 @@ if _GLUON:
                          DS_RING: gl.constexpr = False):
         """1 warp: for each key tile of the split, its pages' numbers from the block table (loaded
         before the wait for the slot, so their latency hides under it), then one TMA box per page
-        and slab for K and for V, all completing the slot's ``ready`` barrier. DS_RING: then the tile's
-        K and V descales, loaded and stored to rows 2 slot and 2 slot + 1 of ``ds_bufs`` [2 STAGES,
-        BLOCK_N] (zeros past the sequence; on a paged cache from each key's page and slot, page numbers
-        the producer already holds), and a second arrival on ``ready``: their latency waits here, in a warp that
-        otherwise waits for free slots, and under the tile's TMA, not in the consumer's loop."""
+        and slab for K and for V, all completing the slot's ``ready`` barrier. DS_RING: then the
+        tile's K and V descales, loaded and stored to rows 2 slot and 2 slot + 1 of ``ds_bufs``
+        [2 STAGES, BLOCK_N] (zeros past the sequence; on a paged cache from each key's page and
+        slot, by the page numbers held here), and a second arrival on ``ready``: their latency waits
+        here, in a warp that otherwise waits for free slots, and under the tile's TMA, not in the
+        consumer's loop."""
         HEAD_DIM: gl.constexpr = k_bufs.shape[2]
         PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
         TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * k_bufs.dtype.primitive_bitwidth // 8
@@ -876,9 +877,9 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
               window: bool, softcap: bool, alibi: bool, leftpad: bool, k_descale=None,
               v_descale=None) -> bool:
     """Whether this kernel takes the call (else the portable one does): sm_90, 16-bit q and cache
-    of one dtype (or an e4m3 cache, contiguous or paged, with a bf16 query, float32 descales of one layout and
-    at most 32 query rows per KV head), head dim 64 or 128, at most 64 query rows per KV head, no
-    window, softcap, ALiBi or left padding; paged: pages of 8-256 keys, a power of two."""
+    of one dtype (or an e4m3 cache, contiguous or paged, with a bf16 query, float32 descales of one
+    layout and at most 32 query rows per KV head), head dim 64 or 128, at most 64 query rows per KV
+    head, no window, softcap, ALiBi or left padding; paged: pages of 8-256 keys, a power of two."""
     if not _GLUON or q.device.type != "cuda" or window or softcap or alibi or leftpad:
         return False
     if k_cache.dtype == torch.float8_e4m3fn:
