@@ -29,6 +29,7 @@ from paged_gap import forced, load_baseline, run_points, swapped  # noqa: E402
 
 BASELINE: list = []  # --baseline: (path, older kernels/gluon_decode.py loaded as a module)
 PAGES: list = []  # --pages: the caches also read as page pools of these sizes
+SEQLEN_Q = 1  # --seqlen-q: query positions a step (speculative steps: group x Sq query rows)
 CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM[, splits]), --configs
 POINTS = ("16,32,8,32768;64,12,2,16384;16,32,8,4096;64,32,8,16384;16,12,2,32768;1,32,8,32768;"
           "1,12,2,32768;16,32,8,1024")
@@ -45,7 +46,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     caches = FP8Caches.allocate(point, layers, device)
     holder = bench.LayerCaches(point, layers, caches.k, caches.v)  # measure_providers reads .layers
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
+    q = torch.randn(point.batch, SEQLEN_Q, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
 
     def step(wanted, config=None, splits=0, v_regs=True, module=None, no_merge=False):
@@ -117,8 +118,11 @@ def main():
     parser.add_argument("--pages", default="",
                         help="page sizes, comma-separated: the same caches also as page pools, through "
                              "the Triton kernel (forced) and as dispatched")
+    parser.add_argument("--seqlen-q", type=int, default=1,
+                        help="query positions a step (causal; > 1: speculative steps)")
     args = parser.parse_args()
-    global CONFIGS, BASELINE, PAGES
+    global CONFIGS, BASELINE, PAGES, SEQLEN_Q
+    SEQLEN_Q = args.seqlen_q
     PAGES = [int(p) for p in args.pages.split(",") if p]
     if args.baseline:
         BASELINE = [(path, load_baseline(path)) for path in args.baseline.split(",")]

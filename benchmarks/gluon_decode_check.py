@@ -224,8 +224,11 @@ FP8_CASES = [
     (64, 32, 8, 1, [(i * 797) % 6000 + 1 for i in range(63)] + [6000], 0, False, False),
     # 640 pairs of <= 1000 keys: two per SM, 4 stages, V widened into shared tiles
     (80, 32, 8, 1, [(i * 389) % 1000 + 1 for i in range(80)], 0, False, False),
-    # 32 query rows a KV head (Sq 8 x group 4): two per SM, V widened into shared tiles
+    # 32 query rows a KV head (Sq 8 x group 4): two per SM, V widened into shared tiles, the
+    # descales through the producer's ring
     (2, 32, 8, 8, [700, 1500], 0, True, False),
+    # ... with the cache's rows picked by cache_batch_idx (32 rows: Sq 4 x group 8)
+    (2, 16, 2, 4, [900, 2000], 0, True, True),
     # paged (page size last): pages smaller than, equal to and larger than a 64-key tile, four per
     # SM, 16 rows, head dim 64
     (3, 12, 2, 1, [1, 300, 2049], 0, False, False, 128, 16),
@@ -234,6 +237,12 @@ FP8_CASES = [
     (16, 32, 8, 1, [(i * 331) % 5000 + 1 for i in range(16)], 0, False, False, 128, 256),
     (64, 32, 8, 1, [(i * 797) % 6000 + 1 for i in range(63)] + [6000], 0, False, False, 128, 16),
     (1, 32, 8, 1, [40000], 0, False, False, 128, 32),
+    # paged, 17-32 query rows a KV head (two per SM, V widened into shared tiles): speculative
+    # steps of 8 and 3 positions, causal and not
+    (2, 32, 8, 8, [700, 1500], 0, True, False, 128, 16),
+    (3, 12, 2, 3, [1, 300, 2049], 0, True, False, 64, 8),
+    (2, 16, 2, 4, [5000, 333], 0, False, False, 128, 64),
+    (1, 32, 8, 5, [30000], 0, True, False, 128, 256),
 ]
 
 

@@ -228,41 +228,44 @@ def fp8_varlen_and_cache_cases(dev) -> int:
         if not torch.isfinite(out[sq]).all() or (out[sq].double() - ref[0]).abs().max() > 0.1:
             failures += 1
             print(f"FAIL fp8 varlen sequence {b}")
-    lengths = [1, 77, 300]
-    qd = torch.randn(3, 1, 8, 128, device=dev, dtype=BF16)
     k8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
     v8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
     kd = torch.rand(3, 304, 2, device=dev) + 0.5
     vd = torch.rand(3, 304, 2, device=dev) + 0.5
-    new_k = torch.randn(3, 2, 2, 128, device=dev, dtype=BF16)
-    new_v = torch.randn(3, 2, 2, 128, device=dev, dtype=BF16)
-    # (on sm_90 the paged ones take the Gluon kernel: pages under, over and of a 64-key tile)
-    for page_size in (None, 16, 8, 128, 64):
-        ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
-        if page_size:
-            g = torch.Generator().manual_seed(page_size)
-            pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size, g)
-            g = torch.Generator().manual_seed(page_size)  # the same table for the descales
-            pool_kd, pool_vd, _ = paginate(ckd[..., None], cvd[..., None], page_size, g)
-            pool_kd, pool_vd = pool_kd[..., 0].contiguous(), pool_vd[..., 0].contiguous()
-            got = flashtile.flash_attn_with_kvcache(qd, pool_k.view(e4m3), pool_v.view(e4m3), new_k, new_v,
-                                                    cache_seqlens=seqlens, block_table=table, causal=True,
-                                                    k_descale=pool_kd, v_descale=pool_vd)
-            rows = table.long().repeat_interleave(page_size, 1)[:, :304]  # (3, 304) page of each slot
-            slots = torch.arange(304, device=dev) % page_size
-            ck, cv = pool_k.view(e4m3)[rows, slots], pool_v.view(e4m3)[rows, slots]
-            ckd, cvd = pool_kd[rows, slots], pool_vd[rows, slots]
-        else:
-            got = flashtile.flash_attn_with_kvcache(qd, ck, cv, new_k, new_v, cache_seqlens=seqlens,
-                                                    causal=True, k_descale=ckd, v_descale=cvd)
-        for b, n in enumerate(lengths):
-            kk = (ck[b, :n + 2].double() * ckd[b, :n + 2, :, None])[None]
-            vv = (cv[b, :n + 2].double() * cvd[b, :n + 2, :, None])[None]
-            ref, _ = attention(qd[b:b + 1].double(), kk, vv, causal=True)
-            if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
-                failures += 1
-                print(f"FAIL fp8 cache page_size {page_size} row {b}")
+    # one query position appending two keys, and a speculative step of 6 (24 query rows a KV
+    # head: on sm_90 the two-per-SM plan with V in shared tiles)
+    for sq, new, lengths in ((1, 2, [1, 77, 300]), (6, 6, [0, 77, 298])):
+        qd = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
+        new_k = torch.randn(3, new, 2, 128, device=dev, dtype=BF16)
+        new_v = torch.randn(3, new, 2, 128, device=dev, dtype=BF16)
+        # (on sm_90 the paged ones take the Gluon kernel: pages under, over and of a 64-key tile)
+        for page_size in (None, 16, 8, 128, 64):
+            ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
+            seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+            if page_size:
+                g = torch.Generator().manual_seed(page_size)
+                pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size, g)
+                g = torch.Generator().manual_seed(page_size)  # the same table for the descales
+                pool_kd, pool_vd, _ = paginate(ckd[..., None], cvd[..., None], page_size, g)
+                pool_kd, pool_vd = pool_kd[..., 0].contiguous(), pool_vd[..., 0].contiguous()
+                got = flashtile.flash_attn_with_kvcache(qd, pool_k.view(e4m3), pool_v.view(e4m3), new_k,
+                                                        new_v, cache_seqlens=seqlens, block_table=table,
+                                                        causal=True, k_descale=pool_kd, v_descale=pool_vd)
+                rows = table.long().repeat_interleave(page_size, 1)[:, :304]  # (3, 304) page of each slot
+                slots = torch.arange(304, device=dev) % page_size
+                ck, cv = pool_k.view(e4m3)[rows, slots], pool_v.view(e4m3)[rows, slots]
+                ckd, cvd = pool_kd[rows, slots], pool_vd[rows, slots]
+            else:
+                got = flashtile.flash_attn_with_kvcache(qd, ck, cv, new_k, new_v, cache_seqlens=seqlens,
+                                                        causal=True, k_descale=ckd, v_descale=cvd)
+            for b, n in enumerate(lengths):
+                kk = (ck[b, :n + new].double() * ckd[b, :n + new, :, None])[None]
+                vv = (cv[b, :n + new].double() * cvd[b, :n + new, :, None])[None]
+                ref, _ = attention(qd[b:b + 1].double(), kk, vv, causal=True)
+                if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
+                    failures += 1
+                    print(f"FAIL fp8 cache Sq {sq} page_size {page_size} row {b}")
+    qd, lengths = qd[:, :1], [1, 77, 300]
     # 66 (sequence, KV head) pairs: on sm_90 the e4m3 plan with four CTAs per SM (64 registers)
     many = 22
     got = flashtile.flash_attn_with_kvcache(qd.repeat(many, 1, 1, 1), k8.repeat(many, 1, 1, 1),

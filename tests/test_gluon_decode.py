@@ -97,13 +97,14 @@ def test_gluon_plan_contiguous(monkeypatch):
 
 
 def test_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
-    # e4m3 caches go to the Gluon kernel's transposed consumer; paged ones with at most 16 query
-    # rows a KV head (V^T in registers), their descales through the producer's ring
+    # e4m3 caches go to the Gluon kernel's transposed consumer, paged ones too (at most 32 query
+    # rows a KV head, as contiguous ones), their descales through the producer's ring
     assert decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True)
     assert decode.gluon_wanted(False, 512, 132, 1024, fp8=True)
     assert decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=4)
     assert decode.gluon_wanted(True, 512, 132, 1024, fp8=True, rows=16)
-    assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=32)
+    assert decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=32)
+    assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=33)
     monkeypatch.setattr(decode, "GLUON_E4M3_PAGED", False)
     assert not decode.gluon_wanted(True, 8, 132, 1 << 17, fp8=True, rows=4)
     assert decode.gluon_wanted(False, 8, 132, 1 << 17, fp8=True, rows=4)
@@ -126,6 +127,15 @@ def test_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
         assert variant.page_rows == min(page, 64)
         assert dataclasses.replace(variant, paged=False, page_rows=0,
                                    ds_ring=contiguous[4].ds_ring) == contiguous[4]
+    # 17-32 rows (V widened into shared tiles, two per SM at 128 registers), the descale ring at
+    # every split length
+    for page, causal in ((16, True), (0, True), (64, False)):
+        splits, _, _, _, variant = decode._gluon_plan(2, 8, 128, torch.bfloat16, torch.device("cpu"),
+                                                      8192, 0, page, causal, False, False, True, 32)
+        assert variant.rows_n == 32 and not variant.v_regs and variant.ds_ring
+        assert splits == 2 * 132 // 16 and variant.causal == causal
+        assert gluon_decode._launch_shape(variant)["maxnreg"] == 128
+        assert gluon_decode._launch_shape(dataclasses.replace(variant, head_dim=64))["maxnreg"] == 128
     with pytest.raises(ValueError):
         gluon_decode.DecodeVariant(128, block_n=64, rows_n=8, v_regs=True)  # 16-bit: no widening
     with pytest.raises(ValueError):

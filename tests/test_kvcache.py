@@ -268,6 +268,10 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     assert decode.planned_splits(16, 2, 4096, dev) == 8
     assert decode.decode_config(False, dev, 512, head_dim=256).num_warps == 4  # 2 warps would spill
     assert decode.decode_config(False, dev, 512, fp8_cache=True, head_dim=256).num_warps == 4
+    # a speculative step's 17+ query rows a KV head: 4 warps (2 ran 3x slower at 48 rows)
+    for fp8_cache in (False, True):
+        assert decode.decode_config(False, dev, 512, fp8_cache, rows=16).num_warps == 2
+        assert decode.decode_config(False, dev, 512, fp8_cache, rows=17).num_warps == 4
     monkeypatch.setattr(decode, "_arch", lambda index: 80)  # measured on Hopper only
     assert decode.decode_config(False, dev, 128).max_splits == 128
     assert decode.decode_config(False, dev, 512).num_warps == 4

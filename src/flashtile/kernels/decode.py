@@ -275,7 +275,8 @@ class DecodeConfig:
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
-                  fp8_cache: bool = False, capacity: int = 0, head_dim: int = 128) -> DecodeConfig:
+                  fp8_cache: bool = False, capacity: int = 0, head_dim: int = 128,
+                  rows: int = 1) -> DecodeConfig:
     """From the H200 sweeps (benchmarks/results/tune-decode-*.json): short key steps and a deep
     pipeline on contiguous caches. On pages, with fewer (sequence, KV head) pairs than SMs: 128-key
     steps and 2 stages since pages of a power of two take shifts (+1-7% over 64-key steps and 3
@@ -283,7 +284,8 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
     stages); with more, 32-key steps and 4 stages (+5% over 128-key steps at batch 64 with 32/8 heads,
     16k, page 16: tune-paged-configs-h200-20261130.json). ``programs``: sequences x KV heads;
     ``capacity``: the most keys a sequence can have (0: unknown). The 2-warp plans are for head dims
-    up to 128 (measured at 128; at 192 and 256 their accumulators spill)."""
+    up to 128 (measured at 128; at 192 and 256 their accumulators spill) and at most
+    TWO_WARP_MAX_ROWS query rows a KV head (``rows``: group x Sq)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
@@ -297,7 +299,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # 3590: tune-paged-mid-h200-20261130.json); 1 from 199 pairs (unmeasured above 192).
         return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256, resident_per_sm=3)
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
-    two_warps = hopper and head_dim <= 128
+    two_warps = hopper and head_dim <= 128 and rows <= TWO_WARP_MAX_ROWS
     if fp8_cache:
         if two_warps:
             # Two warps per program, 64-key steps, 3 stages (255 registers, 55 KB: four programs per
@@ -334,6 +336,15 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # (decode-probe-mid-plan-h200-20261130.log).
         return DecodeConfig(32, 2, 3, waves=2, min_split_keys=128, pdl=True, resident_per_sm=4)
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
+
+
+# The 2-warp plans were measured with 4-6 query rows a KV head (one query position); a speculative
+# step's 32-64 rows (8 positions) on 2 warps ran 3x slower than the paged 4-warp plan on the same
+# e4m3 cache (fp8-decode-ab-paged-h200-20261201-sq8: B16 12/2 16k, 48 rows, 268.5 against 83.6 us).
+# 4 warps from 17 rows, same run (spec-decode-ab-h200-20261201-sq8): e4m3 48 rows B16 12/2 16k
+# 265.3 -> 83.2 us, B64 12/2 4k 276.3 -> 85.4, 32 rows B1 32/8 32k 59.5 -> 40.2 (Triton forced);
+# bf16 caches unchanged at those points (their plans there were 4-warp ones already).
+TWO_WARP_MAX_ROWS = 16
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
@@ -401,7 +412,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
                            heads // heads_k * seqlen_q)
-    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim)
+    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim,
+                                  heads // heads_k * seqlen_q)
     if one_launch:
         splits = 1
     else:
@@ -511,9 +523,17 @@ def _e4m3_wave_plan(pairs: int, sms: int, capacity: int, configs: tuple,
                                                                       best[1].programs_per_sm):
         return 1, wide
     return best
-# 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB); more rows take the
-# Triton kernel (the transposed consumer spilled at 64)
+# 17-32 query rows a KV head (speculative steps): 2 stages, two per SM (82 KB; 85 KB paged, whose
+# descales the producer loads into the ring); more rows take the Triton kernel (the transposed
+# consumer spilled at 64)
 GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
+# ... with the descales loaded by the producer into the ring at every split length: speculative
+# steps of 8 positions (32 rows), e4m3 pages (which always take the ring) read 1.2-1.3x faster than
+# the same contiguous cache without it (fp8-decode-ab-paged-h200-20261201-sq8: B1 32/8 32k 36.2-37.3
+# against 46.2 us, B16 32/8 16k 222-226 against 289); the contiguous cache with it against without,
+# one run (spec-decode-ab-h200-20261201-sq8/-sq4): 32 rows B1 32/8 32k 46.6 -> 35.0 us, B4 32/8 8k
+# 45.6 -> 34.4, B16 32/8 16k 289.9 -> 214.3; 24 rows B16 12/2 16k 78.1 -> 58.7.
+E4M3_ROWS32_DS_RING = True
 # 16-bit caches with at most 32 query rows a KV head and fewer (sequence, KV head) pairs than SMs:
 # the transposed consumer (gluon_decode._decode_consumer_t), 4 stages and one CTA per SM where that
 # plan's splits stream at least T16_LONG_SPLIT keys, else 3 stages and two per SM
@@ -593,8 +613,9 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
         # e4m3 caches: contiguous ones, by the transposed consumer (S^T = K Q^T, the query rows as
         # the wgmmas' N), 1.08-1.21x the Triton kernel's e4m3 path in fp8-decode-ab-h200-20261130;
         # the first form (64 rows as M, 4-6 of them real) had been 0.5-0.8x. Paged: with V^T in
-        # registers (at most 16 rows) and the descales by the producer (see GLUON_E4M3_PAGED).
-        return not paged or (GLUON_E4M3_PAGED and E4M3_V_REGS and rows <= 16)
+        # registers up to 16 rows, in shared tiles up to 32) and the descales by the producer (see
+        # GLUON_E4M3_PAGED).
+        return not paged or (GLUON_E4M3_PAGED and rows <= 32)
     if paged:
         return pairs < sms or pairs >= 3 * sms
     if _t16_wanted(False, pairs, sms, capacity, rows):
@@ -641,8 +662,10 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     # V^T in registers: three CTAs per SM at 80 registers, four at 64 (rows <= 8 only: 16 spill)
     v_regs = fp8 and E4M3_V_REGS and rows <= (8 if base.programs_per_sm == 4 else 16) \
         and base.programs_per_sm >= 3
-    # (paged: always, the producer holding the page numbers the descales' addresses need)
-    ds_ring = v_regs and (page_size > 0 or -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT)
+    # (paged: always, with V in registers or not, the producer holding the page numbers the
+    # descales' addresses need; 17-32 rows at every split length, see E4M3_ROWS32_DS_RING)
+    ds_ring = fp8 and (page_size > 0 or (rows > 16 and E4M3_ROWS32_DS_RING) or (
+        v_regs and -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT))
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,

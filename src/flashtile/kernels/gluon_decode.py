@@ -846,8 +846,11 @@ def _launch_shape(variant: DecodeVariant) -> dict:
     # for both: 128 per thread, of which the producer warp keeps 24.
     if variant.regs:
         return {"num_warps": 4, "maxnreg": variant.regs}
-    if variant.rows_n and 3 * (variant.shared_bytes + 2048) <= 228 * 1024:
-        return {"num_warps": 4, "maxnreg": 80}  # the transposed consumers: three CTAs per SM
+    if variant.rows_n and not (variant.fp8 and variant.rows_n > 16) \
+            and 3 * (variant.shared_bytes + 2048) <= 228 * 1024:
+        # the transposed consumers: three CTAs per SM (e4m3 with 32 rows spilled at 80 registers
+        # at head dim 64: its plan, decode.GLUON_E4M3_ROWS32, is two per SM)
+        return {"num_warps": 4, "maxnreg": 80}
     if 2 * (variant.shared_bytes + 2048) <= 228 * 1024:
         return {"num_warps": 4, "maxnreg": 128}
     return {"num_warps": 4}
@@ -1038,10 +1041,25 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
             (dataclasses.replace(paged, page_rows=64, causal=True), True),
             (dataclasses.replace(paged, page_rows=64, rows_n=16, regs=0), True),
             (dataclasses.replace(paged, head_dim=64, rows_n=16), True)]
+    # ... and 17-32 query rows a KV head (decode.GLUON_E4M3_ROWS32: two per SM), V widened into
+    # shared tiles
+    rows32 = dataclasses.replace(paged, rows_n=32, v_regs=False, regs=0)
+    out += [(rows32, True), (dataclasses.replace(rows32, causal=True), True),
+            (dataclasses.replace(rows32, page_rows=64, causal=True), True),
+            (dataclasses.replace(rows32, page_rows=8, head_dim=64, batch_idx=True), False),
+            (dataclasses.replace(fp8, rows_n=32, causal=True, ds_ring=True), True)]
     return out
 
 
 CHECKED = _checked()
+# Stack bytes the compile check accepts (else none): e4m3 pages, 32 rows, causal, at the 128
+# registers of two CTAs per SM; in the sm_90 SASS a few values are stored before the key loop and
+# reloaded after it. (The contiguous cache's causal 32-row variant without the descale ring, no
+# longer planned, spilled 32 bytes, one register stored and reloaded every tile.)
+STACK_ALLOWED = {
+    "decode-d128-bf16-paged16-n64-s2-causal-pdl-hf-e4m3-t32-dsring": 24,
+    "decode-d128-bf16-paged64-n64-s2-causal-pdl-hf-e4m3-t32-dsring": 8,
+}
 
 
 def main(argv=None) -> int:
@@ -1059,7 +1077,7 @@ def main(argv=None) -> int:
             bad += 1
             continue
         usage = resource_usage(compiled)
-        spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > 0
+        spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > STACK_ALLOWED.get(name, 0)
         bad += spills
         print(f"{name}: ok, shared memory {compiled.metadata.shared} B, {usage.get('reg', '?')} "
               f"registers/thread, local {usage.get('local', '?')} B, stack {usage.get('stack', '?')} B"

@@ -1,0 +1,100 @@
+"""Speculative decode steps (Sq > 1 query positions against the cache, causal): the plans for 17-64
+query rows a KV head, bf16 and e4m3 caches, against the settings before and the Triton kernel.
+
+    PYTHONPATH=src python benchmarks/spec_decode_ab.py --out $OUT [--points 'B,H,Hk,ctx;...'] [--seqlen-q 8]
+
+Each provider runs as a CUDA graph over L layers with their own caches (>= 1 GiB, as bench decode),
+timed in ``--rounds`` balanced rounds (bench.common.time_in_rounds), the median of the rounds'
+do_bench medians; GB/s count the cache bytes (e4m3: and the float32 descales). Writes
+spec-decode-ab.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from flashtile.bench import decode as bench
+from flashtile.bench.decode_fp8 import FP8Caches, fp8_paged_step, fp8_point_bytes, fp8_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_gap import forced, run_points  # noqa: E402
+
+POINTS = "1,32,8,32768;4,32,8,8192;16,32,8,16384;16,12,2,16384;64,12,2,4096"
+PAGE = 16
+
+
+def report(results: dict, base: str) -> None:
+    ref = results[base]
+    for name, r in results.items():
+        if not r.get("available"):
+            print(f"  {name:34s} unavailable: {r.get('error')}", flush=True)
+            continue
+        r["vs_base"] = ref["ms_per_layer"] / r["ms_per_layer"] if ref.get("available") else None
+        spread = (max(r["replay_ms_rounds"]) - min(r["replay_ms_rounds"])) / r["replay_ms"]
+        print(f"  {name:34s} {r['us_per_layer']:8.1f} us {r['gbps']:6.0f} GB/s {r['pct_ceiling']:5.1f}%  "
+              f"{r['vs_base'] or float('nan'):.3f}x {base}  spread {100 * spread:.1f}%", flush=True)
+
+
+def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int) -> dict:
+    import flashtile
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(point.batch, seqlen_q, point.heads, point.head_dim, generator=gen).to(device, bench.DTYPE)
+    lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
+    shape = (point.batch, point.context, point.heads_k, point.head_dim)
+    record = {"point": point.__dict__, "seqlen_q": seqlen_q, "rows": point.heads // point.heads_k * seqlen_q}
+
+    # bf16 cache
+    layers = bench.layers_for(point)
+    caches = bench.LayerCaches.allocate(point, layers, device)
+
+    def bf16_call(layer):
+        return flashtile.flash_attn_with_kvcache(q, caches.k[layer].view(shape), caches.v[layer].view(shape),
+                                                 cache_seqlens=lengths, causal=True)
+    steps = {"bf16 dispatched": bench.Step(bf16_call),
+             "bf16 Triton": bench.Step(forced(bf16_call, False)),
+             "bf16 Triton, 2-warp plans (before)": bench.Step(forced(bf16_call, False, TWO_WARP_MAX_ROWS=64))}
+    results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer,
+                                      bench.point_bytes(point), ceiling, rounds=rounds, steps=steps)
+    report(results, "bf16 dispatched")
+    record["bf16"] = results
+    caches = steps = None  # (the graphs are gone: measure_providers dropped them)
+    torch.cuda.empty_cache()
+
+    # e4m3 cache
+    nbytes = fp8_point_bytes(point)
+    layers = max(1, math.ceil(bench.MIN_TOTAL_BYTES / nbytes))
+    caches8 = FP8Caches.allocate(point, layers, device)
+    holder = bench.LayerCaches(point, layers, caches8.k, caches8.v)  # measure_providers reads .layers
+    call = fp8_step(caches8, q, lengths).call
+    table = bench.shuffled_block_table(point.batch, point.context // PAGE, device)
+    steps = {"e4m3 dispatched": bench.Step(call),
+             "e4m3 Gluon without the ring (before)": bench.Step(forced(call, True, E4M3_ROWS32_DS_RING=False)),
+             "e4m3 Triton": bench.Step(forced(call, False)),
+             "e4m3 Triton, 2-warp plans (before)": bench.Step(forced(call, False, TWO_WARP_MAX_ROWS=64)),
+             f"e4m3 P{PAGE} dispatched": bench.Step(fp8_paged_step(caches8, q, lengths, PAGE, table).call)}
+    results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes, ceiling,
+                                      rounds=rounds, steps=steps)
+    report(results, "e4m3 dispatched")
+    record["e4m3"] = results
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--points", default=POINTS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seqlen-q", type=int, default=8)
+    args = parser.parse_args()
+    run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds,
+                                                                  args.seqlen_q),
+               args.out, f"spec-decode-ab-sq{args.seqlen_q}.json", rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()
