@@ -158,6 +158,19 @@ def decode_cases(dev) -> int:
         if not torch.isfinite(out).all() or (out.double() - expected).abs().max() > 0.05:
             failures += 1
             print(f"FAIL decode {name}")
+    # A speculative step of 6 positions (24 query rows a KV head) through the Triton kernel: on
+    # sm_90 a 64-row tile (decode.WIDE_TILE_ROWS), contiguous and paged.
+    q6 = torch.randn(batch, 6, heads, d, device=dev, dtype=BF16)
+    expected6 = reference(k, v, q6)
+    pool_k, pool_v, table = paginate(k, v, 16)
+    for name, paged in (("Sq 6, 24 rows", False), ("Sq 6, 24 rows, paged 16", True)):
+        out = twice(lambda paged=paged: decode_attention(
+            q6, pool_k if paged else k, pool_v if paged else v, seqlens, softmax_scale=d ** -0.5,
+            window_left=-1, window_right=0, block_table=table if paged else None,
+            config=DecodeConfig(32, 4, 4))[0])
+        if not torch.isfinite(out).all() or (out.double() - expected6).abs().max() > 0.05:
+            failures += 1
+            print(f"FAIL decode {name}")
     # Append two new tokens with rotary at leftpad/batch_idx-mapped rows, then attend.
     k2, v2 = k.clone(), v.clone()
     new_k = torch.randn(batch, 2, heads_k, d, device=dev, dtype=BF16)

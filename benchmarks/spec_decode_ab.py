@@ -1,5 +1,6 @@
 """Speculative decode steps (Sq > 1 query positions against the cache, causal): the plans for 17-64
-query rows a KV head, bf16 and e4m3 caches, against the settings before and the Triton kernel.
+query rows a KV head, bf16 and e4m3 caches, against the settings before and the Triton kernel
+(forced) with the rules before.
 
     PYTHONPATH=src python benchmarks/spec_decode_ab.py --out $OUT [--points 'B,H,Hk,ctx;...'] [--seqlen-q 8]
 
@@ -26,6 +27,9 @@ from paged_gap import forced, run_points  # noqa: E402
 
 POINTS = "1,32,8,32768;4,32,8,8192;16,32,8,16384;16,12,2,16384;64,12,2,4096"
 PAGE = 16
+# the Triton kernel's rules before speculative steps were measured: 2-warp programs at any row
+# count, tiles of the rows rounded up to a power of two
+BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
 
 
 def report(results: dict, base: str) -> None:
@@ -57,7 +61,8 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
                                                  cache_seqlens=lengths, causal=True)
     steps = {"bf16 dispatched": bench.Step(bf16_call),
              "bf16 Triton": bench.Step(forced(bf16_call, False)),
-             "bf16 Triton, 2-warp plans (before)": bench.Step(forced(bf16_call, False, TWO_WARP_MAX_ROWS=64))}
+             "bf16 Triton, tiles of 32 rows": bench.Step(forced(bf16_call, False, WIDE_TILE_ROWS=0)),
+             "bf16 Triton, rules before": bench.Step(forced(bf16_call, False, **BEFORE))}
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer,
                                       bench.point_bytes(point), ceiling, rounds=rounds, steps=steps)
     report(results, "bf16 dispatched")
@@ -75,7 +80,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
     steps = {"e4m3 dispatched": bench.Step(call),
              "e4m3 Gluon without the ring (before)": bench.Step(forced(call, True, E4M3_ROWS32_DS_RING=False)),
              "e4m3 Triton": bench.Step(forced(call, False)),
-             "e4m3 Triton, 2-warp plans (before)": bench.Step(forced(call, False, TWO_WARP_MAX_ROWS=64)),
+             "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
              f"e4m3 P{PAGE} dispatched": bench.Step(fp8_paged_step(caches8, q, lengths, PAGE, table).call)}
     results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes, ceiling,
                                       rounds=rounds, steps=steps)

@@ -272,6 +272,18 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     for fp8_cache in (False, True):
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=16).num_warps == 2
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=17).num_warps == 4
+
+    def tile_rows(heads, heads_k, seqlen_q, paged=False, fp8_cache=False):
+        plan = decode._plan(16, seqlen_q, heads, heads_k, 128, torch.bfloat16, dev, paged, 16384, 0,
+                            None, False, True, False, False, False, False, fp8_cache, False, True,
+                            16 if paged else 0)
+        return plan[2]["ROWS"]
+    # ... and 16-bit caches tiles of at least 64 rows (a wgmma's M) past 16 rows, 16 rows at least
+    # up to them; e4m3 caches the rows' own power of two
+    assert (tile_rows(32, 8, 1), tile_rows(32, 8, 4), tile_rows(12, 2, 4), tile_rows(12, 2, 8)) \
+        == (16, 16, 64, 64)
+    assert tile_rows(12, 2, 4, paged=True) == 64
+    assert (tile_rows(12, 2, 4, fp8_cache=True), tile_rows(12, 2, 8, fp8_cache=True)) == (32, 64)
     monkeypatch.setattr(decode, "_arch", lambda index: 80)  # measured on Hopper only
     assert decode.decode_config(False, dev, 128).max_splits == 128
     assert decode.decode_config(False, dev, 512).num_warps == 4

@@ -343,8 +343,16 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
 # e4m3 cache (fp8-decode-ab-paged-h200-20261201-sq8: B16 12/2 16k, 48 rows, 268.5 against 83.6 us).
 # 4 warps from 17 rows, same run (spec-decode-ab-h200-20261201-sq8): e4m3 48 rows B16 12/2 16k
 # 265.3 -> 83.2 us, B64 12/2 4k 276.3 -> 85.4, 32 rows B1 32/8 32k 59.5 -> 40.2 (Triton forced);
-# bf16 caches unchanged at those points (their plans there were 4-warp ones already).
+# bf16 caches unchanged at those points (their plans there were 4-warp ones already); at 24 rows
+# with 2 pairs (B1 12/2 32k Sq 4) the 2-warp plan had been 2% faster (-sq4-b: 17.6 against 17.9 us).
 TWO_WARP_MAX_ROWS = 16
+# Past 16 query rows a KV head the Triton kernel's tile takes at least this many rows on sm_90
+# (a wgmma's M is 64) with 16-bit caches: 24-32 rows 1.12-1.19x faster than in 32-row tiles
+# (spec-decode-ab-h200-20261201-sq4-b/-sq8-b: B16 12/2 16k Sq 4 80.1 -> 70.1 us, B64 12/2 4k 79.6
+# -> 68.4, B16 32/8 16k Sq 8 296.7 -> 248.9, B4 32/8 8k 44.5 -> 39.9; B1 12/2 32k Sq 4 18.9 ->
+# 17.9). e4m3 caches keep the rows' own tile: 64 rows were 1.17-1.37x slower there (B16 12/2 16k
+# Sq 4 67.1 -> 82.5 us, B16 32/8 16k Sq 8 233.7 -> 272.6).
+WIDE_TILE_ROWS = 64
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
@@ -431,8 +439,13 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
             page_shift = page_size.bit_length() - 1  # a tile fits in a page
             if cfg.page_prefetch and page_size >= block_n:
                 paged_mode = 3
+    rows = heads // heads_k * seqlen_q
+    tile_rows = max(16, _next_power_of_2(rows))
+    if rows > 16 and not fp8_cache and device.type == "cuda" and not interpreting() and _arch(
+            device.index if device.index is not None else torch.cuda.current_device()) >= 90:
+        tile_rows = max(tile_rows, WIDE_TILE_ROWS)
     kernel = dict(
-        ROWS=max(16, _next_power_of_2(heads // heads_k * seqlen_q)), BLOCK_N=block_n,
+        ROWS=tile_rows, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,
