@@ -4,10 +4,11 @@ query rows a KV head, bf16 and e4m3 caches, against the settings before and the 
 
     PYTHONPATH=src python benchmarks/spec_decode_ab.py --out $OUT [--points 'B,H,Hk,ctx;...'] [--seqlen-q 8]
 
-Each provider runs as a CUDA graph over L layers with their own caches (>= 1 GiB, as bench decode),
-timed in ``--rounds`` balanced rounds (bench.common.time_in_rounds), the median of the rounds'
-do_bench medians; GB/s count the cache bytes (e4m3: and the float32 descales). Writes
-spec-decode-ab.json under --out.
+Each provider's output is first checked against float64 attention (the accuracy rule), then it
+runs as a CUDA graph over L layers with their own caches (>= 1 GiB, as bench decode), timed in
+``--rounds`` balanced rounds (bench.common.time_in_rounds), the median of the rounds' do_bench
+medians; GB/s count the cache bytes (e4m3: and the float32 descales). Writes
+spec-decode-ab-sq<Sq>.json under --out.
 """
 
 from __future__ import annotations
@@ -44,6 +45,41 @@ def report(results: dict, base: str) -> None:
               f"{r['vs_base'] or float('nan'):.3f}x {base}  spread {100 * spread:.1f}%", flush=True)
 
 
+def in_page_order(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The sequences a paged step reads from ``cache`` (B, S, ...) viewed as a pool of
+    S * B / P pages of P rows through ``table`` (B, S / P)."""
+    batch, pages = table.shape
+    pool = cache.reshape(-1, PAGE, *cache.shape[2:])
+    return pool[table.long()].reshape(batch, pages * PAGE, *cache.shape[2:])
+
+
+def check(steps: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list,
+          table: torch.Tensor | None = None) -> dict:
+    """Each provider's layer-0 output for the first and the last sequence against float64
+    attention of ``k``, ``v`` (the layer's cache, dequantized for e4m3; for the paged provider in
+    the order ``table`` gives its pages): error over the budget of textbook attention in bf16 (the
+    accuracy rule's 2x); prints one line a provider."""
+    from flashtile import reference
+    worst = {}
+    for name, step in steps.items():
+        out = step.call(0)
+        if f"P{PAGE}" in name:
+            k_seq, v_seq = in_page_order(k, table), in_page_order(v, table)
+        else:
+            k_seq, v_seq = k, v
+        ratio = 0.0
+        for b in sorted({0, q.shape[0] - 1}):
+            kb, vb = k_seq[b:b + 1, :lengths[b]], v_seq[b:b + 1, :lengths[b]]
+            ref, _ = reference.attention(q[b:b + 1].double(), kb.double(), vb.double(), causal=True)
+            low, _ = reference.attention(q[b:b + 1], kb.bfloat16(), vb.bfloat16(), causal=True)
+            budget = 2 * (low.double() - ref).abs().max().item() + 1e-6
+            err = (out[b:b + 1].double() - ref).abs().max().item()
+            ratio = max(ratio, err / budget if torch.isfinite(out[b]).all() else math.inf)
+        worst[name] = ratio
+        print(f"  check {name:34s} {'ok' if ratio <= 1 else 'FAIL'} {ratio:.3f} of the budget", flush=True)
+    return worst
+
+
 def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int) -> dict:
     import flashtile
     gen = torch.Generator().manual_seed(0)
@@ -63,6 +99,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "bf16 Triton": bench.Step(forced(bf16_call, False)),
              "bf16 Triton, tiles of 32 rows": bench.Step(forced(bf16_call, False, WIDE_TILE_ROWS=0)),
              "bf16 Triton, rules before": bench.Step(forced(bf16_call, False, **BEFORE))}
+    record["bf16_check"] = check(steps, q, caches.k[0].view(shape), caches.v[0].view(shape), point.lengths())
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer,
                                       bench.point_bytes(point), ceiling, rounds=rounds, steps=steps)
     report(results, "bf16 dispatched")
@@ -82,6 +119,9 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "e4m3 Triton": bench.Step(forced(call, False)),
              "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
              f"e4m3 P{PAGE} dispatched": bench.Step(fp8_paged_step(caches8, q, lengths, PAGE, table).call)}
+    record["e4m3_check"] = check(steps, q, caches8.k[0].float() * caches8.k_descale[0][..., None],
+                                 caches8.v[0].float() * caches8.v_descale[0][..., None], point.lengths(),
+                                 table)
     results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes, ceiling,
                                       rounds=rounds, steps=steps)
     report(results, "e4m3 dispatched")
