@@ -95,11 +95,20 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
     def bf16_call(layer):
         return flashtile.flash_attn_with_kvcache(q, caches.k[layer].view(shape), caches.v[layer].view(shape),
                                                  cache_seqlens=lengths, causal=True)
+    table = bench.shuffled_block_table(point.batch, point.context // PAGE, device)
+    pool = (-1, PAGE, point.heads_k, point.head_dim)
+
+    def bf16_paged_call(layer):
+        return flashtile.flash_attn_with_kvcache(q, caches.k[layer].view(pool), caches.v[layer].view(pool),
+                                                 cache_seqlens=lengths, block_table=table, causal=True)
     steps = {"bf16 dispatched": bench.Step(bf16_call),
+             f"bf16 P{PAGE} dispatched": bench.Step(bf16_paged_call),
+             f"bf16 P{PAGE} Triton": bench.Step(forced(bf16_paged_call, False)),
              "bf16 Triton": bench.Step(forced(bf16_call, False)),
              "bf16 Triton, tiles of 32 rows": bench.Step(forced(bf16_call, False, WIDE_TILE_ROWS=0)),
              "bf16 Triton, rules before": bench.Step(forced(bf16_call, False, **BEFORE))}
-    record["bf16_check"] = check(steps, q, caches.k[0].view(shape), caches.v[0].view(shape), point.lengths())
+    record["bf16_check"] = check(steps, q, caches.k[0].view(shape), caches.v[0].view(shape), point.lengths(),
+                                 table)
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer,
                                       bench.point_bytes(point), ceiling, rounds=rounds, steps=steps)
     report(results, "bf16 dispatched")
@@ -113,7 +122,6 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
     caches8 = FP8Caches.allocate(point, layers, device)
     holder = bench.LayerCaches(point, layers, caches8.k, caches8.v)  # measure_providers reads .layers
     call = fp8_step(caches8, q, lengths).call
-    table = bench.shuffled_block_table(point.batch, point.context // PAGE, device)
     steps = {"e4m3 dispatched": bench.Step(call),
              "e4m3 Gluon without the ring (before)": bench.Step(forced(call, True, E4M3_ROWS32_DS_RING=False)),
              "e4m3 Triton": bench.Step(forced(call, False)),
