@@ -420,8 +420,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
                            heads // heads_k * seqlen_q)
-    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim,
-                                  heads // heads_k * seqlen_q)
+    rows = heads // heads_k * seqlen_q  # query rows a KV head
+    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim, rows)
     if one_launch:
         splits = 1
     else:
@@ -439,7 +439,6 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
             page_shift = page_size.bit_length() - 1  # a tile fits in a page
             if cfg.page_prefetch and page_size >= block_n:
                 paged_mode = 3
-    rows = heads // heads_k * seqlen_q
     tile_rows = max(16, _next_power_of_2(rows))
     if rows > 16 and not fp8_cache and device.type == "cuda" and not interpreting() and _arch(
             device.index if device.index is not None else torch.cuda.current_device()) >= 90:

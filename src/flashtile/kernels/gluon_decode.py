@@ -76,7 +76,7 @@ class DecodeVariant:
     batch_idx: bool = False
     pdl: bool = False  # programmatic dependent launch: may start while the previous kernel ends
     heads_first: bool = False  # grid (Hk, splits, B) rather than (splits, B, Hk)
-    fp8: bool = False  # an e4m3 cache with per-key descales (contiguous), ``dtype`` the query's
+    fp8: bool = False  # an e4m3 cache with per-key descales, ``dtype`` the query's
     # > 0: the transposed consumer, with the query rows (8, 16 or 32) as the N of its wgmmas (S^T =
     # K Q^T, O^T = V^T P^T); 0: 64 query rows as their M (16-bit caches only)
     rows_n: int = 0
