@@ -22,6 +22,7 @@ import torch
 
 from flashtile.bench import decode as bench
 from flashtile.bench.decode_fp8 import FP8Caches, fp8_paged_step, fp8_point_bytes, fp8_step
+from flashtile.kernels import decode as dec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_gap import forced, run_points  # noqa: E402
@@ -31,6 +32,13 @@ PAGE = 16
 # the Triton kernel's rules before speculative steps were measured: 2-warp programs at any row
 # count, tiles of the rows rounded up to a power of two
 BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
+E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves]) to time
+
+
+def triton_config(block_n: int, warps: int, stages: int, waves: int = 2):
+    """decode.decode_config replaced by one plan (the split heuristic still sizes its splits)."""
+    cfg = dec.DecodeConfig(block_n, warps, stages, waves=waves, min_split_keys=128, pdl=True)
+    return lambda *args, **kwargs: cfg
 
 
 def report(results: dict, base: str) -> None:
@@ -127,6 +135,9 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "e4m3 Triton": bench.Step(forced(call, False)),
              "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
              f"e4m3 P{PAGE} dispatched": bench.Step(fp8_paged_step(caches8, q, lengths, PAGE, table).call)}
+    for config in E4M3_CONFIGS:
+        steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")] = \
+            bench.Step(forced(call, False, decode_config=triton_config(*config)))
     record["e4m3_check"] = check(steps, q, caches8.k[0].float() * caches8.k_descale[0][..., None],
                                  caches8.v[0].float() * caches8.v_descale[0][..., None], point.lengths(),
                                  table)
@@ -143,7 +154,11 @@ def main():
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seqlen-q", type=int, default=8)
+    parser.add_argument("--e4m3-configs", default="",
+                        help="Triton plans for the e4m3 cache to time too: 'block_n,warps,stages[,waves];...'")
     args = parser.parse_args()
+    global E4M3_CONFIGS
+    E4M3_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.e4m3_configs.split(";") if c]
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds,
                                                                   args.seqlen_q),
                args.out, f"spec-decode-ab-sq{args.seqlen_q}.json", rounds=args.rounds)
