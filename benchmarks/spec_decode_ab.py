@@ -33,6 +33,13 @@ PAGE = 16
 # count, tiles of the rows rounded up to a power of two
 BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
 E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves]) to time
+ONLY: list = []  # --only: the providers to time besides the dispatched ones (name substrings)
+
+
+def kept(steps: dict) -> dict:
+    """``steps`` without the providers --only leaves out (the dispatched ones always stay)."""
+    return {name: step for name, step in steps.items()
+            if not ONLY or name.endswith("dispatched") or any(part in name for part in ONLY)}
 
 
 def triton_config(block_n: int, warps: int, stages: int, waves: int = 2):
@@ -115,6 +122,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "bf16 Triton": bench.Step(forced(bf16_call, False)),
              "bf16 Triton, tiles of 32 rows": bench.Step(forced(bf16_call, False, WIDE_TILE_ROWS=0)),
              "bf16 Triton, rules before": bench.Step(forced(bf16_call, False, **BEFORE))}
+    steps = kept(steps)
     record["bf16_check"] = check(steps, q, caches.k[0].view(shape), caches.v[0].view(shape), point.lengths(),
                                  table)
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer,
@@ -138,6 +146,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
     for config in E4M3_CONFIGS:
         steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")] = \
             bench.Step(forced(call, False, decode_config=triton_config(*config)))
+    steps = kept(steps)
     record["e4m3_check"] = check(steps, q, caches8.k[0].float() * caches8.k_descale[0][..., None],
                                  caches8.v[0].float() * caches8.v_descale[0][..., None], point.lengths(),
                                  table)
@@ -156,8 +165,11 @@ def main():
     parser.add_argument("--seqlen-q", type=int, default=8)
     parser.add_argument("--e4m3-configs", default="",
                         help="Triton plans for the e4m3 cache to time too: 'block_n,warps,stages[,waves];...'")
+    parser.add_argument("--only", default="",
+                        help="';'-separated name parts of the providers to time besides the dispatched ones")
     args = parser.parse_args()
-    global E4M3_CONFIGS
+    global E4M3_CONFIGS, ONLY
+    ONLY = [part for part in args.only.split(";") if part]
     E4M3_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.e4m3_configs.split(";") if c]
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds,
                                                                   args.seqlen_q),
