@@ -245,9 +245,10 @@ def fp8_varlen_and_cache_cases(dev) -> int:
     v8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
     kd = torch.rand(3, 304, 2, device=dev) + 0.5
     vd = torch.rand(3, 304, 2, device=dev) + 0.5
-    # one query position appending two keys, and a speculative step of 6 (24 query rows a KV
-    # head: on sm_90 the two-per-SM plan with V in shared tiles)
-    for sq, new, lengths in ((1, 2, [1, 77, 300]), (6, 6, [0, 77, 298])):
+    # one query position appending two keys, and speculative steps of 6 (24 query rows a KV
+    # head: on sm_90 the two-per-SM plan with V in shared tiles) and 12 (48 rows: the Triton
+    # kernel, contiguous with one stage)
+    for sq, new, lengths in ((1, 2, [1, 77, 300]), (6, 6, [0, 77, 298]), (12, 12, [0, 77, 292])):
         qd = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
         new_k = torch.randn(3, new, 2, 128, device=dev, dtype=BF16)
         new_v = torch.randn(3, new, 2, 128, device=dev, dtype=BF16)

@@ -33,6 +33,7 @@ PAGE = 16
 # count, tiles of the rows rounded up to a power of two
 BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
 E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves]) to time
+E4M3_PAGED_CONFIGS: list = []  # --e4m3-paged-configs: the same for the page-16 pool
 ONLY: list = []  # --only: the providers to time besides the dispatched ones (name substrings)
 
 
@@ -42,9 +43,11 @@ def kept(steps: dict) -> dict:
             if not ONLY or name.endswith("dispatched") or any(part in name for part in ONLY)}
 
 
-def triton_config(block_n: int, warps: int, stages: int, waves: int = 2):
+def triton_config(block_n: int, warps: int, stages: int, waves: int = 2, pdl: int = 1,
+                  min_split_keys: int = 128):
     """decode.decode_config replaced by one plan (the split heuristic still sizes its splits)."""
-    cfg = dec.DecodeConfig(block_n, warps, stages, waves=waves, min_split_keys=128, pdl=True)
+    cfg = dec.DecodeConfig(block_n, warps, stages, waves=waves, min_split_keys=min_split_keys,
+                           pdl=bool(pdl))
     return lambda *args, **kwargs: cfg
 
 
@@ -143,9 +146,15 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "e4m3 Triton": bench.Step(forced(call, False)),
              "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
              f"e4m3 P{PAGE} dispatched": bench.Step(fp8_paged_step(caches8, q, lengths, PAGE, table).call)}
+    paged_call = fp8_paged_step(caches8, q, lengths, PAGE, table).call
     for config in E4M3_CONFIGS:
-        steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")] = \
+        steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")
+              + (f" pdl {config[4]}" if len(config) > 4 else "")
+              + (f" min {config[5]}" if len(config) > 5 else "")] = \
             bench.Step(forced(call, False, decode_config=triton_config(*config)))
+    for config in E4M3_PAGED_CONFIGS:
+        steps[f"e4m3 P{PAGE} Triton " + ",".join(map(str, config))] = \
+            bench.Step(forced(paged_call, False, decode_config=triton_config(*config)))
     steps = kept(steps)
     record["e4m3_check"] = check(steps, q, caches8.k[0].float() * caches8.k_descale[0][..., None],
                                  caches8.v[0].float() * caches8.v_descale[0][..., None], point.lengths(),
@@ -164,11 +173,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seqlen-q", type=int, default=8)
     parser.add_argument("--e4m3-configs", default="",
-                        help="Triton plans for the e4m3 cache to time too: 'block_n,warps,stages[,waves];...'")
+                        help="Triton plans for the e4m3 cache to time too: "
+                        "'block_n,warps,stages[,waves[,pdl 0/1[,min split keys]]];...'")
+    parser.add_argument("--e4m3-paged-configs", default="",
+                        help="the same for the e4m3 page pool (the Triton kernel forced)")
     parser.add_argument("--only", default="",
                         help="';'-separated name parts of the providers to time besides the dispatched ones")
     args = parser.parse_args()
-    global E4M3_CONFIGS, ONLY
+    global E4M3_CONFIGS, E4M3_PAGED_CONFIGS, ONLY
+    E4M3_PAGED_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.e4m3_paged_configs.split(";") if c]
     ONLY = [part for part in args.only.split(";") if part]
     E4M3_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.e4m3_configs.split(";") if c]
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds,
