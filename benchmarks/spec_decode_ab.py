@@ -44,10 +44,10 @@ def kept(steps: dict) -> dict:
 
 
 def triton_config(block_n: int, warps: int, stages: int, waves: int = 2, pdl: int = 1,
-                  min_split_keys: int = 128):
+                  min_split_keys: int = 128, programs_per_sm: int = 1):
     """decode.decode_config replaced by one plan (the split heuristic still sizes its splits)."""
     cfg = dec.DecodeConfig(block_n, warps, stages, waves=waves, min_split_keys=min_split_keys,
-                           pdl=bool(pdl))
+                           pdl=bool(pdl), programs_per_sm=programs_per_sm)
     return lambda *args, **kwargs: cfg
 
 
@@ -150,7 +150,8 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
     for config in E4M3_CONFIGS:
         steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")
               + (f" pdl {config[4]}" if len(config) > 4 else "")
-              + (f" min {config[5]}" if len(config) > 5 else "")] = \
+              + (f" min {config[5]}" if len(config) > 5 else "")
+              + (f" per SM {config[6]}" if len(config) > 6 else "")] = \
             bench.Step(forced(call, False, decode_config=triton_config(*config)))
     for config in E4M3_PAGED_CONFIGS:
         steps[f"e4m3 P{PAGE} Triton " + ",".join(map(str, config))] = \
@@ -174,7 +175,7 @@ def main():
     parser.add_argument("--seqlen-q", type=int, default=8)
     parser.add_argument("--e4m3-configs", default="",
                         help="Triton plans for the e4m3 cache to time too: "
-                        "'block_n,warps,stages[,waves[,pdl 0/1[,min split keys]]];...'")
+                        "'block_n,warps,stages[,waves[,pdl 0/1[,min split keys[,programs per SM]]]];...'")
     parser.add_argument("--e4m3-paged-configs", default="",
                         help="the same for the e4m3 page pool (the Triton kernel forced)")
     parser.add_argument("--only", default="",

@@ -323,7 +323,8 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # us, 128k 53.2 -> 48.6, B2 12/2 32k 36.9 -> 29.8, B4 12/2 16k 35.6 -> 29.4, B1 64/8 32k
         # 53.7 -> 48.9, B4 64/8 16k, B16 12/2 16k, B64 12/2 4k +1-2%, B16 64/8 8k -2.3%
         # (151.6 -> 155.2); 2 stages were slower than 3 at 6 of 9 points. The same in a second run
-        # with outputs checked (-stages-b-sq8: 1.10-1.40x at 1-8 pairs, B16 64/8 8k 0.977x).
+        # with outputs checked (-stages-b-sq8: 1.10-1.40x at 1-8 pairs, B16 64/8 8k 0.977x). (The
+        # 2-warp plan above, one query position, lost 4-31% with 1 or 2 stages: -stages-sq1.)
         return DecodeConfig(128, 4, 1 if hopper else 3, waves=2, min_split_keys=128, pdl=True)
     if hopper and 4 * programs >= 3 * sms and programs <= sms:
         # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
