@@ -272,9 +272,13 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     for fp8_cache in (False, True):
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=16).num_warps == 2
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=17).num_warps == 4
-    # ... an e4m3 cache's 4-warp plan on sm_90 without a software pipeline (1 stage), elsewhere 3
+    # ... an e4m3 cache's 4-warp plan with 33-64 rows on sm_90 without a software pipeline (1
+    # stage), elsewhere 3
     for pairs in (2, 32, 128):
         assert decode.decode_config(False, dev, pairs, True, rows=48).num_stages == 1
+        assert decode.decode_config(False, dev, pairs, True, rows=64).num_stages == 1
+        assert decode.decode_config(False, dev, pairs, True, rows=32).num_stages == 3
+        assert decode.decode_config(False, dev, pairs, True, rows=65).num_stages == 3
 
     def tile_rows(heads, heads_k, seqlen_q, paged=False, fp8_cache=False):
         plan = decode._plan(16, seqlen_q, heads, heads_k, 128, torch.bfloat16, dev, paged, 16384, 0,
@@ -369,6 +373,7 @@ def test_paged_plans(h200_plans):
     assert (under.block_n, under.num_stages) == (128, 2)
     assert decode.decode_config(True, dev, 128, fp8_cache=True).num_stages == 3
     assert decode.decode_config(True, dev, 128, fp8_cache=True, rows=48).num_stages == 1
+    assert decode.decode_config(True, dev, 128, fp8_cache=True, rows=24).num_stages == 3
     over = decode.decode_config(True, dev, 512)
     assert (over.block_n, over.num_stages) == (32, 4)
     assert decode.decode_config(True, dev, 512, fp8_cache=True).block_n == 128
