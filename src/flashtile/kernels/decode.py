@@ -295,7 +295,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
             # e4m3 pages of 33-64 query rows a KV head on sm_90: one stage, as the contiguous plan
             # below (spec-decode-ab-h200-20261201-stages-paged-sq8, page 16, against 3 stages: B1
             # 12/2 32k 22.6 -> 18.6 us, B2 12/2 32k 32.3 -> 29.3, B4 12/2 16k 31.9 -> 28.9, B1 12/2
-            # 128k and B1 64/8 32k -3%, B16 12/2 16k 0, B16 64/8 8k +2%)
+            # 128k and B1 64/8 32k 3% faster, B16 12/2 16k the same, B16 64/8 8k 2% slower)
             stages = (1 if hopper and 32 < rows <= 64 else 3) if fp8_cache else 2
             return DecodeConfig(128, 4, stages, waves=2, min_split_keys=256)
         if fp8_cache:  # (32-key steps not measured with e4m3 pages)
@@ -321,7 +321,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # through shared memory. Speculative steps of 8 positions (48-64 rows), against 3
         # stages in one run (spec-decode-ab-h200-20261201-stages-sq8): B1 12/2 32k 27.5 -> 20.0
         # us, 128k 53.2 -> 48.6, B2 12/2 32k 36.9 -> 29.8, B4 12/2 16k 35.6 -> 29.4, B1 64/8 32k
-        # 53.7 -> 48.9, B4 64/8 16k, B16 12/2 16k, B64 12/2 4k +1-2%, B16 64/8 8k -2.3%
+        # 53.7 -> 48.9, B4 64/8 16k, B16 12/2 16k, B64 12/2 4k 1-2% faster, B16 64/8 8k 2.3% slower
         # (151.6 -> 155.2); 2 stages were slower than 3 at 6 of 9 points. The same in a second run
         # with outputs checked (-stages-b-sq8: 1.10-1.40x at 1-8 pairs, B16 64/8 8k 0.977x). (The
         # 2-warp plan above, one query position, lost 4-31% with 1 or 2 stages: -stages-sq1; so
