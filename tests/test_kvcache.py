@@ -272,13 +272,12 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     for fp8_cache in (False, True):
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=16).num_warps == 2
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=17).num_warps == 4
-    # ... an e4m3 cache's 4-warp plan with 33-64 rows on sm_90 without a software pipeline (1
-    # stage), elsewhere 3
+    # ... an e4m3 cache's 4-warp plan past 32 rows on sm_90 without a software pipeline (1
+    # stage), elsewhere 3 (pages: 33-64 rows, as measured)
     for pairs in (2, 32, 128):
-        assert decode.decode_config(False, dev, pairs, True, rows=48).num_stages == 1
-        assert decode.decode_config(False, dev, pairs, True, rows=64).num_stages == 1
-        assert decode.decode_config(False, dev, pairs, True, rows=32).num_stages == 3
-        assert decode.decode_config(False, dev, pairs, True, rows=65).num_stages == 3
+        for rows, stages in ((48, 1), (64, 1), (128, 1), (32, 3), (17, 3)):
+            assert decode.decode_config(False, dev, pairs, True, rows=rows).num_stages == stages
+        assert decode.decode_config(True, dev, pairs, True, rows=65).num_stages == 3
 
     def tile_rows(heads, heads_k, seqlen_q, paged=False, fp8_cache=False):
         plan = decode._plan(16, seqlen_q, heads, heads_k, 128, torch.bfloat16, dev, paged, 16384, 0,

@@ -295,7 +295,8 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
             # e4m3 pages of 33-64 query rows a KV head on sm_90: one stage, as the contiguous plan
             # below (spec-decode-ab-h200-20261201-stages-paged-sq8, page 16, against 3 stages: B1
             # 12/2 32k 22.6 -> 18.6 us, B2 12/2 32k 32.3 -> 29.3, B4 12/2 16k 31.9 -> 28.9, B1 12/2
-            # 128k and B1 64/8 32k 3% faster, B16 12/2 16k the same, B16 64/8 8k 2% slower)
+            # 128k and B1 64/8 32k 3% faster, B16 12/2 16k the same, B16 64/8 8k 2% slower; pages
+            # with more rows not measured with it)
             stages = (1 if hopper and 32 < rows <= 64 else 3) if fp8_cache else 2
             return DecodeConfig(128, 4, stages, waves=2, min_split_keys=256)
         if fp8_cache:  # (32-key steps not measured with e4m3 pages)
@@ -315,10 +316,10 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
             # on too few programs (B1 32/8 1k 0.63x of the 4-warp plan, decode-fp8-...-c.json).
             return DecodeConfig(64, 2, 3, waves=1, min_split_keys=64, pdl=True, programs_per_sm=4)
         # 128-key steps, 3 stages (decode-probe-fp8-h200-20261130.json: B16 32/8 32k 2941 GB/s of
-        # e4m3 against 2473 with 64 keys and 4 stages, 1474-1974 with 8 warps). On sm_90 with
-        # 33-64 query rows a KV head (64-row tiles, the step compute-bound) one stage: the tiles
-        # load straight into registers to be widened, without the software pipeline's trip
-        # through shared memory. Speculative steps of 8 positions (48-64 rows), against 3
+        # e4m3 against 2473 with 64 keys and 4 stages, 1474-1974 with 8 warps). On sm_90 with more
+        # than 32 query rows a KV head (tiles of 64 rows or more, the step compute-bound) one
+        # stage: the tiles load straight into registers to be widened, without the software
+        # pipeline's trip through shared memory. Speculative steps of 8 positions (48-64 rows), against 3
         # stages in one run (spec-decode-ab-h200-20261201-stages-sq8): B1 12/2 32k 27.5 -> 20.0
         # us, 128k 53.2 -> 48.6, B2 12/2 32k 36.9 -> 29.8, B4 12/2 16k 35.6 -> 29.4, B1 64/8 32k
         # 53.7 -> 48.9, B4 64/8 16k, B16 12/2 16k, B64 12/2 4k 1-2% faster, B16 64/8 8k 2.3% slower
@@ -327,7 +328,9 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # 2-warp plan above, one query position, lost 4-31% with 1 or 2 stages: -stages-sq1; so
         # did 24-32 rows in 32-row tiles, 1.16-1.25x slower than 3 stages at 8-128 pairs in one run,
         # -stages-rows32-b-sq4/-sq8, where sm_90 runs the Gluon kernel unless it refuses the call.)
-        return DecodeConfig(128, 4, 1 if hopper and 32 < rows <= 64 else 3, waves=2,
+        # 96-128 rows (Sq 16, -stages-sq16): 1.34-1.46x (B1 12/2 32k 84.2 -> 57.5 us, B16 12/2
+        # 16k 313.0 -> 234.2, B1 64/8 32k 186.2 -> 135.7).
+        return DecodeConfig(128, 4, 1 if hopper and rows > 32 else 3, waves=2,
                             min_split_keys=128, pdl=True)
     if hopper and 4 * programs >= 3 * sms and programs <= sms:
         # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
