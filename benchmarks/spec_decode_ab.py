@@ -32,7 +32,8 @@ PAGE = 16
 # the Triton kernel's rules before speculative steps were measured: 2-warp programs at any row
 # count, tiles of the rows rounded up to a power of two
 BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
-E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves]) to time
+E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves[, pdl[, min
+# split keys[, programs per SM]]]]) to time
 E4M3_PAGED_CONFIGS: list = []  # --e4m3-paged-configs: the same for the page-16 pool
 ONLY: list = []  # --only: the providers to time besides the dispatched ones (name substrings)
 
@@ -141,12 +142,12 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
     caches8 = FP8Caches.allocate(point, layers, device)
     holder = bench.LayerCaches(point, layers, caches8.k, caches8.v)  # measure_providers reads .layers
     call = fp8_step(caches8, q, lengths).call
+    paged_call = fp8_paged_step(caches8, q, lengths, PAGE, table).call
     steps = {"e4m3 dispatched": bench.Step(call),
              "e4m3 Gluon without the ring (before)": bench.Step(forced(call, True, E4M3_ROWS32_DS_RING=False)),
              "e4m3 Triton": bench.Step(forced(call, False)),
              "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
-             f"e4m3 P{PAGE} dispatched": bench.Step(fp8_paged_step(caches8, q, lengths, PAGE, table).call)}
-    paged_call = fp8_paged_step(caches8, q, lengths, PAGE, table).call
+             f"e4m3 P{PAGE} dispatched": bench.Step(paged_call)}
     for config in E4M3_CONFIGS:
         steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")
               + (f" pdl {config[4]}" if len(config) > 4 else "")
