@@ -171,6 +171,20 @@ def decode_cases(dev) -> int:
         if not torch.isfinite(out).all() or (out.double() - expected6).abs().max() > 0.05:
             failures += 1
             print(f"FAIL decode {name}")
+    # 40 positions (chunked prefill; 160 query rows a KV head: two blocks of rows, on sm_90 the
+    # 8-warp plan of 128-row tiles), contiguous and paged 16, split by the heuristic and unsplit.
+    q40 = torch.randn(batch, 40, heads, d, device=dev, dtype=BF16)
+    seqlens40 = seqlens.clamp(min=40)
+    expected40 = torch.cat([attention(q40[b:b + 1].double(), k[b:b + 1, :n].double(), v[b:b + 1, :n].double(),
+                                      causal=True)[0] for b, n in enumerate(seqlens40.tolist())])
+    pool_k, pool_v, table = paginate(k, v, 16)
+    for name, paged, splits in (("Sq 40", False, 0), ("Sq 40, unsplit", False, 1), ("Sq 40, paged 16", True, 0)):
+        out = twice(lambda paged=paged, splits=splits: flashtile.flash_attn_with_kvcache(
+            q40, pool_k if paged else k, pool_v if paged else v, cache_seqlens=seqlens40,
+            block_table=table if paged else None, causal=True, num_splits=splits))
+        if not torch.isfinite(out).all() or (out.double() - expected40).abs().max() > 0.05:
+            failures += 1
+            print(f"FAIL decode {name}")
     # Append two new tokens with rotary at leftpad/batch_idx-mapped rows, then attend.
     k2, v2 = k.clone(), v.clone()
     new_k = torch.randn(batch, 2, heads_k, d, device=dev, dtype=BF16)
@@ -248,7 +262,9 @@ def fp8_varlen_and_cache_cases(dev) -> int:
     # one query position appending two keys, and speculative steps of 6 (24 query rows a KV
     # head: on sm_90 the two-per-SM plan with V in shared tiles) and 12 (48 rows: the Triton
     # kernel, contiguous with one stage)
-    for sq, new, lengths in ((1, 2, [1, 77, 300]), (6, 6, [0, 77, 298]), (12, 12, [0, 77, 292])):
+    # and 24 (96 rows: 128-row tiles on 8 warps)
+    for sq, new, lengths in ((1, 2, [1, 77, 300]), (6, 6, [0, 77, 298]), (12, 12, [0, 77, 292]),
+                             (24, 24, [0, 77, 280])):
         qd = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
         new_k = torch.randn(3, new, 2, 128, device=dev, dtype=BF16)
         new_v = torch.randn(3, new, 2, 128, device=dev, dtype=BF16)

@@ -32,6 +32,8 @@ PAGE = 16
 # the Triton kernel's rules before speculative steps were measured: 2-warp programs at any row
 # count, tiles of the rows rounded up to a power of two
 BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
+BF16_CONFIGS: list = []  # --bf16-configs: Triton plans for the bf16 cache, as --e4m3-configs
+BF16_PAGED_CONFIGS: list = []  # --bf16-paged-configs: the same for the bf16 page-16 pool
 E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves[, pdl[, min
 # split keys[, programs per SM]]]]) to time
 E4M3_PAGED_CONFIGS: list = []  # --e4m3-paged-configs: the same for the page-16 pool
@@ -50,6 +52,23 @@ def triton_config(block_n: int, warps: int, stages: int, waves: int = 2, pdl: in
     cfg = dec.DecodeConfig(block_n, warps, stages, waves=waves, min_split_keys=min_split_keys,
                            pdl=bool(pdl), programs_per_sm=programs_per_sm)
     return lambda *args, **kwargs: cfg
+
+
+def config_name(config: tuple) -> str:
+    return ("n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")
+            + (f" pdl {config[4]}" if len(config) > 4 else "")
+            + (f" min {config[5]}" if len(config) > 5 else "")
+            + (f" per SM {config[6]}" if len(config) > 6 else ""))
+
+
+def add_configs(steps: dict, cache: str, call, paged_call, configs: list, paged_configs: list) -> None:
+    """Providers for the Triton kernel forced to each of ``configs`` (contiguous ``call``) and
+    ``paged_configs`` (``paged_call``)."""
+    for prefix, fn, plans in ((f"{cache} Triton ", call, configs),
+                              (f"{cache} P{PAGE} Triton ", paged_call, paged_configs)):
+        for config in plans:
+            steps[prefix + config_name(config)] = \
+                bench.Step(forced(fn, False, decode_config=triton_config(*config)))
 
 
 def report(results: dict, base: str) -> None:
@@ -126,6 +145,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "bf16 Triton": bench.Step(forced(bf16_call, False)),
              "bf16 Triton, tiles of 32 rows": bench.Step(forced(bf16_call, False, WIDE_TILE_ROWS=0)),
              "bf16 Triton, rules before": bench.Step(forced(bf16_call, False, **BEFORE))}
+    add_configs(steps, "bf16", bf16_call, bf16_paged_call, BF16_CONFIGS, BF16_PAGED_CONFIGS)
     steps = kept(steps)
     record["bf16_check"] = check(steps, q, caches.k[0].view(shape), caches.v[0].view(shape), point.lengths(),
                                  table)
@@ -148,15 +168,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "e4m3 Triton": bench.Step(forced(call, False)),
              "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
              f"e4m3 P{PAGE} dispatched": bench.Step(paged_call)}
-    for config in E4M3_CONFIGS:
-        steps["e4m3 Triton n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")
-              + (f" pdl {config[4]}" if len(config) > 4 else "")
-              + (f" min {config[5]}" if len(config) > 5 else "")
-              + (f" per SM {config[6]}" if len(config) > 6 else "")] = \
-            bench.Step(forced(call, False, decode_config=triton_config(*config)))
-    for config in E4M3_PAGED_CONFIGS:
-        steps[f"e4m3 P{PAGE} Triton " + ",".join(map(str, config))] = \
-            bench.Step(forced(paged_call, False, decode_config=triton_config(*config)))
+    add_configs(steps, "e4m3", call, paged_call, E4M3_CONFIGS, E4M3_PAGED_CONFIGS)
     steps = kept(steps)
     record["e4m3_check"] = check(steps, q, caches8.k[0].float() * caches8.k_descale[0][..., None],
                                  caches8.v[0].float() * caches8.v_descale[0][..., None], point.lengths(),
@@ -174,6 +186,10 @@ def main():
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seqlen-q", type=int, default=8)
+    parser.add_argument("--bf16-configs", default="",
+                        help="Triton plans for the bf16 cache to time too (the fields of --e4m3-configs)")
+    parser.add_argument("--bf16-paged-configs", default="",
+                        help="the same for the bf16 page pool (the Triton kernel forced)")
     parser.add_argument("--e4m3-configs", default="",
                         help="Triton plans for the e4m3 cache to time too: "
                         "'block_n,warps,stages[,waves[,pdl 0/1[,min split keys[,programs per SM]]]];...'")
@@ -182,7 +198,11 @@ def main():
     parser.add_argument("--only", default="",
                         help="';'-separated name parts of the providers to time besides the dispatched ones")
     args = parser.parse_args()
-    global E4M3_CONFIGS, E4M3_PAGED_CONFIGS, ONLY
+    global E4M3_CONFIGS, E4M3_PAGED_CONFIGS, ONLY, BF16_CONFIGS, BF16_PAGED_CONFIGS
+
+    def configs(text):
+        return [tuple(int(x) for x in c.split(",")) for c in text.split(";") if c]
+    BF16_CONFIGS, BF16_PAGED_CONFIGS = configs(args.bf16_configs), configs(args.bf16_paged_configs)
     E4M3_PAGED_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.e4m3_paged_configs.split(";") if c]
     ONLY = [part for part in args.only.split(";") if part]
     E4M3_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.e4m3_configs.split(";") if c]
