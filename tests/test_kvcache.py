@@ -29,7 +29,8 @@ def assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, rows=No
         n = int(lengths[b])
         if slopes is not None:
             kw["alibi_slopes"] = slopes[b:b + 1] if slopes.dim() == 2 else slopes
-        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[row:row + 1, :n],
+        assert_matches_reference(out[b:b + 1], None if lse is None else lse[b:b + 1], q[b:b + 1],
+                                 k_cache[row:row + 1, :n],
                                  v_cache[row:row + 1, :n], **kw)
 
 
@@ -272,12 +273,21 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     for fp8_cache in (False, True):
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=16).num_warps == 2
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=17).num_warps == 4
-    # ... an e4m3 cache's 4-warp plan past 32 rows on sm_90 without a software pipeline (1
-    # stage), elsewhere 3 (pages: 33-64 rows, as measured)
+    # ... an e4m3 cache's 4-warp plan at 33-64 rows on sm_90 without a software pipeline (1
+    # stage), 3 at up to 32
     for pairs in (2, 32, 128):
-        for rows, stages in ((48, 1), (64, 1), (128, 1), (32, 3), (17, 3)):
+        for rows, stages in ((48, 1), (64, 1), (32, 3), (17, 3)):
             assert decode.decode_config(False, dev, pairs, True, rows=rows).num_stages == stages
-        assert decode.decode_config(True, dev, pairs, True, rows=65).num_stages == 3
+    # ... past 64 rows 128-row tiles on 8 warps, 64-key steps, 3 stages, one wave (32-key steps and
+    # 2 stages over head dim 128), any cache; PDL on contiguous caches only
+    for paged in (False, True):
+        for fp8_cache in (False, True):
+            for pairs in (2, 32, 128, 512):
+                cfg = decode.decode_config(paged, dev, pairs, fp8_cache, rows=65)
+                assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.waves, cfg.min_split_keys,
+                        cfg.pdl) == (64, 8, 3, 1, 256, not paged)
+            cfg = decode.decode_config(paged, dev, 2, fp8_cache, head_dim=256, rows=96)
+            assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (32, 8, 2)
 
     def tile_rows(heads, heads_k, seqlen_q, paged=False, fp8_cache=False):
         plan = decode._plan(16, seqlen_q, heads, heads_k, 128, torch.bfloat16, dev, paged, 16384, 0,
@@ -290,6 +300,9 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
         == (16, 16, 64, 64)
     assert tile_rows(12, 2, 4, paged=True) == 64
     assert (tile_rows(12, 2, 4, fp8_cache=True), tile_rows(12, 2, 8, fp8_cache=True)) == (32, 64)
+    # ... and at most 128 rows: chunked prefill's thousands of rows take blocks of them
+    assert (tile_rows(12, 2, 16), tile_rows(32, 8, 512), tile_rows(32, 8, 512, fp8_cache=True)) \
+        == (128, 128, 128)
     monkeypatch.setattr(decode, "_arch", lambda index: 80)  # measured on Hopper only
     assert decode.decode_config(False, dev, 128).max_splits == 128
     assert decode.decode_config(False, dev, 512).num_warps == 4
@@ -373,6 +386,60 @@ def test_paged_plans(h200_plans):
     assert decode.decode_config(True, dev, 128, fp8_cache=True).num_stages == 3
     assert decode.decode_config(True, dev, 128, fp8_cache=True, rows=48).num_stages == 1
     assert decode.decode_config(True, dev, 128, fp8_cache=True, rows=24).num_stages == 3
+    assert decode.decode_config(True, dev, 128, fp8_cache=True, rows=65).num_warps == 8
     over = decode.decode_config(True, dev, 512)
     assert (over.block_n, over.num_stages) == (32, 4)
     assert decode.decode_config(True, dev, 512, fp8_cache=True).block_n == 128
+
+
+@pytest.fixture
+def small_row_blocks(monkeypatch):
+    """The Triton decode kernel with tiles of at most 16 query rows, so that small cases take
+    several row blocks a KV head."""
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "MAX_TILE_ROWS", 16)
+    decode._PLANS.clear()
+    yield decode
+    decode._PLANS.clear()
+
+
+@pytest.mark.parametrize("seqlen_q,heads,heads_k", [(7, 6, 2), (16, 8, 2), (20, 4, 4), (40, 4, 1)],
+                         ids=["straddling-heads", "head-per-block", "MHA", "MQA-long-chunk"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(20, -1), softcap=4.0),
+                                dict()], ids=["causal", "window-softcap", "full"])
+def test_query_rows_in_blocks(small_row_blocks, seqlen_q, heads, heads_k, num_splits, kw):
+    # A KV head's group x Sq rows over several programs (chunked prefill against the cache): blocks
+    # that hold the end of one query head and the start of the next, a block per head, splits.
+    rows = heads // heads_k * seqlen_q
+    q, k_cache, v_cache, lengths = cache_case(batch=2, seqlen_q=seqlen_q, heads=heads, heads_k=heads_k,
+                                              capacity=90, dtype=BF16 if num_splits == 3 else F16)
+    prepared = small_row_blocks.prepare_decode(q, k_cache, v_cache, softmax_scale=0.125, window_left=-1,
+                                               window_right=0, num_splits=num_splits)
+    assert prepared.grid[2] == heads_k * -(-rows // 16) > heads_k
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                 num_splits=num_splits, return_softmax_lse=True, **kw)
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, **kw)
+
+
+@pytest.mark.parametrize("page_size", [3, 16])
+def test_query_rows_in_blocks_paged_and_appended(small_row_blocks, page_size):
+    q, k_cache, v_cache, lengths = cache_case(seqlen_q=9, heads=6, heads_k=2, capacity=100)
+    lengths = lengths.clamp(max=91)
+    k_pool, v_pool, table = paged_cache(k_cache, v_cache, page_size)
+    k_new, v_new = torch.randn(3, 9, 2, 64, dtype=F16), torch.randn(3, 9, 2, 64, dtype=F16)
+    out = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lengths,
+                                            block_table=table, causal=True, num_splits=2)
+    expected = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                                 causal=True, num_splits=2)
+    assert torch.equal(out, expected)
+    assert_each_sequence_matches(out, None, q, k_cache, v_cache, lengths + 9, causal=True)
+
+
+def test_chunked_prefill_over_128_rows():
+    # The shipped cap: 4 x 40 = 160 query rows a KV head take two programs of up to 128 rows.
+    q, k_cache, v_cache, lengths = cache_case(batch=1, seqlen_q=40, heads=4, heads_k=1, capacity=70)
+    lengths[0] = 63
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 return_softmax_lse=True)
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)

@@ -54,7 +54,11 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  PAGE_SHIFT: tl.constexpr = -1):
     split = tl.program_id(0)
     batch = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    # A KV head's group x Sq query rows in blocks of ROWS (chunked prefill has thousands of them),
+    # one program each; decode and speculative steps fit one block.
+    row_blocks = tl.cdiv(group_size * seqlen_q, ROWS)
+    kv_head = tl.program_id(2) // row_blocks
+    row_block = tl.program_id(2) % row_blocks
     num_splits = tl.num_programs(0)
     if PDL:  # launched before the previous kernel ends: touch no memory until it has
         gdc_wait()
@@ -66,10 +70,14 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         seqlen_k -= key_start
     diag_offset = seqlen_k - seqlen_q
 
-    r = tl.arange(0, ROWS)  # row r = (query head g of the group, query position i)
+    r = row_block * ROWS + tl.arange(0, ROWS)  # row r = (query head g of the group, query position i)
     g = r // seqlen_q
     qi = r % seqlen_q
     row_ok = g < group_size
+    # The block's query positions: consecutive unless it holds the end of one head's and the start
+    # of the next one's, then all of them.
+    qi_first = tl.min(tl.where(row_ok, qi, seqlen_q), 0)
+    qi_last = tl.max(tl.where(row_ok, qi, 0), 0)
     head = kv_head * group_size + g
     rows_pos = qi + diag_offset
     offs_n = tl.arange(0, BLOCK_N)
@@ -126,8 +134,10 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         alibi_slope = tl.load(Alibi + batch * stride_ab + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
     # The visible key blocks of all rows, then this split's share of them.
-    blk_lo, full_lo, full_hi, blk_hi = key_blocks(0, seqlen_q, seqlen_k, diag_offset, window_left,
-                                                  window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # (BLOCK_M = 2^30: rows [qi_first, qi_last] whatever their span)
+    blk_lo, full_lo, full_hi, blk_hi = key_blocks(qi_first, qi_last + 1, seqlen_k, diag_offset,
+                                                  window_left, window_right, 1 << 30, BLOCK_N,
+                                                  HAS_LEFT, HAS_RIGHT)
     chunk = tl.cdiv(blk_hi - blk_lo, num_splits)
     s_lo = tl.minimum(blk_lo + split * chunk, blk_hi)
     s_hi = tl.minimum(s_lo + chunk, blk_hi)
@@ -290,13 +300,15 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
+    if hopper and rows > WIDE_TILE_ROWS:
+        return _wide_rows_config(paged, head_dim)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
             # e4m3 pages of 33-64 query rows a KV head on sm_90: one stage, as the contiguous plan
             # below (spec-decode-ab-h200-20261201-stages-paged-sq8, page 16, against 3 stages: B1
             # 12/2 32k 22.6 -> 18.6 us, B2 12/2 32k 32.3 -> 29.3, B4 12/2 16k 31.9 -> 28.9, B1 12/2
-            # 128k and B1 64/8 32k 3% faster, B16 12/2 16k the same, B16 64/8 8k 2% slower; pages
-            # with more rows not measured with it)
+            # 128k and B1 64/8 32k 3% faster, B16 12/2 16k the same, B16 64/8 8k 2% slower; more
+            # rows: _wide_rows_config)
             stages = (1 if hopper and 32 < rows <= 64 else 3) if fp8_cache else 2
             return DecodeConfig(128, 4, stages, waves=2, min_split_keys=256)
         if fp8_cache:  # (32-key steps not measured with e4m3 pages)
@@ -358,6 +370,25 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
+def _wide_rows_config(paged: bool, head_dim: int) -> DecodeConfig:
+    """sm_90, more than 64 query rows a KV head (speculative steps of 16 positions, chunked prefill
+    against the cache), bf16 or e4m3 caches: tiles of 128 rows on 8 warps (two warpgroups of 64
+    rows), 64-key steps, 3 stages, one wave of programs with splits of at least 256 keys. Same run
+    (spec-decode-ab-h200-20261201-wide-c-sq16, Sq 16, 96-128 rows, 12/2 and 64/8 heads), us per
+    layer against the 4-warp plans before (128-row tiles of 32-128 keys on 128 threads):
+    bf16 B1 12/2 32k 26.6 -> 20.3, B4 12/2 16k 36.3 -> 29.6, B1 64/8 32k 138.8 -> 49.5, B16 12/2
+    16k 256.1 -> 87.7, B64 12/2 4k 306.0 -> 98.2; pages of 16 (PDL off, as other paged plans)
+    63.1/89.9/144.5/241.8/246.2 -> 22.2/32.8/54.6/100.6/111.3;
+    e4m3 57.3/80.5/135.9/233.1/238.5 -> 29.6/47.5/86.7/156.6/168.0, pages 72.5/100.0/160.9/268.2/
+    274.9 -> 37.7/62.9/114.4/215.4/229.3.
+    With two waves, 1024-key splits, 2 or 4 stages or 128-key steps it was slower at one point or
+    more (-wide-b). Head dims over 128 (not measured): 32-key steps and 2 stages, so that Q and the
+    K/V stages fit in shared memory."""
+    if head_dim <= 128:
+        return DecodeConfig(64, 8, 3, waves=1, min_split_keys=256, pdl=not paged)
+    return DecodeConfig(32, 8, 2, waves=1, min_split_keys=256, pdl=not paged)
+
+
 # The 2-warp plans were measured with 4-6 query rows a KV head (one query position); a speculative
 # step's 32-64 rows (8 positions) on 2 warps ran 3x slower than the paged 4-warp plan on the same
 # e4m3 cache (fp8-decode-ab-paged-h200-20261201-sq8: B16 12/2 16k, 48 rows, 268.5 against 83.6 us).
@@ -373,6 +404,9 @@ TWO_WARP_MAX_ROWS = 16
 # 17.9). e4m3 caches keep the rows' own tile: 64 rows were 1.17-1.37x slower there (B16 12/2 16k
 # Sq 4 67.1 -> 82.5 us, B16 32/8 16k Sq 8 233.7 -> 272.6).
 WIDE_TILE_ROWS = 64
+# The most query rows one program of the Triton kernel holds; a KV head with more (chunked prefill
+# against the cache: Sq x group rows) gets a program per block of them.
+MAX_TILE_ROWS = 128
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
@@ -431,6 +465,16 @@ _MAX_PLANS = 1024
 EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
 
+def tile_rows_for(rows: int, fp8_cache: bool, device: torch.device) -> int:
+    """Query rows in one tile of the Triton decode kernel, for ``rows`` query rows a KV head (more
+    rows take more programs)."""
+    tile_rows = max(16, _next_power_of_2(rows))
+    if rows > 16 and not fp8_cache and device.type == "cuda" and not interpreting() and _arch(
+            device.index if device.index is not None else torch.cuda.current_device()) >= 90:
+        tile_rows = max(tile_rows, WIDE_TILE_ROWS)
+    return min(tile_rows, MAX_TILE_ROWS)
+
+
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
           one_launch, write_lse, page_size, gluon_ok=False, causal=False):
@@ -441,11 +485,16 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
                            heads // heads_k * seqlen_q)
     rows = heads // heads_k * seqlen_q  # query rows a KV head
-    cfg = config or decode_config(paged, device, batch * heads_k, fp8_cache, capacity, head_dim, rows)
+    tile_rows = tile_rows_for(rows, fp8_cache, device)
+    # programs per sequence: KV heads x blocks of rows (see _attn_decode)
+    heads_k_blocks = heads_k * -(-rows // tile_rows)
+    cfg = config or decode_config(paged, device, batch * heads_k_blocks, fp8_cache, capacity, head_dim,
+                                  rows)
     if one_launch:
         splits = 1
     else:
-        splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k, capacity, device, cfg)
+        splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k_blocks, capacity,
+                                                                   device, cfg)
     # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
     upcast = interpreting() and dtype == torch.bfloat16
     pdl = cfg.pdl and not interpreting() and device.type == "cuda" and _arch(
@@ -459,10 +508,6 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
             page_shift = page_size.bit_length() - 1  # a tile fits in a page
             if cfg.page_prefetch and page_size >= block_n:
                 paged_mode = 3
-    tile_rows = max(16, _next_power_of_2(rows))
-    if rows > 16 and not fp8_cache and device.type == "cuda" and not interpreting() and _arch(
-            device.index if device.index is not None else torch.cuda.current_device()) >= 90:
-        tile_rows = max(tile_rows, WIDE_TILE_ROWS)
     kernel = dict(
         ROWS=tile_rows, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
@@ -824,7 +869,8 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         block_table.shape[1] if paged else 0)
     return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                           (batch, seqlen_q, heads, head_dim),
-                          (batch, heads, seqlen_q) if write_lse else None, (splits, batch, heads_k),
+                          (batch, heads, seqlen_q) if write_lse else None,
+                          (splits, batch, heads_k * -(-(heads // heads_k * seqlen_q) // kernel_options["ROWS"])),
                           q.dtype, device)
 
 

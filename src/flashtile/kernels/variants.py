@@ -235,7 +235,8 @@ def decode_variants() -> list[Variant]:
 def compile_decode(variant: Variant, arch: int) -> list:
     """Compile the split-KV decode kernel (8 query heads per KV head, one query) writing partials
     and writing the output directly (one split; its LSE on the paged variants only, as a call
-    without return_softmax_lse), and the combine kernel that merges partials."""
+    without return_softmax_lse), the combine kernel that merges partials, and the split kernel with
+    128-row tiles."""
     from .decode import _attn_decode, _combine
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
@@ -263,7 +264,12 @@ def compile_decode(variant: Variant, arch: int) -> list:
                      variant, arch, warps, split_stages, cache),
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
-            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1)]
+            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1),
+            # more than 64 query rows a KV head (decode._wide_rows_config): 128-row tiles, 8 warps
+            _compile(_attn_decode, {**decode, **split_pages, "ROWS": 128, "SPLIT": True, "WRITE_LSE": True,
+                                    "BLOCK_N": 64 if variant.head_dim <= 128 else 32,
+                                    "PDL": arch >= 90 and not variant.paged},
+                     variant, arch, 8, 3 if variant.head_dim <= 128 else 2, cache)]
 
 
 def rotary_variants() -> list[Variant]:
