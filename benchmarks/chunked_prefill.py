@@ -3,12 +3,14 @@ thousands, causal bottom-right), checked against float64 attention and timed aga
 forward (flash_attn_func) on the same keys.
 
     PYTHONPATH=src python benchmarks/chunked_prefill.py --out $OUT [--points 'B,H,Hk,ctx,Sq;...']
+        [--configs 'block_n,warps,stages[,waves[,pdl[,min split keys]]];...']
 
 Each point: a contiguous bf16 cache of ``ctx`` keys per sequence (all filled, the chunk's own keys
 included, as after the append), q (B, Sq, H, 128). The check covers the first KV head's query heads
 of the first and last sequence (the accuracy rule: 2x textbook attention in bf16). Timing:
 triton.testing.do_bench median of one call (the cache is read warm; at these sizes the step is
-compute-bound), TFLOP/s as FlashAttention-2 counts a causal forward. Writes chunked-prefill.json.
+compute-bound), TFLOP/s as FlashAttention-2 counts a causal forward. ``--configs``: the Triton
+decode kernel forced to these plans too. Writes chunked-prefill.json.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import torch
 import triton
 
 import flashtile
 from flashtile import reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_gap import forced  # noqa: E402
+from spec_decode_ab import config_name, triton_config  # noqa: E402
 
 POINTS = ("1,32,8,8192,1;1,32,8,8192,16;1,32,8,8192,64;1,32,8,8192,128;1,32,8,8192,512;"
           "1,32,8,8192,2048;4,12,2,4096,512;2,32,8,16384,1024")
@@ -52,7 +59,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--points", default=POINTS)
+    parser.add_argument("--configs", default="")
     args = parser.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
     device = torch.device("cuda")
     records = []
     print(f"{'point':28s} {'kvcache us':>11s} {'TFLOP/s':>8s} {'check':>6s} {'prefill us':>11s} "
@@ -73,7 +82,13 @@ def main():
 
         def prefill():
             return flashtile.flash_attn_func(q, k, v, causal=True)
-        for name, fn in (("kvcache", kvcache), ("prefill", prefill)):
+        providers = [("kvcache", kvcache), ("prefill", prefill)]
+        providers += [(f"kvcache {config_name(c)}", forced(lambda layer: kvcache(), False,
+                                                           decode_config=triton_config(*c)))
+                      for c in configs]
+        for name, fn in providers:
+            if name.startswith("kvcache "):
+                fn = (lambda f: lambda: f(0))(fn)
             try:
                 out = fn()
                 torch.cuda.synchronize()
@@ -94,7 +109,11 @@ def main():
                  if "kvcache_us" in record and "prefill_us" in record else float("nan"))
         print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q:<6d} {cell('kvcache')} "
               f"{record.get('kvcache_check', math.nan):6.3f} {cell('prefill')} {ratio:15.3f}", flush=True)
-        for name in ("kvcache", "prefill"):
+        for name, _ in providers[2:]:
+            if f"{name}_us" in record:
+                print(f"  {name:40s} {record[name + '_us']:9.1f} us {record[name + '_tflops']:6.1f} TFLOP/s "
+                      f"check {record[name + '_check']:.3f}", flush=True)
+        for name, _ in providers:
             if f"{name}_error" in record:
                 print(f"  {name}: {record[name + '_error']}", flush=True)
         q = k = v = out = None
