@@ -25,7 +25,7 @@ from flashtile.bench.decode_fp8 import FP8Caches, fp8_paged_step, fp8_point_byte
 from flashtile.kernels import decode as dec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paged_gap import forced, run_points  # noqa: E402
+from paged_gap import forced, load_baseline, run_points  # noqa: E402
 
 POINTS = "1,32,8,32768;4,32,8,8192;16,32,8,16384;16,12,2,16384;64,12,2,4096"
 PAGE = 16
@@ -37,6 +37,7 @@ BF16_PAGED_CONFIGS: list = []  # --bf16-paged-configs: the same for the bf16 pag
 E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves[, pdl[, min
 # split keys[, programs per SM]]]]) to time
 E4M3_PAGED_CONFIGS: list = []  # --e4m3-paged-configs: the same for the page-16 pool
+BASELINE = None  # --baseline: an older kernels/decode.py, loaded (its decode_attention is timed too)
 ONLY: list = []  # --only: the providers to time besides the dispatched ones (name substrings)
 
 
@@ -59,6 +60,15 @@ def config_name(config: tuple) -> str:
             + (f" pdl {config[4]}" if len(config) > 4 else "")
             + (f" min {config[5]}" if len(config) > 5 else "")
             + (f" per SM {config[6]}" if len(config) > 6 else ""))
+
+
+def baseline_call(q, k_cache, v_cache, lengths, **kwargs):
+    """A step through the --baseline module's decode_attention (flash_attn_with_kvcache's call of it)."""
+    def call(layer):
+        return BASELINE.decode_attention(q, k_cache(layer), v_cache(layer), lengths,
+                                         softmax_scale=q.shape[-1] ** -0.5, window_left=-1, window_right=0,
+                                         need_lse=False, **{k: v(layer) for k, v in kwargs.items()})[0]
+    return bench.Step(call)
 
 
 def add_configs(steps: dict, cache: str, call, paged_call, configs: list, paged_configs: list) -> None:
@@ -146,6 +156,9 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "bf16 Triton, tiles of 32 rows": bench.Step(forced(bf16_call, False, WIDE_TILE_ROWS=0)),
              "bf16 Triton, rules before": bench.Step(forced(bf16_call, False, **BEFORE))}
     add_configs(steps, "bf16", bf16_call, bf16_paged_call, BF16_CONFIGS, BF16_PAGED_CONFIGS)
+    if BASELINE is not None:
+        steps["bf16 baseline"] = baseline_call(q, lambda i: caches.k[i].view(shape), lambda i: caches.v[i].view(shape),
+                                               lengths)
     steps = kept(steps)
     record["bf16_check"] = check(steps, q, caches.k[0].view(shape), caches.v[0].view(shape), point.lengths(),
                                  table)
@@ -169,6 +182,10 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int, seqlen_q: int
              "e4m3 Triton, rules before": bench.Step(forced(call, False, **BEFORE)),
              f"e4m3 P{PAGE} dispatched": bench.Step(paged_call)}
     add_configs(steps, "e4m3", call, paged_call, E4M3_CONFIGS, E4M3_PAGED_CONFIGS)
+    if BASELINE is not None:
+        steps["e4m3 baseline"] = baseline_call(q, lambda i: caches8.k[i], lambda i: caches8.v[i], lengths,
+                                               k_descale=lambda i: caches8.k_descale[i],
+                                               v_descale=lambda i: caches8.v_descale[i])
     steps = kept(steps)
     record["e4m3_check"] = check(steps, q, caches8.k[0].float() * caches8.k_descale[0][..., None],
                                  caches8.v[0].float() * caches8.v_descale[0][..., None], point.lengths(),
@@ -195,10 +212,13 @@ def main():
                         "'block_n,warps,stages[,waves[,pdl 0/1[,min split keys[,programs per SM]]]];...'")
     parser.add_argument("--e4m3-paged-configs", default="",
                         help="the same for the e4m3 page pool (the Triton kernel forced)")
+    parser.add_argument("--baseline", default="", help="an older kernels/decode.py to time too")
     parser.add_argument("--only", default="",
                         help="';'-separated name parts of the providers to time besides the dispatched ones")
     args = parser.parse_args()
-    global E4M3_CONFIGS, E4M3_PAGED_CONFIGS, ONLY, BF16_CONFIGS, BF16_PAGED_CONFIGS
+    global E4M3_CONFIGS, E4M3_PAGED_CONFIGS, ONLY, BF16_CONFIGS, BF16_PAGED_CONFIGS, BASELINE
+    if args.baseline:
+        BASELINE = load_baseline(args.baseline)
 
     def configs(text):
         return [tuple(int(x) for x in c.split(",")) for c in text.split(";") if c]

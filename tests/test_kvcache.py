@@ -293,6 +293,8 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
         plan = decode._plan(16, seqlen_q, heads, heads_k, 128, torch.bfloat16, dev, paged, 16384, 0,
                             None, False, True, False, False, False, False, fp8_cache, False, True,
                             16 if paged else 0)
+        # the row-block code only where the rows need more than one tile
+        assert plan[2]["ROW_BLOCKS"] == (heads // heads_k * seqlen_q > plan[2]["ROWS"])
         return plan[2]["ROWS"]
     # ... and 16-bit caches tiles of at least 64 rows (a wgmma's M) past 16 rows, 16 rows at least
     # up to them; e4m3 caches the rows' own power of two
@@ -417,6 +419,7 @@ def test_query_rows_in_blocks(small_row_blocks, seqlen_q, heads, heads_k, num_sp
     prepared = small_row_blocks.prepare_decode(q, k_cache, v_cache, softmax_scale=0.125, window_left=-1,
                                                window_right=0, num_splits=num_splits)
     assert prepared.grid[2] == heads_k * -(-rows // 16) > heads_k
+    assert prepared.kernel_options["ROW_BLOCKS"]
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                                  num_splits=num_splits, return_softmax_lse=True, **kw)
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, **kw)

@@ -51,14 +51,18 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
-                 PAGE_SHIFT: tl.constexpr = -1):
+                 PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False):
     split = tl.program_id(0)
     batch = tl.program_id(1)
-    # A KV head's group x Sq query rows in blocks of ROWS (chunked prefill has thousands of them),
-    # one program each; decode and speculative steps fit one block.
-    row_blocks = tl.cdiv(group_size * seqlen_q, ROWS)
-    kv_head = tl.program_id(2) // row_blocks
-    row_block = tl.program_id(2) % row_blocks
+    # ROW_BLOCKS: a KV head's group x Sq query rows in blocks of ROWS (chunked prefill has thousands
+    # of them), one program each; decode and speculative steps fit one block.
+    if ROW_BLOCKS:
+        row_blocks = tl.cdiv(group_size * seqlen_q, ROWS)
+        kv_head = tl.program_id(2) // row_blocks
+        row_block = tl.program_id(2) % row_blocks
+    else:
+        kv_head = tl.program_id(2)
+        row_block = 0
     num_splits = tl.num_programs(0)
     if PDL:  # launched before the previous kernel ends: touch no memory until it has
         gdc_wait()
@@ -70,14 +74,12 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         seqlen_k -= key_start
     diag_offset = seqlen_k - seqlen_q
 
-    r = row_block * ROWS + tl.arange(0, ROWS)  # row r = (query head g of the group, query position i)
+    r = tl.arange(0, ROWS)  # row r = (query head g of the group, query position i)
+    if ROW_BLOCKS:
+        r += row_block * ROWS
     g = r // seqlen_q
     qi = r % seqlen_q
     row_ok = g < group_size
-    # The block's query positions: consecutive unless it holds the end of one head's and the start
-    # of the next one's, then all of them.
-    qi_first = tl.min(tl.where(row_ok, qi, seqlen_q), 0)
-    qi_last = tl.max(tl.where(row_ok, qi, 0), 0)
     head = kv_head * group_size + g
     rows_pos = qi + diag_offset
     offs_n = tl.arange(0, BLOCK_N)
@@ -134,10 +136,21 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         alibi_slope = tl.load(Alibi + batch * stride_ab + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
     # The visible key blocks of all rows, then this split's share of them.
-    # (BLOCK_M = 2^30: rows [qi_first, qi_last] whatever their span)
-    blk_lo, full_lo, full_hi, blk_hi = key_blocks(qi_first, qi_last + 1, seqlen_k, diag_offset,
-                                                  window_left, window_right, 1 << 30, BLOCK_N,
-                                                  HAS_LEFT, HAS_RIGHT)
+    if ROW_BLOCKS:
+        # The block's query positions: consecutive within one query head; a block holding the end
+        # of one head's rows and the start of the next one's takes all of them (a bound, not exact).
+        block_first = row_block * ROWS
+        block_last = tl.minimum(block_first + ROWS, group_size * seqlen_q) - 1
+        one_head = block_first // seqlen_q == block_last // seqlen_q
+        qi_first = tl.where(one_head, block_first % seqlen_q, 0)
+        qi_last = tl.where(one_head, block_last % seqlen_q, seqlen_q - 1)
+        # (BLOCK_M = 2^30: rows [qi_first, qi_last] whatever their span)
+        blk_lo, full_lo, full_hi, blk_hi = key_blocks(qi_first, qi_last + 1, seqlen_k, diag_offset,
+                                                      window_left, window_right, 1 << 30, BLOCK_N,
+                                                      HAS_LEFT, HAS_RIGHT)
+    else:
+        blk_lo, full_lo, full_hi, blk_hi = key_blocks(0, seqlen_q, seqlen_k, diag_offset, window_left,
+                                                      window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     chunk = tl.cdiv(blk_hi - blk_lo, num_splits)
     s_lo = tl.minimum(blk_lo + split * chunk, blk_hi)
     s_hi = tl.minimum(s_lo + chunk, blk_hi)
@@ -509,7 +522,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
             if cfg.page_prefetch and page_size >= block_n:
                 paged_mode = 3
     kernel = dict(
-        ROWS=tile_rows, BLOCK_N=block_n,
+        ROWS=tile_rows, ROW_BLOCKS=rows > tile_rows, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,

@@ -241,7 +241,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
-    decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "BLOCK_N": 64,
+    decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "ROW_BLOCKS": False, "BLOCK_N": 64,
               "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
               "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16"}
@@ -265,8 +265,10 @@ def compile_decode(variant: Variant, arch: int) -> list:
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1),
-            # more than 64 query rows a KV head (decode._wide_rows_config): 128-row tiles, 8 warps
-            _compile(_attn_decode, {**decode, **split_pages, "ROWS": 128, "SPLIT": True, "WRITE_LSE": True,
+            # more than 64 query rows a KV head (decode._wide_rows_config): 128-row tiles, 8 warps,
+            # blocks of them (chunked prefill)
+            _compile(_attn_decode, {**decode, **split_pages, "ROWS": 128, "ROW_BLOCKS": True, "SPLIT": True,
+                                    "WRITE_LSE": True,
                                     "BLOCK_N": 64 if variant.head_dim <= 128 else 32,
                                     "PDL": arch >= 90 and not variant.paged},
                      variant, arch, 8, 3 if variant.head_dim <= 128 else 2, cache)]
