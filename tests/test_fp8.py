@@ -491,3 +491,16 @@ def test_fp8_cache_bf16_query_far_from_fp16_range(q_scale):
         low, _ = textbook(*(t.to(q.dtype) for t in args), causal=True, softmax_scale=scale, softcap=2.0)
         err = (capped[b:b + 1].double() - ref).abs().max().item()
         assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"softcap row {b}: {err}"
+
+
+@pytest.mark.parametrize("paged", [None, 16])
+def test_fp8_cache_query_rows_in_blocks(monkeypatch, paged):
+    # 4 query heads a KV head x 5 positions = 20 rows in tiles of at most 16: two row blocks, the
+    # first holding three query heads' rows and the start of the fourth's, the second the rest.
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "MAX_TILE_ROWS", 16)
+    decode._PLANS.clear()
+    try:
+        test_fp8_cache_with_per_key_descales(paged, 3, 5)
+    finally:
+        decode._PLANS.clear()
