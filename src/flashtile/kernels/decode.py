@@ -313,7 +313,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
-    if hopper and rows > WIDE_TILE_ROWS:
+    if hopper and rows > EIGHT_WARP_MIN_ROWS:
         return _wide_rows_config(paged, head_dim)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
@@ -417,6 +417,8 @@ TWO_WARP_MAX_ROWS = 16
 # 17.9). e4m3 caches keep the rows' own tile: 64 rows were 1.17-1.37x slower there (B16 12/2 16k
 # Sq 4 67.1 -> 82.5 us, B16 32/8 16k Sq 8 233.7 -> 272.6).
 WIDE_TILE_ROWS = 64
+# Past this many query rows a KV head, sm_90 plans take 128-row tiles on 8 warps (_wide_rows_config).
+EIGHT_WARP_MIN_ROWS = 64
 # The most query rows one program of the Triton kernel holds; a KV head with more (chunked prefill
 # against the cache: Sq x group rows) gets a program per block of them.
 MAX_TILE_ROWS = 128
