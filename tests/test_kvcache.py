@@ -446,3 +446,15 @@ def test_chunked_prefill_over_128_rows():
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                  return_softmax_lse=True)
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
+
+
+def test_too_many_row_blocks_is_a_clear_error(small_row_blocks, monkeypatch):
+    # CUDA grids hold at most 65535 programs along the axis of KV heads x row blocks: past it, a
+    # ValueError naming seqlen_q before any launch (here with the limit lowered to 3).
+    monkeypatch.setattr(small_row_blocks, "MAX_GRID_Z", 3)
+    q, k_cache, v_cache, lengths = cache_case(batch=1, seqlen_q=5, heads=8, heads_k=2, capacity=20)
+    with pytest.raises(ValueError, match="seqlen_q=5"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+    q1 = q[:, :4]  # 16 rows a KV head: one block each, 2 programs along the axis
+    out = flashtile.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+    assert_each_sequence_matches(out, None, q1, k_cache, v_cache, lengths, causal=True)

@@ -422,6 +422,7 @@ EIGHT_WARP_MIN_ROWS = 64
 # The most query rows one program of the Triton kernel holds; a KV head with more (chunked prefill
 # against the cache: Sq x group rows) gets a program per block of them.
 MAX_TILE_ROWS = 128
+MAX_GRID_Z = 65535  # (and grid y)
 
 
 def split_heuristic(batch: int, heads_k: int, max_context: int, device: torch.device,
@@ -862,6 +863,11 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                               (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
                               (splits, batch, heads_k), q.dtype, device,
                               (gluon_variant, softmax_scale, causal))
+    row_blocks = -(-(heads // heads_k * seqlen_q) // kernel_options["ROWS"])
+    if heads_k * row_blocks > MAX_GRID_Z or batch > MAX_GRID_Z:  # CUDA's limit on those grid axes
+        raise ValueError(f"flash_attn_with_kvcache: seqlen_q={seqlen_q} with {heads} query heads or "
+                         f"batch={batch} is too many programs for one call ({heads_k} KV heads x "
+                         f"{row_blocks} blocks of query rows, batch at most {MAX_GRID_Z}); split the call")
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -885,8 +891,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                           (batch, seqlen_q, heads, head_dim),
                           (batch, heads, seqlen_q) if write_lse else None,
-                          (splits, batch, heads_k * -(-(heads // heads_k * seqlen_q) // kernel_options["ROWS"])),
-                          q.dtype, device)
+                          (splits, batch, heads_k * row_blocks), q.dtype, device)
 
 
 def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None,
