@@ -455,6 +455,13 @@ def test_too_many_row_blocks_is_a_clear_error(small_row_blocks, monkeypatch):
     q, k_cache, v_cache, lengths = cache_case(batch=1, seqlen_q=5, heads=8, heads_k=2, capacity=20)
     with pytest.raises(ValueError, match="seqlen_q=5"):
         flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+    # ... raised before an append writes anything into the cache
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    new = torch.randn(1, 5, 2, 64, dtype=F16)
+    with pytest.raises(ValueError, match="seqlen_q=5"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=lengths.clamp(max=15),
+                                          causal=True)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     q1 = q[:, :4]  # 16 rows a KV head: one block each, 2 programs along the axis
     out = flashtile.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=lengths, causal=True)
     assert_each_sequence_matches(out, None, q1, k_cache, v_cache, lengths, causal=True)

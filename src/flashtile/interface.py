@@ -13,6 +13,7 @@ from numbers import Real
 import torch
 
 from . import ops
+from .kernels import decode
 from .kernels.forward import interpreting
 from .kernels.rotary import rotate_and_append
 
@@ -723,6 +724,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
+    if q.shape[2] and k_cache.shape[2] and q.shape[2] % k_cache.shape[2] == 0:
+        decode.check_grid(batch, q.shape[1], q.shape[2], k_cache.shape[2])  # before the append writes
     if rotary or new_tokens:
         # One kernel rotates q and the new keys and writes the new keys/values into the cache; it
         # reads the lengths on the device. Queries take consecutive positions only under causal or

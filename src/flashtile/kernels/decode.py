@@ -481,6 +481,18 @@ _MAX_PLANS = 1024
 EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
 
+def check_grid(batch: int, seqlen_q: int, heads: int, heads_k: int) -> int:
+    """Blocks of query rows a KV head gets; a ValueError where they or the batch pass CUDA's limit
+    on the grid axes that hold them (the Triton kernel's tiles hold MAX_TILE_ROWS rows once there
+    are more, the Gluon kernel's take at most 64 in one)."""
+    row_blocks = -(-(heads // heads_k * seqlen_q) // MAX_TILE_ROWS)
+    if heads_k * row_blocks > MAX_GRID_Z or batch > MAX_GRID_Z:
+        raise ValueError(f"flash_attn_with_kvcache: seqlen_q={seqlen_q} with {heads} query heads or "
+                         f"batch={batch} is too many programs for one call ({heads_k} KV heads x "
+                         f"{row_blocks} blocks of query rows, batch at most {MAX_GRID_Z}); split the call")
+    return row_blocks
+
+
 def tile_rows_for(rows: int, fp8_cache: bool, device: torch.device) -> int:
     """Query rows in one tile of the Triton decode kernel, for ``rows`` query rows a KV head (more
     rows take more programs)."""
@@ -863,11 +875,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                               (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
                               (splits, batch, heads_k), q.dtype, device,
                               (gluon_variant, softmax_scale, causal))
-    row_blocks = -(-(heads // heads_k * seqlen_q) // kernel_options["ROWS"])
-    if heads_k * row_blocks > MAX_GRID_Z or batch > MAX_GRID_Z:  # CUDA's limit on those grid axes
-        raise ValueError(f"flash_attn_with_kvcache: seqlen_q={seqlen_q} with {heads} query heads or "
-                         f"batch={batch} is too many programs for one call ({heads_k} KV heads x "
-                         f"{row_blocks} blocks of query rows, batch at most {MAX_GRID_Z}); split the call")
+    row_blocks = check_grid(batch, seqlen_q, heads, heads_k)
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
