@@ -315,6 +315,59 @@ def fp8_varlen_and_cache_cases(dev) -> int:
     return failures
 
 
+def fp8_query_cases(dev) -> int:
+    """FlashAttention-3's all-FP8 decode: an e4m3 q with q_descale (B, Hk), contiguous (also given as
+    a broadcast view, which the call copies) and paged P16 e4m3 caches with per-key descales, one,
+    6 and 24 query positions (on sm_90: the Gluon kernel at 4 and 24 rows, the Triton kernel's
+    128-row tiles at 96), appending bf16 tokens; against attention on the dequantized tensors."""
+    import flashtile
+    from flashtile.bench.decode import paginate
+
+    failures = 0
+    e4m3 = torch.float8_e4m3fn
+    k8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
+    v8 = torch.randn(3, 304, 2, 128, device=dev).to(e4m3)
+    kd = torch.rand(3, 304, 2, device=dev) + 0.5
+    vd = torch.rand(3, 304, 2, device=dev) + 0.5
+    for sq, lengths in ((1, [1, 77, 300]), (6, [0, 77, 298]), (24, [0, 77, 280])):
+        q8 = (torch.randn(3, sq, 8, 128, device=dev) * 50).to(e4m3)
+        for page_size, q_descale in ((None, torch.rand(3, 2, device=dev) / 50 + 0.01),
+                                     (None, torch.full((1, 1), 0.02, device=dev).expand(3, 2)),
+                                     (16, torch.rand(3, 2, device=dev) / 50 + 0.01)):
+            new_k = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+            new_v = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+            ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
+            seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+            if page_size:
+                g = torch.Generator().manual_seed(page_size)
+                pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size, g)
+                g = torch.Generator().manual_seed(page_size)
+                pool_kd, pool_vd, _ = paginate(ckd[..., None], cvd[..., None], page_size, g)
+                pool_kd, pool_vd = pool_kd[..., 0].contiguous(), pool_vd[..., 0].contiguous()
+                got = flashtile.flash_attn_with_kvcache(q8, pool_k.view(e4m3), pool_v.view(e4m3), new_k,
+                                                        new_v, cache_seqlens=seqlens, block_table=table,
+                                                        causal=True, k_descale=pool_kd, v_descale=pool_vd,
+                                                        q_descale=q_descale)
+                rows = table.long().repeat_interleave(page_size, 1)[:, :304]
+                slots = torch.arange(304, device=dev) % page_size
+                ck, cv = pool_k.view(e4m3)[rows, slots], pool_v.view(e4m3)[rows, slots]
+                ckd, cvd = pool_kd[rows, slots], pool_vd[rows, slots]
+            else:
+                got = flashtile.flash_attn_with_kvcache(q8, ck, cv, new_k, new_v, cache_seqlens=seqlens,
+                                                        causal=True, k_descale=ckd, v_descale=cvd,
+                                                        q_descale=q_descale)
+            q_deq = q8.double() * q_descale.double().repeat_interleave(4, dim=1)[:, None, :, None]
+            for b, n in enumerate(lengths):
+                kk = (ck[b, :n + sq].double() * ckd[b, :n + sq, :, None])[None]
+                vv = (cv[b, :n + sq].double() * cvd[b, :n + sq, :, None])[None]
+                ref, _ = attention(q_deq[b:b + 1], kk, vv, causal=True)
+                if got.dtype != BF16 or not torch.isfinite(got[b]).all() \
+                        or (got[b].double() - ref[0]).abs().max() > 0.05:
+                    failures += 1
+                    print(f"FAIL e4m3 q Sq {sq} page_size {page_size} row {b}")
+    return failures
+
+
 def gluon_cases(dev) -> int:
     """Every shipped Gluon variant (sm_90) on ragged shapes, GQA and MQA, through attention_forward's
     dispatch and directly; output and LSE against float64."""
@@ -392,10 +445,12 @@ def main() -> int:
         return 1 if gluon_cases(dev) else 0
     fp8_ok = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
     if "--decode-only" in sys.argv:  # after a change to the decode kernels alone (e4m3 cache too)
-        failures = decode_cases(dev) + (fp8_varlen_and_cache_cases(dev) if fp8_ok else 0)
+        failures = decode_cases(dev) + (fp8_varlen_and_cache_cases(dev) + fp8_query_cases(dev)
+                                        if fp8_ok else 0)
         print(f"sanitize: decode cases; {failures} wrong results")
         return 1 if failures else 0
-    failures = training_and_packed_cases(dev) + decode_cases(dev) + (fp8_cases(dev) if fp8_ok else 0)
+    failures = training_and_packed_cases(dev) + decode_cases(dev) + (
+        fp8_cases(dev) + fp8_query_cases(dev) if fp8_ok else 0)
     cases = 0
     for head_dim, dtype, feat, (batch, sq, sk), tma in (QUICK if "--quick" in sys.argv else all_cases()):
         cfg = pick_config(head_dim, dev)

@@ -255,24 +255,45 @@ def test_quantize_per_key_round_trips_and_saturates():
     assert fixed.float().abs().max() == fp8.E4M3_MAX  # large rows saturate, never NaN
 
 
-def _check_decode(out, q, k_deq, v_deq, lengths, causal):
+def _check_decode(out, q, k_deq, v_deq, lengths, causal, dtype=None):
     """out (B, Sq, H, D) against float64 attention on each row's first lengths[b] dequantized keys,
-    within 2x the error of the same attention in q's dtype."""
+    within 2x the error of the same attention in ``dtype`` (default q's)."""
     from flashtile.reference import attention as textbook
+    dtype = dtype or q.dtype
     for b, n in enumerate(lengths):
         args = (q[b:b + 1].double(), k_deq[b:b + 1, :n].double(), v_deq[b:b + 1, :n].double())
         ref, _ = textbook(*args, causal=causal)
-        low, _ = textbook(*(t.to(q.dtype) for t in args), causal=causal)
+        low, _ = textbook(*(t.to(dtype) for t in args), causal=causal)
         err = (out[b:b + 1].double() - ref).abs().max().item()
         assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"row {b}: {err}"
+
+
+def _fp8_cache_call(q, k8, v8, kd, vd, paged, **kw):
+    """flash_attn_with_kvcache on an e4m3 cache with per-key descales, contiguous or (``paged``)
+    as page pools through a block table, the descales through the same table (slots past the cache
+    NaN: never read)."""
+    import flashtile
+    from flashtile.bench.decode import paginate
+    if not paged:
+        return flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+    cap = k8.shape[1]
+    pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
+    pool_kd = torch.full(pool_k.shape[:3], float("nan"))
+    pool_vd = torch.full(pool_k.shape[:3], float("nan"))
+    for b in range(k8.shape[0]):
+        for j in range(table.shape[1]):
+            rows = slice(j * paged, min((j + 1) * paged, cap))
+            pool_kd[table[b, j], :rows.stop - rows.start] = kd[b, rows]
+            pool_vd[table[b, j], :rows.stop - rows.start] = vd[b, rows]
+    return flashtile.flash_attn_with_kvcache(q, pool_k.view(torch.float8_e4m3fn),
+                                             pool_v.view(torch.float8_e4m3fn), block_table=table,
+                                             k_descale=pool_kd, v_descale=pool_vd, **kw)
 
 
 @pytest.mark.parametrize("paged", [None, 1, 16])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("seqlen_q", [1, 2])
 def test_fp8_cache_with_per_key_descales(paged, splits, seqlen_q):
-    import flashtile
-    from flashtile.bench.decode import paginate
     batch, cap, heads, heads_k, d = 3, 70, 8, 2, 64
     lengths = [70, 1, 37]
     q = torch.randn(batch, seqlen_q, heads, d, dtype=torch.bfloat16)
@@ -281,23 +302,7 @@ def test_fp8_cache_with_per_key_descales(paged, splits, seqlen_q):
     (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     kw = dict(cache_seqlens=seqlens, causal=True, num_splits=splits)
-    if paged:
-        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
-        # The descales through the same table; slots past the cache stay NaN (never read).
-        pool_kd = torch.full(pool_k.shape[:3], float("nan"))
-        pool_vd = torch.full(pool_k.shape[:3], float("nan"))
-        per_seq = table.shape[1]
-        for b in range(batch):
-            for j in range(per_seq):
-                rows = slice(j * paged, min((j + 1) * paged, cap))
-                n = rows.stop - rows.start
-                pool_kd[table[b, j], :n] = kd[b, rows]
-                pool_vd[table[b, j], :n] = vd[b, rows]
-        out = flashtile.flash_attn_with_kvcache(q, pool_k.view(torch.float8_e4m3fn),
-                                                pool_v.view(torch.float8_e4m3fn), block_table=table,
-                                                k_descale=pool_kd, v_descale=pool_vd, **kw)
-    else:
-        out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+    out = _fp8_cache_call(q, k8, v8, kd, vd, paged, **kw)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     _check_decode(out, q, k8.float() * kd[..., None], v8.float() * vd[..., None], lengths, True)
 
@@ -379,8 +384,9 @@ def test_fp8_cache_arguments_are_checked():
         flashtile.flash_attn_with_kvcache(q, bf, bf, k_descale=torch.ones(2, 2))
     with pytest.raises(TypeError, match="v_cache must be float8_e4m3fn"):
         flashtile.flash_attn_with_kvcache(q, k8, torch.randn(2, 16, 2, 32).to(torch.float8_e5m2))
-    with pytest.raises(TypeError, match="k must be float16 or bfloat16"):  # new tokens come unquantized
-        flashtile.flash_attn_with_kvcache(q, k8, k8, k8[:, :1], k8[:, :1], cache_seqlens=3)
+    with pytest.raises(TypeError, match="k must be float16 or bfloat16 or float8_e4m3fn"):
+        e5 = torch.randn(2, 1, 2, 32).to(torch.float8_e5m2)
+        flashtile.flash_attn_with_kvcache(q, k8, k8, e5, e5, cache_seqlens=3)
     with pytest.raises(ValueError, match="dtype torch.bfloat16"):  # ... in q's dtype
         half = torch.randn(2, 1, 2, 32, dtype=torch.float16)
         flashtile.flash_attn_with_kvcache(q, k8, k8, half, half, cache_seqlens=3)
@@ -398,6 +404,104 @@ def test_fp8_cache_arguments_are_checked():
     with pytest.raises(ValueError, match="contiguous caches without"):
         flashtile.flash_attn_with_kvcache(q, pool, pool, block_table=table, cache_seqlens=torch.tensor(
             [3, 4], dtype=torch.int32), k_descale=torch.ones(2, 2))
+
+
+def _fixed_quantize(x):
+    """(B, S, Hk, D) -> e4m3 and FlashAttention-3's fixed float32 descales (B, Hk)."""
+    d = x.float().abs().amax(dim=(1, 3)) / fp8.E4M3_MAX
+    return (x.float() / d[:, None, :, None]).to(torch.float8_e4m3fn), d
+
+
+@pytest.mark.parametrize("cache", ["fixed", "per_key", "paged16", "fixed_no_q_descale"])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_fp8_query_with_q_descale(cache, seqlen_q):
+    """FlashAttention-3's all-FP8 call: e4m3 q with q_descale (B, Hk) against an e4m3 cache; bf16 out,
+    checked against float64 attention on the dequantized q, k and v."""
+    import flashtile
+    batch, cap, heads, heads_k, d = 3, 50, 6, 2, 64
+    lengths = [50, 7, 33]
+    q8 = (torch.randn(batch, seqlen_q, heads, d) * 100).to(torch.float8_e4m3fn)
+    qd = (torch.rand(batch, heads_k) + 0.5) / 100  # one per sequence and KV head, shared by its group
+    k, v = torch.randn(batch, cap, heads_k, d) * 2, torch.randn(batch, cap, heads_k, d)
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32), causal=True, num_splits=2,
+              q_descale=None if cache == "fixed_no_q_descale" else qd)
+    if cache.startswith("fixed"):
+        (k8, kd), (v8, vd) = _fixed_quantize(k), _fixed_quantize(v)
+        out = flashtile.flash_attn_with_kvcache(q8, k8, v8, k_descale=kd, v_descale=vd, **kw)
+        kd, vd = kd[:, None, :].expand(batch, cap, heads_k), vd[:, None, :].expand(batch, cap, heads_k)
+    else:
+        (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+        out = _fp8_cache_call(q8, k8, v8, kd, vd, 16 if cache == "paged16" else None, **kw)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    q_deq = q8.float()
+    if kw["q_descale"] is not None:
+        q_deq = q_deq * qd.repeat_interleave(heads // heads_k, dim=1)[:, None, :, None]
+    _check_decode(out, q_deq, k8.float() * kd[..., None], v8.float() * vd[..., None], lengths, True,
+                  dtype=torch.bfloat16)
+
+
+def test_fp8_query_appends_e4m3_tokens_as_given():
+    """e4m3 new k/v with fixed descales go into the cache bit for bit and are attended to; with
+    per-key descales (which they do not carry) the call is refused before anything is written."""
+    import flashtile
+    batch, cap, heads, heads_k, d = 2, 40, 4, 2, 32
+    (k8, kd), (v8, vd) = _fixed_quantize(torch.randn(batch, cap, heads_k, d)), \
+        _fixed_quantize(torch.randn(batch, cap, heads_k, d))
+    q8 = (torch.randn(batch, 2, heads, d) * 100).to(torch.float8_e4m3fn)
+    qd = (torch.rand(batch, heads_k) + 0.5) / 100
+    k_new = (torch.randn(batch, 2, heads_k, d) * 30).to(torch.float8_e4m3fn)
+    v_new = (torch.randn(batch, 2, heads_k, d) * 30).to(torch.float8_e4m3fn)
+    lengths = [5, 38]
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    before = k8.clone()
+    with pytest.raises(ValueError, match="carry no descales"):
+        flashtile.flash_attn_with_kvcache(q8, k8, v8, k_new, v_new, cache_seqlens=seqlens,
+                                          q_descale=qd, k_descale=torch.ones(batch, cap, heads_k),
+                                          v_descale=torch.ones(batch, cap, heads_k))
+    assert torch.equal(k8.view(torch.uint8), before.view(torch.uint8))
+    out = flashtile.flash_attn_with_kvcache(q8, k8, v8, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                            q_descale=qd, k_descale=kd, v_descale=vd)
+    for b, n in enumerate(lengths):
+        assert torch.equal(k8[b, n:n + 2].view(torch.uint8), k_new[b].view(torch.uint8))
+        assert torch.equal(v8[b, n:n + 2].view(torch.uint8), v_new[b].view(torch.uint8))
+    q_deq = q8.float() * qd.repeat_interleave(heads // heads_k, dim=1)[:, None, :, None]
+    _check_decode(out, q_deq, k8.float() * kd[:, None, :, None], v8.float() * vd[:, None, :, None],
+                  [n + 2 for n in lengths], True, dtype=torch.bfloat16)
+
+
+def test_fp8_query_descale_any_strides():
+    """q_descale as a broadcast or transposed view (the kernels read rows of Hk: such views are
+    copied) gives what the contiguous tensor gives."""
+    import flashtile
+    k8 = torch.randn(2, 30, 3, 32).to(torch.float8_e4m3fn)
+    q8 = (torch.randn(2, 1, 6, 32) * 50).to(torch.float8_e4m3fn)
+    kw = dict(cache_seqlens=torch.tensor([30, 11], dtype=torch.int32), num_splits=2,
+              k_descale=torch.rand(2, 30, 3) + 0.5, v_descale=torch.rand(2, 30, 3) + 0.5)
+    plain = torch.rand(3, 2).T / 50  # (2, 3), transposed
+    for view, dense in ((torch.full((1, 1), 0.02).expand(2, 3), torch.full((2, 3), 0.02)),
+                        (plain, plain.contiguous())):
+        got = flashtile.flash_attn_with_kvcache(q8, k8, k8, q_descale=view, **kw)
+        want = flashtile.flash_attn_with_kvcache(q8, k8, k8, q_descale=dense, **kw)
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def test_fp8_query_arguments_are_checked():
+    import flashtile
+    k8 = torch.randn(2, 16, 2, 32).to(torch.float8_e4m3fn)
+    q8 = torch.randn(2, 1, 4, 32).to(torch.float8_e4m3fn)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q_descale applies to a float8_e4m3fn q only"):
+        flashtile.flash_attn_with_kvcache(q, k8, k8, q_descale=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="k_cache must be float8_e4m3fn"):
+        bf = torch.randn(2, 16, 2, 32, dtype=torch.bfloat16)
+        flashtile.flash_attn_with_kvcache(q8, bf, bf)
+    with pytest.raises(ValueError, match=r"q_descale must have shape \(2, 2\)"):
+        flashtile.flash_attn_with_kvcache(q8, k8, k8, q_descale=torch.ones(2, 4))
+    with pytest.raises(TypeError, match="q_descale must be a float32"):
+        flashtile.flash_attn_with_kvcache(q8, k8, k8, q_descale=torch.ones(2, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="dtype torch.bfloat16"):  # 16-bit new tokens are bf16 here
+        half = torch.randn(2, 1, 2, 32, dtype=torch.float16)
+        flashtile.flash_attn_with_kvcache(q8, k8, k8, half, half, cache_seqlens=3)
 
 
 def test_bench_decode_fp8_cpu_check_and_table():

@@ -611,11 +611,22 @@ def _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx, blo
     return out
 
 
+def _check_q_descale(q_descale, batch: int, heads_k: int, device) -> torch.Tensor | None:
+    if q_descale is None:
+        return None
+    if not isinstance(q_descale, torch.Tensor) or q_descale.dtype != torch.float32:
+        raise TypeError("q_descale must be a float32 tensor")
+    if tuple(q_descale.shape) != (batch, heads_k) or q_descale.device != device:
+        raise ValueError(f"q_descale must have shape ({batch}, {heads_k}) on {device}, got "
+                         f"{tuple(q_descale.shape)} on {q_descale.device}")
+    return q_descale
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, k_descale=None, v_descale=None):
+                            return_softmax_lse=False, q_descale=None, k_descale=None, v_descale=None):
     """Attention of q (B, Sq, H, D) against a KV cache, with flash_attn 2.8's semantics.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -635,14 +646,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     shape; contiguous caches without cache_batch_idx): fixed per sequence and KV head, new tokens
     quantized with them (saturating at e4m3's largest value). None means 1.0. No rotary with an FP8
     cache (rotate k before the call).
+    FlashAttention-3's all-FP8 call: q float8_e4m3fn too, with float32 ``q_descale`` (B, Hk) (None:
+    1.0); the output is bf16. New k/v may then be e4m3 as well (stored as given: fixed (B, Hk) or
+    None descales only, since they carry no per-token ones) or bf16 (quantized as above).
     """
-    _check_tensor(q, "q", 4)
+    _check_tensor(q, "q", 4, (*_DTYPES, torch.float8_e4m3fn))
     paged = block_table is not None
     fp8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn
+    fp8_q = q.dtype == torch.float8_e4m3fn
     for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check_tensor(t, n, 4, (torch.float8_e4m3fn,) if fp8_cache else _DTYPES)
+        _check_tensor(t, n, 4, (torch.float8_e4m3fn,) if fp8_cache or fp8_q else _DTYPES)
     if not fp8_cache and (k_descale is not None or v_descale is not None):
         raise ValueError("k_descale and v_descale apply to float8_e4m3fn caches only")
+    if not fp8_q and q_descale is not None:
+        raise ValueError("q_descale applies to a float8_e4m3fn q only")
     batch = q.shape[0]
     if paged:
         _check_block_table(block_table, k_cache, v_cache, batch, q.device)
@@ -684,9 +701,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if k is not None:
-        new_dtype = q.dtype if fp8_cache else k_cache.dtype  # an e4m3 cache quantizes q-dtype tokens
+        # An e4m3 cache quantizes 16-bit tokens in q's dtype (bf16 with an e4m3 q) and stores e4m3
+        # ones as they are.
+        new_dtype = k_cache.dtype
+        if fp8_cache:
+            new_dtype = k.dtype if k.dtype == torch.float8_e4m3fn else \
+                torch.bfloat16 if fp8_q else q.dtype
         for t, n in ((k, "k"), (v, "v")):
-            _check_tensor(t, n, 4)
+            _check_tensor(t, n, 4, (*_DTYPES, torch.float8_e4m3fn) if fp8_cache else _DTYPES)
             if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:] or t.dtype != new_dtype:
                 raise ValueError(f"{n} must have shape ({batch}, new_tokens, {k_cache.shape[2]}, "
                                  f"{k_cache.shape[3]}) and dtype {new_dtype}, got "
@@ -711,9 +733,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       "the call")
         k_descale, v_descale = _cache_descales(k_descale, v_descale, k_cache, batch, paged,
                                                cache_batch_idx is not None)
-        if new_tokens:
-            k, v = _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx,
-                                      block_table, k_cache.shape[1])
+        if fp8_q:
+            q_descale = _check_q_descale(q_descale, batch, k_cache.shape[2], q.device)
+        if new_tokens and k.dtype == torch.float8_e4m3fn and k_descale.stride(1) != 0:
+            raise ValueError("k and v in float8_e4m3fn carry no descales of their own: append "
+                             "them with fixed (batch, heads_k) k_descale/v_descale (or None), "
+                             "or give bf16 k and v to be quantized per token")
     if rotary:
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
         _check_cache_append(cache_seqlens, lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
@@ -726,6 +751,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     if q.shape[2] and k_cache.shape[2] and q.shape[2] % k_cache.shape[2] == 0:
         decode.check_grid(batch, q.shape[1], q.shape[2], k_cache.shape[2])  # before the append writes
+    if fp8_cache:  # every argument checked: from here on the cache's descales may be written
+        if new_tokens and k.dtype != torch.float8_e4m3fn:
+            k, v = _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx,
+                                      block_table, k_cache.shape[1])
     if rotary or new_tokens:
         # One kernel rotates q and the new keys and writes the new keys/values into the cache; it
         # reads the lengths on the device. Queries take consecutive positions only under causal or
@@ -738,7 +767,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
                            scale, left, right, softcap, num_splits, cache_leftpad,
                            k_descale if fp8_cache else None, v_descale if fp8_cache else None,
-                           need_lse=bool(return_softmax_lse))
+                           need_lse=bool(return_softmax_lse), q_descale=q_descale if fp8_q else None)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -95,9 +95,29 @@ def check_cases(on_gpu: bool) -> list[dict]:
                 dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
                      page_size=16, num_splits=0),
                 dict(batch=2, heads=8, heads_k=1, head_dim=64, lengths=(300, 4099), page_size=None,
-                     num_splits=3)]
+                     num_splits=3),
+                # FlashAttention-3's all-FP8 call: an e4m3 q with q_descale (B, Hk)
+                dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=None, num_splits=0, fp8_query=True, fixed_descales=True),
+                dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=None, num_splits=0, fp8_query=True),
+                dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=16, num_splits=0, fp8_query=True)]
     return [dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(1, 70), page_size=None, num_splits=0),
-            dict(batch=2, heads=4, heads_k=1, head_dim=32, lengths=(33, 70), page_size=16, num_splits=2)]
+            dict(batch=2, heads=4, heads_k=1, head_dim=32, lengths=(33, 70), page_size=16, num_splits=2),
+            dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(5, 70), page_size=None, num_splits=0,
+                 fp8_query=True, fixed_descales=True)]
+
+
+def _fp8_query(q: torch.Tensor, heads_k: int):
+    """q (B, Sq, H, D) as e4m3 with FlashAttention-3's q_descale (B, Hk): one scale per sequence and
+    KV head over its query heads; also the dequantized q the reference reads."""
+    b, sq, h, d = q.shape
+    grouped = q.float().view(b, sq, heads_k, h // heads_k, d)
+    qd = grouped.abs().amax(dim=(1, 3, 4)) / torch.finfo(FP8).max
+    q8 = (grouped / qd[:, None, :, None, None]).to(FP8).view(b, sq, h, d)
+    deq = (q8.float().view(b, sq, heads_k, h // heads_k, d) * qd[:, None, :, None, None]).view(b, sq, h, d)
+    return q8, qd, deq
 
 
 def run_check(device: torch.device, log=print) -> list[dict]:
@@ -117,9 +137,17 @@ def run_check(device: torch.device, log=print) -> list[dict]:
         q = torch.randn(b, 1, h, d, generator=gen).to(device, torch.bfloat16)
         k = (torch.randn(b, cap, hk, d, generator=gen) * 2).to(device)
         v = torch.randn(b, cap, hk, d, generator=gen).to(device)
-        (k8, kd), (v8, vd) = quantize_per_key(k), quantize_per_key(v)
+        if case.get("fixed_descales"):  # FlashAttention-3's (B, Hk)
+            fixed = [x.abs().amax(dim=(1, 3)) / torch.finfo(FP8).max for x in (k, v)]
+            (k8, v8), (kd, vd) = [(x / s[:, None, :, None]).to(FP8) for x, s in zip((k, v), fixed)], \
+                [s[:, None, :].expand(b, cap, hk) for s in fixed]
+        else:
+            (k8, kd), (v8, vd) = quantize_per_key(k), quantize_per_key(v)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
         kw = dict(cache_seqlens=seqlens, causal=True, num_splits=case["num_splits"])
+        q_call = q
+        if case.get("fp8_query"):
+            q_call, kw["q_descale"], q = _fp8_query(q, hk)
         if case["page_size"]:
             ps = case["page_size"]
             pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), ps, gen)
@@ -128,10 +156,14 @@ def run_check(device: torch.device, log=print) -> list[dict]:
             pages = table.long()
             pool_kd[pages.reshape(-1)] = kd.reshape(b * (cap // ps), ps, hk)
             pool_vd[pages.reshape(-1)] = vd.reshape(b * (cap // ps), ps, hk)
-            out = flashtile.flash_attn_with_kvcache(q, pool_k.view(FP8), pool_v.view(FP8), block_table=table,
-                                                    k_descale=pool_kd, v_descale=pool_vd, **kw)
+            out = flashtile.flash_attn_with_kvcache(q_call, pool_k.view(FP8), pool_v.view(FP8),
+                                                    block_table=table, k_descale=pool_kd,
+                                                    v_descale=pool_vd, **kw)
+        elif case.get("fixed_descales"):
+            out = flashtile.flash_attn_with_kvcache(q_call, k8, v8, k_descale=kd[:, 0], v_descale=vd[:, 0],
+                                                    **kw)
         else:
-            out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+            out = flashtile.flash_attn_with_kvcache(q_call, k8, v8, k_descale=kd, v_descale=vd, **kw)
         k_deq, v_deq = k8.float() * kd[..., None], v8.float() * vd[..., None]
         err = budget = 0.0
         for i, n in enumerate(lengths):
@@ -141,9 +173,11 @@ def run_check(device: torch.device, log=print) -> list[dict]:
             err = max(err, (out[i:i + 1].double() - ref).abs().max().item())
             budget = max(budget, 2 * (low.double() - ref).abs().max().item())
         cache = "contiguous" if not case["page_size"] else f"paged P{case['page_size']}"
-        label = (f"e4m3 cache B{b} H{h}/{hk} d{d} L({','.join(map(str, lengths))}) {cache} "
-                 f"splits {case['num_splits'] or 'auto'}")
-        passed = bool(torch.isfinite(out).all()) and err <= budget
+        if case.get("fixed_descales"):
+            cache += ", fixed descales"
+        label = (f"e4m3 {'q and ' if case.get('fp8_query') else ''}cache B{b} H{h}/{hk} d{d} "
+                 f"L({','.join(map(str, lengths))}) {cache} splits {case['num_splits'] or 'auto'}")
+        passed = bool(torch.isfinite(out).all()) and out.dtype == torch.bfloat16 and err <= budget
         results.append({"label": label, "passed": passed, "out_err": err, "budget": budget,
                         "case": {**case, "lengths": list(lengths)}})
         log(f"{'PASS' if passed else 'FAIL'}  {label:<60s} out err {err:.2e} <= {budget:.2e}")

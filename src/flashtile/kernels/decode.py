@@ -37,8 +37,8 @@ def gluon_supported(q, k_cache, v_cache, **kwargs) -> bool:
 
 @triton.jit
 def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
-                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, stride_dsb, stride_dss, stride_dsh,
-                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb, stride_dss,
+                 stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
                  stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
                  stride_lrh, stride_btb, stride_ab,
@@ -51,7 +51,8 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
-                 PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False):
+                 PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False,
+                 Q_DESCALE: tl.constexpr = False):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     # ROW_BLOCKS: a KV head's group x Sq query rows in blocks of ROWS (chunked prefill has thousands
@@ -99,6 +100,11 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         shift = tl.minimum(tl.maximum(6 - ((amax_bits >> 23) - 127), -120), 120)
         q_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
         q = (q32 * q_scale).to(tl.float16)
+        if Q_DESCALE:  # an e4m3 query's descale, (B, Hk) contiguous: this program's factor
+            heads_k = tl.num_programs(2)
+            if ROW_BLOCKS:
+                heads_k = heads_k // row_blocks
+            q_scale = q_scale / tl.load(QDescale + batch.to(tl.int64) * heads_k + kv_head)
         if SOFTCAP:
             softcap_in = softcap_in / q_scale
         else:
@@ -503,15 +509,21 @@ def tile_rows_for(rows: int, fp8_cache: bool, device: torch.device) -> int:
     return min(tile_rows, MAX_TILE_ROWS)
 
 
+def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """The output dtype of a decode with this query dtype: bf16 for an e4m3 query (FlashAttention-3's
+    FP8 calls), else the query's."""
+    return torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype
+
+
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
-          one_launch, write_lse, page_size, gluon_ok=False, causal=False):
+          one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None,
     the Gluon kernel's variant or None)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
-                           heads // heads_k * seqlen_q)
+                           heads // heads_k * seqlen_q, q_descale)
     rows = heads // heads_k * seqlen_q  # query rows a KV head
     tile_rows = tile_rows_for(rows, fp8_cache, device)
     # programs per sequence: KV heads x blocks of rows (see _attn_decode)
@@ -524,7 +536,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k_blocks, capacity,
                                                                    device, cfg)
     # The interpreter truncates fp32 -> bf16 stores: write fp32 there and let torch round.
-    upcast = interpreting() and dtype == torch.bfloat16
+    upcast = interpreting() and out_dtype(dtype) == torch.bfloat16
     pdl = cfg.pdl and not interpreting() and device.type == "cuda" and _arch(
         device.index if device.index is not None else torch.cuda.current_device()) >= 90
     launch = {"launch_pdl": True} if pdl else {}
@@ -543,8 +555,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
         FP8=_fp8_cache_mode(device) if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
-        Q_FP16=fp8_cache and dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=num_stages, **launch)
+        Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
+        Q_DESCALE=q_descale, num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
@@ -729,7 +741,7 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
-                has_batch_idx, one_launch, fp8=False, rows=64):
+                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False):
     from . import gluon_decode
 
     pairs = batch * heads_k
@@ -772,12 +784,13 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     ds_ring = fp8 and (page_size > 0 or (rows > 16 and E4M3_ROWS32_DS_RING) or (
         v_regs and -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT))
     variant = gluon_decode.DecodeVariant(
-        head_dim, gluon_decode.dtype_name(dtype), base.block_n, base.num_stages, page_size > 0,
+        head_dim, gluon_decode.dtype_name(out_dtype(dtype)), base.block_n, base.num_stages, page_size > 0,
         min(page_size, base.block_n) if page_size else 0, causal, has_batch_idx, pdl=True,
         heads_first=True, fp8=fp8,
         # the query rows a KV head as the N of transposed tiles (8, 16 or 32)
         rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0,
-        v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0, ds_ring=ds_ring)
+        v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0, ds_ring=ds_ring,
+        q_fp8=dtype == torch.float8_e4m3fn, q_descale=q_descale)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 
@@ -833,7 +846,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    softmax_scale: float, window_left: int, window_right: int, softcap: float = 0.0,
                    alibi_slopes=None, block_table=None, cache_batch_idx=None, cache_leftpad=None,
                    num_splits: int = 0, config: DecodeConfig | None = None, k_descale=None,
-                   need_lse: bool = True, in_graph: bool = False) -> PreparedDecode:
+                   need_lse: bool = True, in_graph: bool = False, q_descale=None) -> PreparedDecode:
     """decode_attention's host work for one signature; see ``run_decode``. ``in_graph``: plan as
     for a call captured in a CUDA graph (as a call made while capturing is planned)."""
     batch, seqlen_q, heads, head_dim = q.shape
@@ -862,7 +875,8 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     key = (batch, seqlen_q, heads, heads_k, head_dim, q.dtype, device, paged, capacity, num_splits,
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
-           one_launch, need_lse, k_cache.shape[1] if paged else 0, gluon_ok, causal)
+           one_launch, need_lse, k_cache.shape[1] if paged else 0, gluon_ok, causal,
+           q_descale is not None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
@@ -873,7 +887,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if gluon_variant is not None:
         return PreparedDecode(splits, False, None, combine_options, (), (batch, seqlen_q, heads, head_dim),
                               (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
-                              (splits, batch, heads_k), q.dtype, device,
+                              (splits, batch, heads_k), out_dtype(q.dtype), device,
                               (gluon_variant, softmax_scale, causal))
     row_blocks = check_grid(batch, seqlen_q, heads, heads_k)
     if softcap > 0:
@@ -899,20 +913,33 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                           (batch, seqlen_q, heads, head_dim),
                           (batch, heads, seqlen_q) if write_lse else None,
-                          (splits, batch, heads_k * row_blocks), q.dtype, device)
+                          (splits, batch, heads_k * row_blocks), out_dtype(q.dtype), device)
+
+
+def descale_rows(q_descale: torch.Tensor) -> torch.Tensor:
+    """q_descale (B, Hk) as the kernels read it: rows of Hk contiguous values (a broadcast or
+    transposed view is copied; the kernels take no strides for it)."""
+    batch, heads_k = q_descale.shape
+    if (batch > 1 and q_descale.stride(0) != heads_k) or (heads_k > 1 and q_descale.stride(1) != 1):
+        return q_descale.contiguous()
+    return q_descale
 
 
 def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None,
-               cache_leftpad=None, block_table=None, alibi_slopes=None, k_descale=None, v_descale=None):
+               cache_leftpad=None, block_table=None, alibi_slopes=None, k_descale=None, v_descale=None,
+               q_descale=None):
     """The launches of a prepared decode, for tensors with the signature it was prepared for
     (the caller's guarantee). Returns (out, lse or None)."""
+    if q_descale is not None:
+        q_descale = descale_rows(q_descale)
     if p.gluon is not None:
         from .gluon_decode import gluon_decode
         variant, softmax_scale, causal = p.gluon
         return gluon_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                             causal=causal, splits=p.splits, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, need_lse=p.lse_shape is not None,
-                            variant=variant, k_descale=k_descale, v_descale=v_descale)
+                            variant=variant, k_descale=k_descale, v_descale=v_descale,
+                            q_descale=q_descale)
     out = torch.empty(p.out_shape, dtype=torch.float32 if p.upcast else p.dtype, device=p.device)
     lse = None if p.lse_shape is None else torch.empty(p.lse_shape, dtype=torch.float32,
                                                         device=p.device)
@@ -925,7 +952,7 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
         out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
     tensors = (q, k_cache, v_cache, out_partial, lse_partial, out, out if lse is None else lse,
                cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale,
-               v_descale)
+               v_descale, q_descale)
     launch(_attn_decode, p.grid, tensors, p.scalars, p.kernel_options)
     if p.splits > 1:
         _launch_combine(out_partial, lse_partial, out, lse, p.combine_options)
@@ -937,7 +964,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
                      config: DecodeConfig | None = None, k_descale=None, v_descale=None,
-                     need_lse: bool = True):
+                     need_lse: bool = True, q_descale=None):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -947,14 +974,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows that see no key, as the forward).
 
     An e4m3 cache takes ``k_descale``/``v_descale`` float32, shaped like the cache without its head
-    dim (one per key and KV head, any strides, one layout for both). With ``need_lse=False`` the LSE
-    may be left unwritten and None is returned in its place.
+    dim (one per key and KV head, any strides, one layout for both). With one, q may be e4m3 too,
+    with ``q_descale`` (B, Hk) float32 or None (1.0); the output is then bf16. With
+    ``need_lse=False`` the LSE may be left unwritten and None is returned in its place.
     """
     prepared = prepare_decode(q, k_cache, v_cache, softmax_scale=softmax_scale,
                               window_left=window_left, window_right=window_right, softcap=softcap,
                               alibi_slopes=alibi_slopes, block_table=block_table,
                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                               num_splits=num_splits, config=config, k_descale=k_descale,
-                              need_lse=need_lse)
+                              need_lse=need_lse, q_descale=q_descale)
     return run_decode(prepared, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
-                      block_table, alibi_slopes, k_descale, v_descale)
+                      block_table, alibi_slopes, k_descale, v_descale, q_descale)

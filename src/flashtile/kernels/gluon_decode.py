@@ -87,6 +87,10 @@ class DecodeVariant:
     # e4m3: the producer loads each tile's descales into a shared ring (else the consumer, a tile
     # ahead)
     ds_ring: bool = False
+    # e4m3: an e4m3 query (FlashAttention-3's FP8 call, ``dtype`` then the output's), and with
+    # q_descale its (B, Hk) float32 descales
+    q_fp8: bool = False
+    q_descale: bool = False
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
@@ -100,8 +104,8 @@ class DecodeVariant:
             # investigated, not allowed; 64 rows spilled)
             raise ValueError("rows_n: 8, 16 or 32 query rows (required with e4m3 caches), 64-key "
                              "tiles")
-        if (self.v_regs or self.ds_ring) and not self.fp8:
-            raise ValueError("v_regs, ds_ring: e4m3 caches only")
+        if (self.v_regs or self.ds_ring or self.q_fp8 or self.q_descale) and not self.fp8:
+            raise ValueError("v_regs, ds_ring, q_fp8, q_descale: e4m3 caches only")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -114,7 +118,8 @@ class DecodeVariant:
                 + ("-pdl" if self.pdl else "") + ("-hf" if self.heads_first else "")
                 + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else "")
                 + ("-vregs" if self.v_regs else "") + (f"-r{self.regs}" if self.regs else "")
-                + ("-dsring" if self.ds_ring else ""))
+                + ("-dsring" if self.ds_ring else "") + ("-q8" if self.q_fp8 else "")
+                + ("-qds" if self.q_descale else ""))
 
     @property
     def shared_bytes(self) -> int:
@@ -528,7 +533,7 @@ if _GLUON:
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
                                HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
                                V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False):
-        """4 warps, e4m3 cache, 16-bit query, every tile transposed: the keys are the wgmmas' M and
+        """4 warps, e4m3 cache, 16-bit or e4m3 query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
         ring, the query as hi + mid e4m3 terms (q scaled by a power of two into [128, 256), hi its
@@ -698,7 +703,7 @@ if _GLUON:
 
     @gluon.jit
     def _attn_decode_gluon(k_desc, v_desc, Q, OutPart, LsePart, Out, Lse, CacheSeqlens,
-                           CacheBatchIdx, BlockTable, KDescale, VDescale,
+                           CacheBatchIdx, BlockTable, KDescale, VDescale, QDescale,
                            stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
                            stride_os, stride_ob, stride_oq, stride_oh,
                            stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
@@ -713,7 +718,7 @@ if _GLUON:
                            Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
                            PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False,
-                           DS_RING: gl.constexpr = False):
+                           DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -727,6 +732,13 @@ if _GLUON:
                                       is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                       dtype=gl.int32, is_pure=False, pack=1)
+        # An e4m3 query's descale, (B, Hk) contiguous (one per sequence and KV head), joins the score
+        # scale here, so the partitions take no more arguments (and the kernel no stride: with one
+        # more parameter two variants spilled, whatever Q_DESCALE).
+        if Q_DESCALE:
+            _, q_batch, q_kv_head, _ = _program(HEADS_FIRST)
+            heads_k = gl.num_programs(0) if HEADS_FIRST else gl.num_programs(2)
+            qk_scale = qk_scale * gl.load(QDescale + q_batch.to(gl.int64) * heads_k + q_kv_head)
 
         # the producer keeps a tile's page numbers (and the next tile's) in every lane
         PRODUCER_REGS: gl.constexpr = 32 if PAGED or DS_RING else 24
@@ -837,7 +849,7 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 EMPTY_LSE=math.inf, HEAD_DIM=variant.head_dim, TILE_LAYOUT=tile, SLAB_LAYOUT=slab,
                 Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
-                V_REGS=variant.v_regs, DS_RING=variant.ds_ring,
+                V_REGS=variant.v_regs, DS_RING=variant.ds_ring, Q_DESCALE=variant.q_descale,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
@@ -886,7 +898,8 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
     if not _GLUON or q.device.type != "cuda" or window or softcap or alibi or leftpad:
         return False
     if k_cache.dtype == torch.float8_e4m3fn:
-        if (q.dtype != torch.bfloat16 or v_cache.dtype != k_cache.dtype or k_descale is None
+        if (q.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or v_cache.dtype != k_cache.dtype
+                or k_descale is None
                 or q.shape[2] // k_cache.shape[2] * q.shape[1] > 32
                 or v_descale is None or k_descale.dtype != torch.float32
                 or v_descale.dtype != torch.float32 or k_descale.stride() != v_descale.stride()
@@ -910,7 +923,8 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
 
 def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, causal: bool,
                  splits: int, variant: DecodeVariant, block_table=None, cache_batch_idx=None,
-                 need_lse: bool = True, k_descale=None, v_descale=None):
+                 need_lse: bool = True, k_descale=None, v_descale=None, q_descale=None):
+    # (q_descale: (B, Hk) rows of Hk contiguous values, decode.descale_rows)
     """One decode launch (plus the merge when ``splits`` > 1) on inputs ``supported`` accepts, with
     a variant matching them (decode.py's plan picks it). Returns out (B, Sq, H, D) in q's dtype and
     lse (B, H, Sq) float32 (+inf where a row saw no key), or None when not needed and unsplit."""
@@ -923,7 +937,8 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     split = splits > 1
     write_lse = need_lse or split
-    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=q.dtype, device=q.device)
+    out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    out = torch.empty(batch, seqlen_q, heads, head_dim, dtype=out_dtype, device=q.device)
     lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=q.device) if write_lse else None
     if out.numel() == 0:
         return out, lse
@@ -940,7 +955,7 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
                    _Descriptor(v_rows, v_rows.shape, v_rows.stride(), (variant.page_rows, cols), box))
     lse_t = out if lse is None else lse
     tensors = (q, out_partial, lse_partial, out, lse_t, cache_seqlens, cache_batch_idx, block_table,
-               k_descale, v_descale)
+               k_descale, v_descale, q_descale)
     part = out_partial.stride()[:4] if split else (0, 0, 0, 0)
     lpart = lse_partial.stride()[:3] if split else (0, 0, 0)
     ds = k_descale.stride() if k_descale is not None else (0, 0, 0)
@@ -974,10 +989,14 @@ def compile_for_sm90(variant: DecodeVariant, split: bool = True):
     desc = f"tensordesc<{'fp8e4nv' if variant.fp8 else dt}[{variant.page_rows}, {cols}],{box!r}>"
     fn = _attn_decode_gluon
     constexprs = _options(variant, split, True)
-    signature, attrs = {"k_desc": desc, "v_desc": desc, "Q": f"*{dt}", "OutPart": "*fp32",
+    if not variant.q_descale:  # as a launch passes it: None, which the JIT makes a constexpr
+        constexprs = {**constexprs, "QDescale": None}
+    signature, attrs = {"k_desc": desc, "v_desc": desc,
+                        "Q": "*fp8e4nv" if variant.q_fp8 else f"*{dt}", "OutPart": "*fp32",
                         "LsePart": "*fp32", "Out": f"*{dt}", "Lse": "*fp32",
                         "CacheSeqlens": "*i32", "CacheBatchIdx": "*i32", "BlockTable": "*i32",
-                        "KDescale": "*fp32", "VDescale": "*fp32", "qk_scale": "fp32"}, {}
+                        "KDescale": "*fp32", "VDescale": "*fp32", "QDescale": "*fp32",
+                        "qk_scale": "fp32"}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -1048,6 +1067,11 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
             (dataclasses.replace(rows32, page_rows=64, causal=True), True),
             (dataclasses.replace(rows32, page_rows=8, head_dim=64, batch_idx=True), False),
             (dataclasses.replace(fp8, rows_n=32, causal=True, ds_ring=True), True)]
+    # FlashAttention-3's FP8 call: an e4m3 query with its (B, Hk) descales, contiguous and paged
+    q8 = dict(q_fp8=True, q_descale=True)
+    out += [(dataclasses.replace(vregs, regs=64, causal=True, **q8), True),
+            (dataclasses.replace(ring, **q8), False), (dataclasses.replace(paged, causal=True, **q8), True),
+            (dataclasses.replace(rows32, causal=True, **q8), True)]
     return out
 
 
@@ -1059,6 +1083,7 @@ CHECKED = _checked()
 STACK_ALLOWED = {
     "decode-d128-bf16-paged16-n64-s2-causal-pdl-hf-e4m3-t32-dsring": 24,
     "decode-d128-bf16-paged64-n64-s2-causal-pdl-hf-e4m3-t32-dsring": 8,
+    "decode-d128-bf16-paged16-n64-s2-causal-pdl-hf-e4m3-t32-dsring-q8-qds": 24,
 }
 
 

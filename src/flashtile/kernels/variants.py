@@ -121,7 +121,7 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             signature[name] = "constexpr"  # 1: e4m3 V is stored with the keys contiguous (not a cache)
             constexprs[name] = 1
         elif name in ("QDescale", "KDescale", "VDescale"):
-            if values.get("FP8"):
+            if values.get("FP8") and not (name == "QDescale" and values.get("Q_DESCALE") is False):
                 signature[name] = "*fp32"
             else:
                 signature[name] = "constexpr"
@@ -244,7 +244,8 @@ def compile_decode(variant: Variant, arch: int) -> list:
     decode = {**flags, "PAGED": 2 if variant.paged else 0, "ROWS": 16, "ROW_BLOCKS": False, "BLOCK_N": 64,
               "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
-              "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16"}
+              "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
+              "Q_DESCALE": False}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
@@ -260,7 +261,13 @@ def compile_decode(variant: Variant, arch: int) -> list:
     # 256-key pages (one entry per tile).
     split_pages = {"PAGE_SHIFT": 4} if variant.paged else {}
     whole_pages = {"PAGED": 3, "PAGE_SHIFT": 8} if variant.paged else {}
-    return [_compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True, "WRITE_LSE": True},
+    fp8_query = []
+    if variant.fp8_cache:  # FlashAttention-3's FP8 call: an e4m3 query with its (B, Hk) descales
+        fp8_query = [_compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True,
+                                             "WRITE_LSE": True, "Q_FP16": True, "Q_DESCALE": True},
+                              variant, arch, warps, split_stages, {**cache, "Q": "*fp8e4nv"})]
+    return fp8_query + [
+            _compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True, "WRITE_LSE": True},
                      variant, arch, warps, split_stages, cache),
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
