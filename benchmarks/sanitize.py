@@ -235,11 +235,31 @@ def fp8_cases(dev) -> int:
     return failures
 
 
+def _e4m3_pages(k8, v8, kd, vd, page_size: int):
+    """An e4m3 cache (B, S, Hk, D) and its per-key descales as page pools in a shuffled order (one
+    table for all four): (pool_k, pool_v, pool_kd, pool_vd, block_table)."""
+    from flashtile.bench.decode import paginate
+    g = torch.Generator().manual_seed(page_size)
+    pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), page_size, g)
+    g = torch.Generator().manual_seed(page_size)  # the same table for the descales
+    pool_kd, pool_vd, _ = paginate(kd[..., None], vd[..., None], page_size, g)
+    e4m3 = torch.float8_e4m3fn
+    return (pool_k.view(e4m3), pool_v.view(e4m3), pool_kd[..., 0].contiguous(),
+            pool_vd[..., 0].contiguous(), table)
+
+
+def _e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, slots: int):
+    """The first ``slots`` keys of every sequence gathered back from the pools (after a call)."""
+    page_size = pool_k.shape[1]
+    rows = table.long().repeat_interleave(page_size, 1)[:, :slots]  # the page of each slot
+    at = torch.arange(slots, device=pool_k.device) % page_size
+    return pool_k[rows, at], pool_v[rows, at], pool_kd[rows, at], pool_vd[rows, at]
+
+
 def fp8_varlen_and_cache_cases(dev) -> int:
     """FP8 packed sequences (ragged lengths) and the e4m3 KV cache (contiguous and paged P16, with an
     append of two tokens) against attention on the dequantized tensors."""
     import flashtile
-    from flashtile.bench.decode import paginate
 
     failures = 0
     e4m3 = torch.float8_e4m3fn
@@ -273,18 +293,11 @@ def fp8_varlen_and_cache_cases(dev) -> int:
             ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
             seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
             if page_size:
-                g = torch.Generator().manual_seed(page_size)
-                pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size, g)
-                g = torch.Generator().manual_seed(page_size)  # the same table for the descales
-                pool_kd, pool_vd, _ = paginate(ckd[..., None], cvd[..., None], page_size, g)
-                pool_kd, pool_vd = pool_kd[..., 0].contiguous(), pool_vd[..., 0].contiguous()
-                got = flashtile.flash_attn_with_kvcache(qd, pool_k.view(e4m3), pool_v.view(e4m3), new_k,
+                pool_k, pool_v, pool_kd, pool_vd, table = _e4m3_pages(ck, cv, ckd, cvd, page_size)
+                got = flashtile.flash_attn_with_kvcache(qd, pool_k, pool_v, new_k,
                                                         new_v, cache_seqlens=seqlens, block_table=table,
                                                         causal=True, k_descale=pool_kd, v_descale=pool_vd)
-                rows = table.long().repeat_interleave(page_size, 1)[:, :304]  # (3, 304) page of each slot
-                slots = torch.arange(304, device=dev) % page_size
-                ck, cv = pool_k.view(e4m3)[rows, slots], pool_v.view(e4m3)[rows, slots]
-                ckd, cvd = pool_kd[rows, slots], pool_vd[rows, slots]
+                ck, cv, ckd, cvd = _e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, 304)
             else:
                 got = flashtile.flash_attn_with_kvcache(qd, ck, cv, new_k, new_v, cache_seqlens=seqlens,
                                                         causal=True, k_descale=ckd, v_descale=cvd)
@@ -319,9 +332,9 @@ def fp8_query_cases(dev) -> int:
     """FlashAttention-3's all-FP8 decode: an e4m3 q with q_descale (B, Hk), contiguous (also given as
     a broadcast view, which the call copies) and paged P16 e4m3 caches with per-key descales, one,
     6 and 24 query positions (on sm_90: the Gluon kernel at 4 and 24 rows, the Triton kernel's
-    128-row tiles at 96), appending bf16 tokens; against attention on the dequantized tensors."""
+    128-row tiles at 96), appending bf16 tokens; then rotary with an e4m3 cache (bf16 q and new
+    keys turned before the keys are quantized); against attention on the dequantized tensors."""
     import flashtile
-    from flashtile.bench.decode import paginate
 
     failures = 0
     e4m3 = torch.float8_e4m3fn
@@ -339,19 +352,12 @@ def fp8_query_cases(dev) -> int:
             ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
             seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
             if page_size:
-                g = torch.Generator().manual_seed(page_size)
-                pool_k, pool_v, table = paginate(ck.view(torch.uint8), cv.view(torch.uint8), page_size, g)
-                g = torch.Generator().manual_seed(page_size)
-                pool_kd, pool_vd, _ = paginate(ckd[..., None], cvd[..., None], page_size, g)
-                pool_kd, pool_vd = pool_kd[..., 0].contiguous(), pool_vd[..., 0].contiguous()
-                got = flashtile.flash_attn_with_kvcache(q8, pool_k.view(e4m3), pool_v.view(e4m3), new_k,
+                pool_k, pool_v, pool_kd, pool_vd, table = _e4m3_pages(ck, cv, ckd, cvd, page_size)
+                got = flashtile.flash_attn_with_kvcache(q8, pool_k, pool_v, new_k,
                                                         new_v, cache_seqlens=seqlens, block_table=table,
                                                         causal=True, k_descale=pool_kd, v_descale=pool_vd,
                                                         q_descale=q_descale)
-                rows = table.long().repeat_interleave(page_size, 1)[:, :304]
-                slots = torch.arange(304, device=dev) % page_size
-                ck, cv = pool_k.view(e4m3)[rows, slots], pool_v.view(e4m3)[rows, slots]
-                ckd, cvd = pool_kd[rows, slots], pool_vd[rows, slots]
+                ck, cv, ckd, cvd = _e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, 304)
             else:
                 got = flashtile.flash_attn_with_kvcache(q8, ck, cv, new_k, new_v, cache_seqlens=seqlens,
                                                         causal=True, k_descale=ckd, v_descale=cvd,
@@ -365,6 +371,40 @@ def fp8_query_cases(dev) -> int:
                         or (got[b].double() - ref[0]).abs().max() > 0.05:
                     failures += 1
                     print(f"FAIL e4m3 q Sq {sq} page_size {page_size} row {b}")
+    # rotary with an e4m3 cache: a bf16 q and new keys turned, then the keys quantized and appended
+    angles = torch.rand(320, 32, device=dev) * 6
+    cos, sin = torch.cos(angles).to(BF16), torch.sin(angles).to(BF16)
+    for sq, lengths, page_size in ((1, [1, 77, 300], None), (6, [0, 77, 298], 16), (6, [0, 77, 298], None)):
+        q = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
+        new_k = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+        new_v = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+        ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        kw = dict(cache_seqlens=seqlens, causal=True, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+        if page_size:
+            pool_k, pool_v, pool_kd, pool_vd, table = _e4m3_pages(ck, cv, ckd, cvd, page_size)
+            got = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, new_k, new_v,
+                                                    block_table=table, k_descale=pool_kd, v_descale=pool_vd,
+                                                    **kw)
+            ck, cv, ckd, cvd = _e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, 304)
+        else:
+            got = flashtile.flash_attn_with_kvcache(q, ck, cv, new_k, new_v, k_descale=ckd, v_descale=cvd, **kw)
+        for b, n in enumerate(lengths):
+            pos = torch.arange(n, n + sq, device=dev)
+            turn = torch.complex(cos[pos].double(), sin[pos].double())[None, :, None]  # (1, sq, 1, 32)
+            x = q[b:b + 1].double()
+            z = torch.complex(x[..., :32], x[..., 32:64]) * turn
+            q_rot = torch.cat([z.real, z.imag, x[..., 64:]], dim=-1)
+            kk = (ck[b, :n + sq].double() * ckd[b, :n + sq, :, None])[None]
+            vv = (cv[b, :n + sq].double() * cvd[b, :n + sq, :, None])[None]
+            ref, _ = attention(q_rot, kk, vv, causal=True)
+            kx = new_k[b:b + 1].double()
+            zk = torch.complex(kx[..., :32], kx[..., 32:64]) * turn
+            k_rot = torch.cat([zk.real, zk.imag, kx[..., 64:]], dim=-1)[0]
+            if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05 \
+                    or (kk[0, n:] - k_rot).abs().max() > 0.1 * k_rot.abs().max():
+                failures += 1
+                print(f"FAIL rotary e4m3 cache Sq {sq} page_size {page_size} row {b}")
     return failures
 
 

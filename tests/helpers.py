@@ -77,3 +77,19 @@ def assert_grads_match_reference(grads, q, k, v, dout, dlse=None, **kw):
         err = (g.double() - e).abs().max().item() if g.numel() else 0.0
         budget = max(3 * (lo.double() - e).abs().max().item(), floor) if g.numel() else 0.0
         assert err <= budget, f"{name}: max error {err:.3g} > 3x textbook {q.dtype} error ({budget:.3g})"
+
+
+def rotary_reference(x, cos, sin, positions, interleaved):
+    """Rotary embedding written with complex numbers: an independent check of flashtile's. The factor
+    is the table's own cos + i sin (as flash_attn applies it), not a unit phasor rebuilt from the angle:
+    fp16 tables are off the unit circle by ~1e-3, which would move the reference's q by about an ulp."""
+    half = cos.shape[1]
+    turn = torch.complex(cos[positions].double(), sin[positions].double()).unsqueeze(2)  # (B, S, 1, half)
+    rot = x[..., :2 * half].double()
+    if interleaved:
+        z = torch.complex(rot[..., 0::2], rot[..., 1::2]) * turn
+        rotated = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(rot[..., :half], rot[..., half:]) * turn
+        rotated = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rotated, x[..., 2 * half:].double()], dim=-1).to(x.dtype)

@@ -391,9 +391,9 @@ def test_fp8_cache_arguments_are_checked():
         half = torch.randn(2, 1, 2, 32, dtype=torch.float16)
         flashtile.flash_attn_with_kvcache(q, k8, k8, half, half, cache_seqlens=3)
     cos = torch.ones(32, 16)
-    with pytest.raises(NotImplementedError, match="rotary"):
-        new = torch.randn(2, 1, 2, 32, dtype=torch.bfloat16)
-        flashtile.flash_attn_with_kvcache(q, k8, k8, new, new, rotary_cos=cos, rotary_sin=cos, cache_seqlens=3)
+    with pytest.raises(ValueError, match="rotary embedding needs a 16-bit q and new k"):
+        flashtile.flash_attn_with_kvcache(q, k8, k8, k8[:, :1], k8[:, :1], rotary_cos=cos, rotary_sin=cos,
+                                          cache_seqlens=3)
     with pytest.raises(ValueError, match="same layout"):  # per key for K, fixed for V
         flashtile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 16, 2))
     with pytest.raises(ValueError, match="same layout"):  # a copy would drop the appended descales
@@ -483,6 +483,62 @@ def test_fp8_query_descale_any_strides():
         got = flashtile.flash_attn_with_kvcache(q8, k8, k8, q_descale=view, **kw)
         want = flashtile.flash_attn_with_kvcache(q8, k8, k8, q_descale=dense, **kw)
         assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("rotary_dim,paged", [(64, None), (32, None), (64, 16)])
+def test_fp8_cache_rotary_before_quantizing(interleaved, rotary_dim, paged):
+    """Rotary with an e4m3 cache: q and the new keys turn first (by the positions of the append,
+    after any left padding), then the keys are quantized per token and appended."""
+    import flashtile
+    from helpers import rotary_reference
+    batch, cap, heads, heads_k, d, new = 3, 64, 4, 2, 64, 3
+    lengths, leftpad = [5, 40, 61], [0, 7, 30]
+    q = torch.randn(batch, new, heads, d, dtype=torch.bfloat16)
+    (k8, kd), (v8, vd) = _quantize_per_key(torch.randn(batch, cap, heads_k, d)), \
+        _quantize_per_key(torch.randn(batch, cap, heads_k, d))
+    k_new = torch.randn(batch, new, heads_k, d, dtype=torch.bfloat16) * 3
+    v_new = torch.randn(batch, new, heads_k, d, dtype=torch.bfloat16)
+    angles = torch.rand(cap, rotary_dim // 2) * 6
+    cos, sin = torch.cos(angles).to(torch.bfloat16), torch.sin(angles).to(torch.bfloat16)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, causal=True,
+              cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    if paged:
+        leftpad = [0, 0, 0]
+        # the cache and its descales as page pools, read back afterwards through the table
+        from flashtile.bench.decode import paginate
+        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
+        pool_kd = torch.zeros(pool_k.shape[:3])
+        pool_vd = torch.zeros(pool_k.shape[:3])
+        for b in range(batch):
+            for j in range(table.shape[1]):
+                pool_kd[table[b, j]] = kd[b, j * paged:(j + 1) * paged]
+                pool_vd[table[b, j]] = vd[b, j * paged:(j + 1) * paged]
+        pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
+        out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, block_table=table,
+                                                k_descale=pool_kd, v_descale=pool_vd, **kw)
+        pages = table.long()
+        k8, v8 = pool_k[pages].flatten(1, 2), pool_v[pages].flatten(1, 2)
+        kd, vd = pool_kd[pages].flatten(1, 2), pool_vd[pages].flatten(1, 2)
+    else:
+        out = flashtile.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, k_descale=kd, v_descale=vd,
+                                                cache_leftpad=torch.tensor(leftpad, dtype=torch.int32),
+                                                **kw)
+    k_deq, v_deq = k8.float() * kd[..., None], v8.float() * vd[..., None]
+    from flashtile.reference import attention as textbook
+    for b, (n, start) in enumerate(zip(lengths, leftpad)):
+        pos = (torch.arange(new) + n - start)[None]
+        k_rot = rotary_reference(k_new[b:b + 1], cos, sin, pos, interleaved)[0].float()
+        got = k_deq[b, n:n + new]
+        # e4m3 keeps 4 significant bits: within half an ulp of the rotated key (and a bf16 ulp of it)
+        assert ((got - k_rot).abs() <= 2 ** -4 * k_rot.abs() + 2 ** -7 * k_rot.abs().amax(-1, True)).all()
+        q_rot = rotary_reference(q[b:b + 1], cos, sin, pos, interleaved)
+        keys = slice(start, n + new)
+        args = (q_rot.double(), k_deq[b:b + 1, keys].double(), v_deq[b:b + 1, keys].double())
+        ref, _ = textbook(*args, causal=True)
+        low, _ = textbook(*(t.to(torch.bfloat16) for t in args), causal=True)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"row {b}: {err}"
 
 
 def test_fp8_query_arguments_are_checked():

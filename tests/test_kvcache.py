@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from helpers import assert_matches_reference
+from helpers import assert_matches_reference, rotary_reference as rotate
 
 F16, BF16 = torch.float16, torch.bfloat16
 
@@ -168,22 +168,6 @@ def test_decode_compiles():
 
     assert torch.equal(torch.compile(step, fullgraph=True)(q, k_cache, v_cache, lengths),
                        step(q, k_cache, v_cache, lengths))
-
-
-def rotate(x, cos, sin, positions, interleaved):
-    """Rotary embedding written with complex numbers: an independent check of flashtile's. The factor
-    is the table's own cos + i sin (as flash_attn applies it), not a unit phasor rebuilt from the angle:
-    fp16 tables are off the unit circle by ~1e-3, which would move the reference's q by about an ulp."""
-    half = cos.shape[1]
-    turn = torch.complex(cos[positions].double(), sin[positions].double()).unsqueeze(2)  # (B, S, 1, half)
-    rot = x[..., :2 * half].double()
-    if interleaved:
-        z = torch.complex(rot[..., 0::2], rot[..., 1::2]) * turn
-        rotated = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
-    else:
-        z = torch.complex(rot[..., :half], rot[..., half:]) * turn
-        rotated = torch.cat([z.real, z.imag], dim=-1)
-    return torch.cat([rotated, x[..., 2 * half:].double()], dim=-1).to(x.dtype)
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])

@@ -15,7 +15,7 @@ import torch
 from . import ops
 from .kernels import decode
 from .kernels.forward import interpreting
-from .kernels.rotary import rotate_and_append
+from .kernels.rotary import rotate_and_append, rotate_new_keys
 
 MAX_HEAD_DIM = 256
 _INTERPRETING = interpreting()
@@ -644,8 +644,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     key and KV head ((B_cache, S_max, Hk), or (num_pages, page_size, Hk) for pages): new k/v are then
     quantized per token and head and their descales written alongside; or (B, Hk) (FlashAttention-3's
     shape; contiguous caches without cache_batch_idx): fixed per sequence and KV head, new tokens
-    quantized with them (saturating at e4m3's largest value). None means 1.0. No rotary with an FP8
-    cache (rotate k before the call).
+    quantized with them (saturating at e4m3's largest value). None means 1.0. Rotary embedding turns
+    q and the new keys before those are quantized.
     FlashAttention-3's all-FP8 call: q float8_e4m3fn too, with float32 ``q_descale`` (B, Hk) (None:
     1.0); the output is bf16. New k/v may then be e4m3 as well (stored as given: fixed (B, Hk) or
     None descales only, since they carry no per-token ones) or bf16 (quantized as above).
@@ -728,9 +728,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"cache_leftpad must have shape ({batch},) on {q.device}")
     rotary = rotary_cos is not None or rotary_sin is not None
     if fp8_cache:
-        if rotary:
-            raise NotImplementedError("flashtile: no rotary with an FP8 cache; rotate q and k before "
-                                      "the call")
+        if rotary and (fp8_q or (new_tokens and k.dtype == torch.float8_e4m3fn)):
+            raise ValueError("rotary embedding needs a 16-bit q and new k (rotated, then quantized): "
+                             "with e4m3 ones, rotate before quantizing them")
         k_descale, v_descale = _cache_descales(k_descale, v_descale, k_cache, batch, paged,
                                                cache_batch_idx is not None)
         if fp8_q:
@@ -752,6 +752,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q.shape[2] and k_cache.shape[2] and q.shape[2] % k_cache.shape[2] == 0:
         decode.check_grid(batch, q.shape[1], q.shape[2], k_cache.shape[2])  # before the append writes
     if fp8_cache:  # every argument checked: from here on the cache's descales may be written
+        if rotary and new_tokens:  # the new keys are rotated before they are quantized
+            q, k = rotate_new_keys(q, k, rotary_cos, rotary_sin, lengths, cache_leftpad,
+                                   bool(rotary_interleaved), causal or left >= 0 or right >= 0)
+            rotary_cos = rotary_sin = None
+            rotary = False
         if new_tokens and k.dtype != torch.float8_e4m3fn:
             k, v = _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx,
                                       block_table, k_cache.shape[1])

@@ -88,12 +88,15 @@ def _append_heads(KNew, VNew, KCache, VCache, Cos, Sin, CacheBatchIdx, BlockTabl
                   BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                   ROTARY_DIM: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
                   INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
-                  ROUND_BF16_BY_HAND: tl.constexpr):
+                  ROUND_BF16_BY_HAND: tl.constexpr, KEYS_ONLY: tl.constexpr = False):
     """Write new token ``row`` of sequence ``batch`` into its cache slot: key heads
-    [head, head + BLOCK_H) rotated, value heads copied."""
+    [head, head + BLOCK_H) rotated, value heads copied. KEYS_ONLY: the rotated keys alone, to row
+    ``row`` of a (B, Sn, Hk, D) "cache" (an e4m3 cache quantizes them before they are appended)."""
     offs_h = tl.arange(0, BLOCK_H)
     heads_ok = head + offs_h < heads_k
     slot = length + row  # the cache slot of this new token (leftpad or not)
+    if KEYS_ONLY:
+        slot = row
     # A slot outside the cache writes nothing (host checks make this unreachable in eager calls).
     if PAGED:
         page_idx = tl.where(slot >= 0, slot, 0) // cache_len
@@ -119,11 +122,12 @@ def _append_heads(KNew, VNew, KCache, VCache, Cos, Sin, CacheBatchIdx, BlockTabl
     _rotate_heads(k_src, k_dst, stride_knh, stride_kch, heads_ok, Cos, Sin, stride_cos,
                   stride_sin, start + row, seqlen_ro, write_ok, BLOCK_H, HEAD_DIM, ROTARY_DIM,
                   HALF_PAD, REST_PAD, INTERLEAVED, ROUND_BF16_BY_HAND)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    ok = heads_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    values = tl.load(v_src + offs_h[:, None].to(tl.int64) * stride_vnh + dims[None, :], mask=ok)
-    tl.store(v_dst + offs_h[:, None].to(tl.int64) * stride_vch + dims[None, :], values,
-             mask=ok & write_ok)
+    if not KEYS_ONLY:
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        ok = heads_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        values = tl.load(v_src + offs_h[:, None].to(tl.int64) * stride_vnh + dims[None, :], mask=ok)
+        tl.store(v_dst + offs_h[:, None].to(tl.int64) * stride_vch + dims[None, :], values,
+                 mask=ok & write_ok)
 
 
 @triton.jit
@@ -139,9 +143,11 @@ def _rotate_and_append(Q, QOut, KNew, VNew, KCache, VCache, Cos, Sin, CacheSeqle
                        ROTARY_DIM: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
                        INTERLEAVED: tl.constexpr, Q_CONSECUTIVE: tl.constexpr, ROTATE_Q: tl.constexpr,
                        APPEND: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
-                       LEFTPAD: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr):
+                       LEFTPAD: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
+                       KEYS_ONLY: tl.constexpr = False):
     """Grid (rows, query head blocks + KV head blocks, batch): the first q_head_blocks programs of
-    axis 1 rotate query heads into QOut, the rest append key/value heads to the cache."""
+    axis 1 rotate query heads into QOut, the rest append key/value heads to the cache (KEYS_ONLY:
+    write the rotated keys to KCache, a (B, Sn, Hk, D) buffer)."""
     row = tl.program_id(0)
     head_block = tl.program_id(1)
     batch = tl.program_id(2)
@@ -174,7 +180,7 @@ def _rotate_and_append(Q, QOut, KNew, VNew, KCache, VCache, Cos, Sin, CacheSeqle
                           stride_cos, stride_sin, stride_btb, row, (head_block - q_head_blocks) * BLOCK_H,
                           batch, length, start, heads_k, seqlen_ro, cache_len, cache_rows,
                           block_table_width, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD, ROTARY_DIM, HALF_PAD,
-                          REST_PAD, INTERLEAVED, PAGED, BATCH_IDX, ROUND_BF16_BY_HAND)
+                          REST_PAD, INTERLEAVED, PAGED, BATCH_IDX, ROUND_BF16_BY_HAND, KEYS_ONLY)
 
 
 def heads_per_program(heads: int, head_dim: int) -> int:
@@ -190,7 +196,8 @@ def tile_extents(head_dim: int, rotary_dim: int) -> dict:
 
 
 def _launch(q, q_out, k_new, v_new, k_cache, v_cache, cos, sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, interleaved: bool, q_consecutive: bool) -> None:
+            cache_leftpad, block_table, interleaved: bool, q_consecutive: bool,
+            keys_only: bool = False) -> None:
     batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
     rotary_dim = 2 * cos.shape[1] if cos is not None else 0
@@ -222,7 +229,7 @@ def _launch(q, q_out, k_new, v_new, k_cache, v_cache, cos, sin, cache_seqlens, c
         INTERLEAVED=interleaved,
         Q_CONSECUTIVE=q_consecutive, ROTATE_Q=rows_q > 0, APPEND=seqlen_new > 0, PAGED=paged,
         BATCH_IDX=cache_batch_idx is not None, LEFTPAD=cache_leftpad is not None,
-        ROUND_BF16_BY_HAND=interpreting() and q.dtype == torch.bfloat16,
+        ROUND_BF16_BY_HAND=interpreting() and q.dtype == torch.bfloat16, KEYS_ONLY=keys_only,
         num_warps=4, enable_fp_fusion=False)
 
 
@@ -233,15 +240,15 @@ def _rotate_and_append_op(q: torch.Tensor, q_out: Optional[torch.Tensor], k_new:
                           cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
                           cache_seqlens: torch.Tensor, cache_batch_idx: Optional[torch.Tensor],
                           cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                          interleaved: bool, q_consecutive: bool) -> None:
+                          interleaved: bool, q_consecutive: bool, keys_only: bool = False) -> None:
     """What torch.compile sees of the launch: it writes q_out and the two caches in place."""
     _launch(q, q_out, k_new, v_new, k_cache, v_cache, cos, sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, interleaved, q_consecutive)
+            cache_leftpad, block_table, interleaved, q_consecutive, keys_only)
 
 
 @_rotate_and_append_op.register_fake
 def _(q, q_out, k_new, v_new, k_cache, v_cache, cos, sin, cache_seqlens, cache_batch_idx,
-      cache_leftpad, block_table, interleaved, q_consecutive):
+      cache_leftpad, block_table, interleaved, q_consecutive, keys_only=False):
     return None
 
 
@@ -280,3 +287,21 @@ def rotate_and_append(q: torch.Tensor, k_new: Optional[torch.Tensor], v_new: Opt
         _launch(q, q_out, k_new, v_new, k_cache, v_cache, cos, sin, cache_seqlens, cache_batch_idx,
                 cache_leftpad, block_table, interleaved, q_consecutive)
     return q if q_out is None else q_out
+
+
+def rotate_new_keys(q: torch.Tensor, k_new: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cache_seqlens: torch.Tensor, cache_leftpad: Optional[torch.Tensor] = None,
+                    interleaved: bool = False, q_consecutive: bool = True):
+    """q and the new keys rotated as ``rotate_and_append`` would rotate them (the same positions),
+    returned as new tensors (rotated q, rotated keys (B, Sn, Hk, D)) instead of appended: for a
+    cache that stores something else (an e4m3 cache quantizes them first). One launch."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k_new.shape, dtype=k_new.dtype, device=k_new.device)
+    # (the new keys and a one-element tensor stand in for the values and their cache: never read)
+    args = (q, q_out, k_new, k_new, k_out, k_out.new_empty(1, 1, 1, 1), cos, sin, cache_seqlens, None,
+            cache_leftpad, None, interleaved, q_consecutive, True)
+    if torch.compiler.is_compiling():
+        _rotate_and_append_op(*args)
+    else:
+        _launch(*args)
+    return q_out, k_out

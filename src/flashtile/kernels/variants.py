@@ -301,7 +301,7 @@ def compile_rotary(variant: Variant, arch: int) -> list:
               "ROTARY_DIM": variant.rotary_dim, **tile_extents(variant.head_dim, variant.rotary_dim),
               "INTERLEAVED": variant.interleaved, "Q_CONSECUTIVE": True, "ROTATE_Q": rotary,
               "APPEND": True, "PAGED": variant.paged, "BATCH_IDX": not variant.paged,
-              "LEFTPAD": not variant.paged, "ROUND_BF16_BY_HAND": False}
+              "LEFTPAD": not variant.paged, "ROUND_BF16_BY_HAND": False, "KEYS_ONLY": False}
     if not rotary:
         values.update(QOut=None, Cos=None, Sin=None)
     # The launch turns FMA contraction off (each product rounded, as the torch formulation is).
