@@ -332,8 +332,9 @@ def fp8_query_cases(dev) -> int:
     """FlashAttention-3's all-FP8 decode: an e4m3 q with q_descale (B, Hk), contiguous (also given as
     a broadcast view, which the call copies) and paged P16 e4m3 caches with per-key descales, one,
     6 and 24 query positions (on sm_90: the Gluon kernel at 4 and 24 rows, the Triton kernel's
-    128-row tiles at 96), appending bf16 tokens; then rotary with an e4m3 cache (bf16 q and new
-    keys turned before the keys are quantized); against attention on the dequantized tensors."""
+    128-row tiles at 96), appending bf16 tokens; fixed (B, Hk) descales with bf16 and e4m3 queries;
+    then rotary with an e4m3 cache (bf16 q and new keys turned before the keys are quantized);
+    against attention on the dequantized tensors."""
     import flashtile
 
     failures = 0
@@ -371,6 +372,32 @@ def fp8_query_cases(dev) -> int:
                         or (got[b].double() - ref[0]).abs().max() > 0.05:
                     failures += 1
                     print(f"FAIL e4m3 q Sq {sq} page_size {page_size} row {b}")
+    # fixed (B, Hk) descales (one K and one V descale a program on sm_90), bf16 and e4m3 q, 4 and 32
+    # query rows a KV head, appending bf16 tokens (quantized with the fixed descales)
+    fkd, fvd = torch.rand(3, 2, device=dev) + 0.5, torch.rand(3, 2, device=dev) + 0.5
+    for sq, lengths in ((1, [1, 77, 300]), (8, [0, 77, 296])):
+        for fp8_q in (False, True):
+            q = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
+            q_descale = torch.rand(3, 2, device=dev) / 50 + 0.01 if fp8_q else None
+            q_call = (q.float() * 50).to(e4m3) if fp8_q else q
+            new_k = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+            new_v = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+            ck, cv = k8.clone(), v8.clone()
+            got = flashtile.flash_attn_with_kvcache(q_call, ck, cv, new_k, new_v,
+                                                    cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
+                                                                               device=dev),
+                                                    causal=True, k_descale=fkd, v_descale=fvd,
+                                                    q_descale=q_descale)
+            q_deq = q_call.double()
+            if fp8_q:
+                q_deq = q_deq * q_descale.double().repeat_interleave(4, dim=1)[:, None, :, None]
+            for b, n in enumerate(lengths):
+                kk = (ck[b, :n + sq].double() * fkd[b, None, :, None])[None]
+                vv = (cv[b, :n + sq].double() * fvd[b, None, :, None])[None]
+                ref, _ = attention(q_deq[b:b + 1], kk, vv, causal=True)
+                if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
+                    failures += 1
+                    print(f"FAIL fixed descales, e4m3 q {fp8_q}, Sq {sq} row {b}")
     # rotary with an e4m3 cache: a bf16 q and new keys turned, then the keys quantized and appended
     angles = torch.rand(320, 32, device=dev) * 6
     cos, sin = torch.cos(angles).to(BF16), torch.sin(angles).to(BF16)

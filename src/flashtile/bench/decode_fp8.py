@@ -102,7 +102,13 @@ def check_cases(on_gpu: bool) -> list[dict]:
                 dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
                      page_size=None, num_splits=0, fp8_query=True),
                 dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
-                     page_size=16, num_splits=0, fp8_query=True)]
+                     page_size=16, num_splits=0, fp8_query=True),
+                # fixed descales with a bf16 query: one descale read a program; 8 positions (32
+                # query rows a KV head)
+                dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=None, num_splits=0, fixed_descales=True),
+                dict(batch=2, heads=32, heads_k=8, head_dim=128, lengths=(3000, 16384), page_size=None,
+                     num_splits=0, fixed_descales=True, seqlen_q=8)]
     return [dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(1, 70), page_size=None, num_splits=0),
             dict(batch=2, heads=4, heads_k=1, head_dim=32, lengths=(33, 70), page_size=16, num_splits=2),
             dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(5, 70), page_size=None, num_splits=0,
@@ -134,7 +140,7 @@ def run_check(device: torch.device, log=print) -> list[dict]:
         cap = max(lengths)
         if case["page_size"]:
             cap = -(-cap // case["page_size"]) * case["page_size"]
-        q = torch.randn(b, 1, h, d, generator=gen).to(device, torch.bfloat16)
+        q = torch.randn(b, case.get("seqlen_q", 1), h, d, generator=gen).to(device, torch.bfloat16)
         k = (torch.randn(b, cap, hk, d, generator=gen) * 2).to(device)
         v = torch.randn(b, cap, hk, d, generator=gen).to(device)
         if case.get("fixed_descales"):  # FlashAttention-3's (B, Hk)
@@ -175,7 +181,8 @@ def run_check(device: torch.device, log=print) -> list[dict]:
         cache = "contiguous" if not case["page_size"] else f"paged P{case['page_size']}"
         if case.get("fixed_descales"):
             cache += ", fixed descales"
-        label = (f"e4m3 {'q and ' if case.get('fp8_query') else ''}cache B{b} H{h}/{hk} d{d} "
+        label = (f"e4m3 {'q and ' if case.get('fp8_query') else ''}cache B{b}"
+                 f"{' Sq' + str(case['seqlen_q']) if case.get('seqlen_q') else ''} H{h}/{hk} d{d} "
                  f"L({','.join(map(str, lengths))}) {cache} splits {case['num_splits'] or 'auto'}")
         passed = bool(torch.isfinite(out).all()) and out.dtype == torch.bfloat16 and err <= budget
         results.append({"label": label, "passed": passed, "out_err": err, "budget": budget,
