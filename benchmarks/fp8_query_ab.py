@@ -6,9 +6,7 @@ same e4m3 caches: what the e4m3 query costs a decode step.
 Providers per point, each a CUDA graph over L layers with their own e4m3 caches (>= 1 GiB, as bench
 decode-fp8), timed in balanced rounds (median of the rounds' do_bench medians), us per layer:
 bf16-q (per-key descales, the decode-fp8 bench's call), e4m3-q (the same per-key descales and a
-q_descale), bf16-q-fixed and e4m3-q-fixed (FlashAttention-3's (B, Hk) descales), and with
---fixed-ab bf16-q-fixed-loads (the same with decode.FIXED_DESCALES off: the descales loaded per tile
-as per-key ones, the code before it). Each provider's
+q_descale), bf16-q-fixed and e4m3-q-fixed (FlashAttention-3's (B, Hk) descales). Each provider's
 output is first checked against float64 attention on the dequantized inputs (2x the bf16 error).
 Writes fp8-query-ab.json under --out.
 """
@@ -25,7 +23,6 @@ import torch
 from flashtile.bench import decode as bench
 from flashtile.bench.common import time_in_rounds
 from flashtile.bench.decode_fp8 import FP8Caches, _fp8_query, fp8_point_bytes
-from flashtile.kernels import decode
 from flashtile.reference import attention
 
 POINTS = "1,32,8,4096;1,32,8,32768;16,12,2,16384;16,32,8,4096;64,32,8,16384"
@@ -45,7 +42,7 @@ def check(out, q_deq, k8, v8, kd, vd, lengths) -> tuple[float, float]:
     return err, budget
 
 
-def probe(point: bench.Point, device, rounds: int, fixed_ab: bool = False) -> dict:
+def probe(point: bench.Point, device, rounds: int) -> dict:
     import flashtile
     nbytes = fp8_point_bytes(point)
     layers = max(1, math.ceil(bench.MIN_TOTAL_BYTES / nbytes))
@@ -60,33 +57,25 @@ def probe(point: bench.Point, device, rounds: int, fixed_ab: bool = False) -> di
     fixed_v = caches.v_descale[:, :, 0, :].contiguous()
 
     def call(name):
-        fixed = "fixed" in name
+        fixed = name.endswith("fixed")
         fp8_q = name.startswith("e4m3")
-        loads = name.endswith("-loads")
 
         def run(layer):
             kd = fixed_k[layer] if fixed else caches.k_descale[layer]
             vd = fixed_v[layer] if fixed else caches.v_descale[layer]
-            before = decode.FIXED_DESCALES
-            decode.FIXED_DESCALES = not loads  # read when the call is planned (captured)
-            decode._PLANS.clear()
-            try:
-                return flashtile.flash_attn_with_kvcache(
-                    q8 if fp8_q else q_deq16, caches.k[layer], caches.v[layer], cache_seqlens=lengths,
-                    causal=True, k_descale=kd, v_descale=vd, q_descale=qd if fp8_q else None)
-            finally:
-                decode.FIXED_DESCALES = before
-                decode._PLANS.clear()
+            return flashtile.flash_attn_with_kvcache(
+                q8 if fp8_q else q_deq16, caches.k[layer], caches.v[layer], cache_seqlens=lengths,
+                causal=True, k_descale=kd, v_descale=vd, q_descale=qd if fp8_q else None)
         return run
 
-    names = ["bf16-q", "e4m3-q", "bf16-q-fixed", "e4m3-q-fixed"] + (["bf16-q-fixed-loads"] if fixed_ab else [])
+    names = ["bf16-q", "e4m3-q", "bf16-q-fixed", "e4m3-q-fixed"]
     record = {"batch": point.batch, "heads": point.heads, "heads_k": point.heads_k,
               "context": point.context, "layers": layers, "bytes_per_layer": nbytes, "providers": {}}
     replays = {}
     for name in names:
         run = call(name)
         out = run(0)
-        fixed = "fixed" in name
+        fixed = name.endswith("fixed")
         b = point.batch
         kd = fixed_k[0][:, None, :].expand(b, point.context, point.heads_k) if fixed else caches.k_descale[0]
         vd = fixed_v[0][:, None, :].expand(b, point.context, point.heads_k) if fixed else caches.v_descale[0]
@@ -104,11 +93,10 @@ def probe(point: bench.Point, device, rounds: int, fixed_ab: bool = False) -> di
         if name in errors:
             p["error"] = repr(errors[name])
     base = record["providers"]
-    for name, against in (("e4m3-q", "bf16-q"), ("e4m3-q-fixed", "bf16-q-fixed"),
-                          ("bf16-q-fixed-loads", "bf16-q-fixed")):
-        ref = base[against]["us_per_layer"] if against in base else None
-        if name in base and ref and base[name]["us_per_layer"]:
-            base[name]["vs_" + against] = base[name]["us_per_layer"] / ref
+    for name in ("e4m3-q", "e4m3-q-fixed"):
+        ref = base["bf16-q" if name == "e4m3-q" else "bf16-q-fixed"]["us_per_layer"]
+        if ref and base[name]["us_per_layer"]:
+            base[name]["vs_bf16_q"] = base[name]["us_per_layer"] / ref
     return record
 
 
@@ -117,15 +105,13 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--fixed-ab", action="store_true",
-                        help="also the fixed descales loaded per tile (decode.FIXED_DESCALES off)")
     args = parser.parse_args()
     device = torch.device("cuda")
     records = []
     for spec in args.points.split(";"):
         b, h, hk, ctx = (int(x) for x in spec.split(","))
         point = bench.Point("fp8q", b, h, hk, ctx)
-        records.append(probe(point, device, args.rounds, args.fixed_ab))
+        records.append(probe(point, device, args.rounds))
         torch.cuda.empty_cache()  # the point's caches and graphs went with probe's frame
         r = records[-1]
         line = " ".join(f"{n} {p['us_per_layer']:.1f}us{'' if p['passed'] else ' FAIL'}"
@@ -133,16 +119,13 @@ def main() -> int:
         print(f"B{b} {h}/{hk} {ctx}: {line}", flush=True)
     with open(os.path.join(args.out, "fp8-query-ab.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "records": records}, f, indent=1)
-    print("\npoint               bf16-q  e4m3-q  ratio | fixed: bf16-q  e4m3-q  ratio  | "
-          "fixed, loads per tile: bf16-q  ratio | checks")
+    print("\npoint               bf16-q  e4m3-q  ratio | fixed: bf16-q  e4m3-q  ratio  | checks")
     for r in records:
         p = r["providers"]
         cells = []
         for a, c in (("bf16-q", "e4m3-q"), ("bf16-q-fixed", "e4m3-q-fixed")):
             ua, uc = p[a].get("us_per_layer"), p[c].get("us_per_layer")
             cells.append(f"{ua or 0:7.1f} {uc or 0:7.1f} {(uc / ua) if ua and uc else 0:6.3f}")
-        ul, uf = p.get("bf16-q-fixed-loads", {}).get("us_per_layer"), p["bf16-q-fixed"].get("us_per_layer")
-        cells[1] += f" | {ul or 0:7.1f} {(ul / uf) if ul and uf else 0:6.3f}"
         ok = all(x["passed"] for x in p.values())
         print(f"B{r['batch']} {r['heads']}/{r['heads_k']} {r['context']:>6}  {cells[0]} | {cells[1]} | "
               f"{'all pass' if ok else 'FAIL'}")

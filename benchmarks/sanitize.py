@@ -372,8 +372,8 @@ def fp8_query_cases(dev) -> int:
                         or (got[b].double() - ref[0]).abs().max() > 0.05:
                     failures += 1
                     print(f"FAIL e4m3 q Sq {sq} page_size {page_size} row {b}")
-    # fixed (B, Hk) descales (one K and one V descale a program on sm_90), bf16 and e4m3 q, 4 and 32
-    # query rows a KV head, appending bf16 tokens (quantized with the fixed descales)
+    # fixed (B, Hk) descales, bf16 and e4m3 q, 4 and 32 query rows a KV head, appending bf16 tokens
+    # (quantized with the fixed descales)
     fkd, fvd = torch.rand(3, 2, device=dev) + 0.5, torch.rand(3, 2, device=dev) + 0.5
     for sq, lengths in ((1, [1, 77, 300]), (8, [0, 77, 296])):
         for fp8_q in (False, True):

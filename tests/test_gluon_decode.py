@@ -192,26 +192,6 @@ def test_e4m3_caches_take_the_transposed_gluon_kernel(monkeypatch):
         assert shared == per_sm  # the CTAs per SM the plan's split count assumes fit
 
 
-def test_e4m3_fixed_descales_plan(monkeypatch):
-    """Fixed (B, Hk) descales on a contiguous e4m3 cache: the same plan (splits, CTAs per SM) with
-    the descales read once a program and no descale ring; pages keep the ring."""
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
-    for batch, capacity, rows in ((1, 131072, 4), (64, 16384, 4), (2, 8192, 32), (16, 16384, 12)):
-        def plan(fixed, page=0):
-            return decode._gluon_plan(batch, 8, 128, torch.bfloat16, torch.device("cpu"), capacity, 0,
-                                      page, True, False, False, True, rows, False, fixed)
-        per_key, fixed = plan(False), plan(True)
-        assert fixed[0] == per_key[0] and fixed[4].fixed_ds and not fixed[4].ds_ring
-        assert dataclasses.replace(fixed[4], fixed_ds=False, ds_ring=per_key[4].ds_ring) == per_key[4]
-        paged = plan(True, 16)[4]
-        assert paged.ds_ring and not paged.fixed_ds
-    monkeypatch.setattr(decode, "FIXED_DESCALES", False)
-    assert not decode._gluon_plan(64, 8, 128, torch.bfloat16, torch.device("cpu"), 16384, 0, 0, True,
-                                  False, False, True, 4, False, True)[4].fixed_ds
-    with pytest.raises(ValueError):
-        gluon_decode.DecodeVariant(128, block_n=64, fp8=True, rows_n=8, fixed_ds=True, ds_ring=True)
-
-
 def test_e4m3_supported_is_false_on_cpu():
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.randn(1, 64, 2, 128).to(torch.float8_e4m3fn)

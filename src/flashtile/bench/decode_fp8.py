@@ -103,8 +103,8 @@ def check_cases(on_gpu: bool) -> list[dict]:
                      page_size=None, num_splits=0, fp8_query=True),
                 dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
                      page_size=16, num_splits=0, fp8_query=True),
-                # fixed descales with a bf16 query: one descale read a program; 8 positions (32
-                # query rows a KV head)
+                # fixed (B, Hk) descales with a bf16 query, one and 8 positions (32 query rows a
+                # KV head)
                 dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
                      page_size=None, num_splits=0, fixed_descales=True),
                 dict(batch=2, heads=32, heads_k=8, head_dim=128, lengths=(3000, 16384), page_size=None,

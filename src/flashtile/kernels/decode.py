@@ -517,14 +517,13 @@ def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
-          one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False,
-          fixed_descales=False):
+          one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None,
     the Gluon kernel's variant or None)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
-                           heads // heads_k * seqlen_q, q_descale, fixed_descales)
+                           heads // heads_k * seqlen_q, q_descale)
     rows = heads // heads_k * seqlen_q  # query rows a KV head
     tile_rows = tile_rows_for(rows, fp8_cache, device)
     # programs per sequence: KV heads x blocks of rows (see _attn_decode)
@@ -652,11 +651,6 @@ GLUON_E4M3_ROWS32 = DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, pdl=True
 # one run (spec-decode-ab-h200-20261201-sq8/-sq4): 32 rows B1 32/8 32k 46.6 -> 35.0 us, B4 32/8 8k
 # 45.6 -> 34.4, B16 32/8 16k 289.9 -> 214.3; 24 rows B16 12/2 16k 78.1 -> 58.7.
 E4M3_ROWS32_DS_RING = True
-# An e4m3 contiguous cache whose descales are fixed per (sequence, KV head) (FlashAttention-3's
-# (B, Hk), or None; a token stride of 0): the Gluon programs read theirs once instead of a tile's
-# worth per tile (the same address from every program: at B64 32/8 16k such descales read 3%
-# slower than per-key ones, fp8-query-ab-h200-20261201.json).
-FIXED_DESCALES = True
 # 16-bit caches with at most 32 query rows a KV head and fewer (sequence, KV head) pairs than SMs:
 # the transposed consumer (gluon_decode._decode_consumer_t), 4 stages and one CTA per SM where that
 # plan's splits stream at least T16_LONG_SPLIT keys, else 3 stages and two per SM
@@ -747,7 +741,7 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
-                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False, fixed_descales=False):
+                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False):
     from . import gluon_decode
 
     pairs = batch * heads_k
@@ -787,9 +781,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         and base.programs_per_sm >= 3
     # (paged: always, with V in registers or not, the producer holding the page numbers the
     # descales' addresses need; 17-32 rows at every split length, see E4M3_ROWS32_DS_RING)
-    # (fixed descales, one K and one V a program: nothing to load per tile, see FIXED_DESCALES)
-    fixed_ds = fp8 and fixed_descales and page_size == 0 and FIXED_DESCALES
-    ds_ring = fp8 and not fixed_ds and (page_size > 0 or (rows > 16 and E4M3_ROWS32_DS_RING) or (
+    ds_ring = fp8 and (page_size > 0 or (rows > 16 and E4M3_ROWS32_DS_RING) or (
         v_regs and -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT))
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(out_dtype(dtype)), base.block_n, base.num_stages, page_size > 0,
@@ -798,7 +790,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         # the query rows a KV head as the N of transposed tiles (8, 16 or 32)
         rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0,
         v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0, ds_ring=ds_ring,
-        q_fp8=dtype == torch.float8_e4m3fn, q_descale=q_descale, fixed_ds=fixed_ds)
+        q_fp8=dtype == torch.float8_e4m3fn, q_descale=q_descale)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 
@@ -884,8 +876,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
            one_launch, need_lse, k_cache.shape[1] if paged else 0, gluon_ok, causal,
-           q_descale is not None, fp8_cache and not paged and k_descale is not None
-           and k_descale.stride(1) == 0)
+           q_descale is not None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)

@@ -91,9 +91,6 @@ class DecodeVariant:
     # q_descale its (B, Hk) float32 descales
     q_fp8: bool = False
     q_descale: bool = False
-    # e4m3, contiguous: one K and one V descale a (sequence, KV head), as FlashAttention-3's (B, Hk)
-    # (a token stride of 0), read once by a program instead of a tile's worth per tile
-    fixed_ds: bool = False
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
@@ -107,11 +104,8 @@ class DecodeVariant:
             # investigated, not allowed; 64 rows spilled)
             raise ValueError("rows_n: 8, 16 or 32 query rows (required with e4m3 caches), 64-key "
                              "tiles")
-        if (self.v_regs or self.ds_ring or self.q_fp8 or self.q_descale or self.fixed_ds) \
-                and not self.fp8:
-            raise ValueError("v_regs, ds_ring, q_fp8, q_descale, fixed_ds: e4m3 caches only")
-        if self.fixed_ds and (self.ds_ring or self.paged):
-            raise ValueError("fixed_ds: contiguous caches, no descale ring (nothing to load per tile)")
+        if (self.v_regs or self.ds_ring or self.q_fp8 or self.q_descale) and not self.fp8:
+            raise ValueError("v_regs, ds_ring, q_fp8, q_descale: e4m3 caches only")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -125,7 +119,7 @@ class DecodeVariant:
                 + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else "")
                 + ("-vregs" if self.v_regs else "") + (f"-r{self.regs}" if self.regs else "")
                 + ("-dsring" if self.ds_ring else "") + ("-q8" if self.q_fp8 else "")
-                + ("-qds" if self.q_descale else "") + ("-fixedds" if self.fixed_ds else ""))
+                + ("-qds" if self.q_descale else ""))
 
     @property
     def shared_bytes(self) -> int:
@@ -538,8 +532,7 @@ if _GLUON:
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
                                HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
-                               V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False,
-                               FIXED_DS: gl.constexpr = False):
+                               V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False):
         """4 warps, e4m3 cache, 16-bit or e4m3 query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
@@ -610,11 +603,7 @@ if _GLUON:
         key = t_lo * BLOCK_N + keys0
         k_ds_next = gl.zeros([BLOCK_N], gl.float32, layout=key_layout)
         v_ds_next = k_ds_next
-        if FIXED_DS:  # the program's one K and one V descale, for every tile (keys past the
-            # sequence are masked in the softmax, their V rows zeroed)
-            k_ds_next = k_ds_next + gl.load(KDescale + ds_base)
-            v_ds_next = v_ds_next + gl.load(VDescale + ds_base)
-        elif not DS_RING:
+        if not DS_RING:
             k_ds_next = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss,
                                 mask=key < seqlen_k, other=0.0)
             v_ds_next = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss,
@@ -625,7 +614,7 @@ if _GLUON:
             key = t * BLOCK_N + keys0
             k_ds = k_ds_next
             v_ds = v_ds_next
-            if not DS_RING and not FIXED_DS:
+            if not DS_RING:
                 nxt = key + BLOCK_N
                 k_ds_next = gl.load(KDescale + ds_base + nxt.to(gl.int64) * stride_dss,
                                     mask=nxt < seqlen_k, other=0.0)
@@ -729,8 +718,7 @@ if _GLUON:
                            Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
                            PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False,
-                           DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False,
-                           FIXED_DS: gl.constexpr = False):
+                           DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -781,7 +769,7 @@ if _GLUON:
                                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                           stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
                                           CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST,
-                                          BATCH_IDX, V_REGS, DS_RING, FIXED_DS)),
+                                          BATCH_IDX, V_REGS, DS_RING)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -862,7 +850,6 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
                 V_REGS=variant.v_regs, DS_RING=variant.ds_ring, Q_DESCALE=variant.q_descale,
-                FIXED_DS=variant.fixed_ds,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
@@ -1085,13 +1072,6 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
     out += [(dataclasses.replace(vregs, regs=64, causal=True, **q8), True),
             (dataclasses.replace(ring, **q8), False), (dataclasses.replace(paged, causal=True, **q8), True),
             (dataclasses.replace(rows32, causal=True, **q8), True)]
-    # fixed (B, Hk) descales on contiguous caches (decode: a token stride of 0): no descale loads
-    fixed = dict(fixed_ds=True, ds_ring=False)
-    out += [(dataclasses.replace(vregs, **fixed), True), (dataclasses.replace(vregs, regs=64, **fixed), True),
-            (dataclasses.replace(vregs, rows_n=16, causal=True, batch_idx=True, **fixed), False),
-            (dataclasses.replace(fp8, **fixed), True),
-            (dataclasses.replace(fp8, rows_n=32, causal=True, **fixed, **q8), True),
-            (dataclasses.replace(vregs, head_dim=64, rows_n=16, **fixed), True)]
     return out
 
 
