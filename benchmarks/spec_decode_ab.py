@@ -35,7 +35,7 @@ BEFORE = {"TWO_WARP_MAX_ROWS": 1 << 20, "WIDE_TILE_ROWS": 0}
 BF16_CONFIGS: list = []  # --bf16-configs: Triton plans for the bf16 cache, as --e4m3-configs
 BF16_PAGED_CONFIGS: list = []  # --bf16-paged-configs: the same for the bf16 page-16 pool
 E4M3_CONFIGS: list = []  # --e4m3-configs: Triton plans (block_n, warps, stages[, waves[, pdl[, min
-# split keys[, programs per SM]]]]) to time
+# split keys[, programs per SM[, the query as two e4m3 terms (DecodeConfig.fp8_split_q)]]]]]) to time
 E4M3_PAGED_CONFIGS: list = []  # --e4m3-paged-configs: the same for the page-16 pool
 BASELINE = None  # --baseline: an older kernels/decode.py, loaded (its decode_attention is timed too)
 ONLY: list = []  # --only: the providers to time besides the dispatched ones (name substrings)
@@ -48,10 +48,11 @@ def kept(steps: dict) -> dict:
 
 
 def triton_config(block_n: int, warps: int, stages: int, waves: int = 2, pdl: int = 1,
-                  min_split_keys: int = 128, programs_per_sm: int = 1):
+                  min_split_keys: int = 128, programs_per_sm: int = 1, fp8_split_q: int = 0):
     """decode.decode_config replaced by one plan (the split heuristic still sizes its splits)."""
     cfg = dec.DecodeConfig(block_n, warps, stages, waves=waves, min_split_keys=min_split_keys,
-                           pdl=bool(pdl), programs_per_sm=programs_per_sm)
+                           pdl=bool(pdl), programs_per_sm=programs_per_sm,
+                           fp8_split_q=bool(fp8_split_q))
     return lambda *args, **kwargs: cfg
 
 
@@ -59,7 +60,8 @@ def config_name(config: tuple) -> str:
     return ("n{} w{} s{}".format(*config) + (f" waves {config[3]}" if len(config) > 3 else "")
             + (f" pdl {config[4]}" if len(config) > 4 else "")
             + (f" min {config[5]}" if len(config) > 5 else "")
-            + (f" per SM {config[6]}" if len(config) > 6 else ""))
+            + (f" per SM {config[6]}" if len(config) > 6 else "")
+            + (f" split q {config[7]}" if len(config) > 7 else ""))
 
 
 def baseline_call(q, k_cache, v_cache, lengths, **kwargs):

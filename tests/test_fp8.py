@@ -255,39 +255,45 @@ def test_quantize_per_key_round_trips_and_saturates():
     assert fixed.float().abs().max() == fp8.E4M3_MAX  # large rows saturate, never NaN
 
 
-def _check_decode(out, q, k_deq, v_deq, lengths, causal, dtype=None):
+def _check_decode(out, q, k_deq, v_deq, lengths, causal, dtype=None, softcap=0.0):
     """out (B, Sq, H, D) against float64 attention on each row's first lengths[b] dequantized keys,
     within 2x the error of the same attention in ``dtype`` (default q's)."""
     from flashtile.reference import attention as textbook
     dtype = dtype or q.dtype
     for b, n in enumerate(lengths):
         args = (q[b:b + 1].double(), k_deq[b:b + 1, :n].double(), v_deq[b:b + 1, :n].double())
-        ref, _ = textbook(*args, causal=causal)
-        low, _ = textbook(*(t.to(dtype) for t in args), causal=causal)
+        ref, _ = textbook(*args, causal=causal, softcap=softcap)
+        low, _ = textbook(*(t.to(dtype) for t in args), causal=causal, softcap=softcap)
         err = (out[b:b + 1].double() - ref).abs().max().item()
         assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"row {b}: {err}"
 
 
-def _fp8_cache_call(q, k8, v8, kd, vd, paged, **kw):
-    """flash_attn_with_kvcache on an e4m3 cache with per-key descales, contiguous or (``paged``)
-    as page pools through a block table, the descales through the same table (slots past the cache
-    NaN: never read)."""
-    import flashtile
+def _fp8_pages(k8, v8, kd, vd, paged, fill=float("nan")):
+    """An e4m3 cache (B, S, Hk, D) with per-key descales (B, S, Hk) as page pools of ``paged`` keys
+    in a shuffled order, the descales through the same block table (slots past the cache ``fill``):
+    (pool_k, pool_v, pool_kd, pool_vd, block_table)."""
     from flashtile.bench.decode import paginate
-    if not paged:
-        return flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
     cap = k8.shape[1]
     pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
-    pool_kd = torch.full(pool_k.shape[:3], float("nan"))
-    pool_vd = torch.full(pool_k.shape[:3], float("nan"))
+    pool_kd = torch.full(pool_k.shape[:3], fill)
+    pool_vd = torch.full(pool_k.shape[:3], fill)
     for b in range(k8.shape[0]):
         for j in range(table.shape[1]):
             rows = slice(j * paged, min((j + 1) * paged, cap))
             pool_kd[table[b, j], :rows.stop - rows.start] = kd[b, rows]
             pool_vd[table[b, j], :rows.stop - rows.start] = vd[b, rows]
-    return flashtile.flash_attn_with_kvcache(q, pool_k.view(torch.float8_e4m3fn),
-                                             pool_v.view(torch.float8_e4m3fn), block_table=table,
-                                             k_descale=pool_kd, v_descale=pool_vd, **kw)
+    return pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn), pool_kd, pool_vd, table
+
+
+def _fp8_cache_call(q, k8, v8, kd, vd, paged, **kw):
+    """flash_attn_with_kvcache on an e4m3 cache with per-key descales, contiguous or (``paged``)
+    as page pools through a block table (_fp8_pages; slots past the cache NaN: never read)."""
+    import flashtile
+    if not paged:
+        return flashtile.flash_attn_with_kvcache(q, k8, v8, k_descale=kd, v_descale=vd, **kw)
+    pool_k, pool_v, pool_kd, pool_vd, table = _fp8_pages(k8, v8, kd, vd, paged)
+    return flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table, k_descale=pool_kd,
+                                             v_descale=pool_vd, **kw)
 
 
 @pytest.mark.parametrize("paged", [None, 1, 16])
@@ -310,7 +316,6 @@ def test_fp8_cache_with_per_key_descales(paged, splits, seqlen_q):
 @pytest.mark.parametrize("paged", [None, 16])
 def test_fp8_cache_append_quantizes_each_new_token(paged):
     import flashtile
-    from flashtile.bench.decode import paginate
     batch, cap, heads, heads_k, d = 2, 48, 4, 1, 32
     lengths = [20, 45]
     q = torch.randn(batch, 3, heads, d, dtype=torch.bfloat16)
@@ -320,13 +325,7 @@ def test_fp8_cache_append_quantizes_each_new_token(paged):
     v_new = torch.randn(batch, 3, heads_k, d, dtype=torch.bfloat16)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
     if paged:
-        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
-        pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
-        pool_kd, pool_vd = torch.zeros(pool_k.shape[:3]), torch.zeros(pool_k.shape[:3])
-        for b in range(batch):
-            for j in range(table.shape[1]):
-                pool_kd[table[b, j]] = kd[b, j * paged:(j + 1) * paged]
-                pool_vd[table[b, j]] = vd[b, j * paged:(j + 1) * paged]
+        pool_k, pool_v, pool_kd, pool_vd, table = _fp8_pages(k8, v8, kd, vd, paged, fill=0.0)
         out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens,
                                                 block_table=table, k_descale=pool_kd, v_descale=pool_vd,
                                                 causal=True)
@@ -506,15 +505,7 @@ def test_fp8_cache_rotary_before_quantizing(interleaved, rotary_dim, paged):
     if paged:
         leftpad = [0, 0, 0]
         # the cache and its descales as page pools, read back afterwards through the table
-        from flashtile.bench.decode import paginate
-        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), paged)
-        pool_kd = torch.zeros(pool_k.shape[:3])
-        pool_vd = torch.zeros(pool_k.shape[:3])
-        for b in range(batch):
-            for j in range(table.shape[1]):
-                pool_kd[table[b, j]] = kd[b, j * paged:(j + 1) * paged]
-                pool_vd[table[b, j]] = vd[b, j * paged:(j + 1) * paged]
-        pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
+        pool_k, pool_v, pool_kd, pool_vd, table = _fp8_pages(k8, v8, kd, vd, paged, fill=0.0)
         out = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, block_table=table,
                                                 k_descale=pool_kd, v_descale=pool_vd, **kw)
         pages = table.long()
@@ -664,3 +655,44 @@ def test_fp8_cache_query_rows_in_blocks(monkeypatch, paged):
         test_fp8_cache_with_per_key_descales(paged, 3, 5)
     finally:
         decode._PLANS.clear()
+
+
+@pytest.mark.parametrize("paged", [None, 16])
+@pytest.mark.parametrize("fp8_q,seqlen_q,softcap", [(False, 1, 0.0), (False, 5, 0.0), (True, 5, 0.0),
+                                                    (False, 3, 20.0)])
+def test_fp8_cache_split_query_e4m3_dots(monkeypatch, paged, fp8_q, seqlen_q, softcap):
+    """The e4m3 cache's plan past 64 query rows on sm_90 (DecodeConfig.fp8_split_q): the query as
+    two e4m3 terms, S by e4m3 dots on K as loaded; here with two row blocks of 16 rows (and one),
+    against float64 attention on the dequantized tensors."""
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "MAX_TILE_ROWS", 16)
+    decode._PLANS.clear()
+    batch, cap, heads, heads_k, d = 3, 70, 8, 2, 64
+    lengths = [70, 9, 37]
+    q = torch.randn(batch, seqlen_q, heads, d, dtype=torch.bfloat16)
+    qd = None
+    if fp8_q:
+        q8 = (torch.randn(batch, seqlen_q, heads, d) * 80).to(torch.float8_e4m3fn)
+        qd = (torch.rand(batch, heads_k) + 0.5) / 80
+        q = q8.float() * qd.repeat_interleave(heads // heads_k, dim=1)[:, None, :, None]
+    k, v = torch.randn(batch, cap, heads_k, d) * 3, torch.randn(batch, cap, heads_k, d)
+    k[0, 5] *= 40
+    (k8, kd), (v8, vd) = _quantize_per_key(k), _quantize_per_key(v)
+    config = decode.DecodeConfig(32, 4, 1, fp8_split_q=True)
+    kw = dict(softmax_scale=d ** -0.5, window_left=-1, window_right=0, softcap=softcap,
+              num_splits=2, config=config, q_descale=qd)
+    try:
+        if paged:
+            pool_k, pool_v, pool_kd, pool_vd, table = _fp8_pages(k8, v8, kd, vd, paged)
+            out, _ = decode.decode_attention(q8 if fp8_q else q, pool_k, pool_v,
+                                             torch.tensor(lengths, dtype=torch.int32), block_table=table,
+                                             k_descale=pool_kd, v_descale=pool_vd, **kw)
+        else:
+            out, _ = decode.decode_attention(q8 if fp8_q else q, k8, v8,
+                                             torch.tensor(lengths, dtype=torch.int32),
+                                             k_descale=kd, v_descale=vd, **kw)
+    finally:
+        decode._PLANS.clear()
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    _check_decode(out, q, k8.float() * kd[..., None], v8.float() * vd[..., None], lengths, True,
+                  dtype=torch.bfloat16, softcap=softcap)

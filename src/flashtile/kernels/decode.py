@@ -90,16 +90,28 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                 + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :], mask=q_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    q_lo = q  # FP8 >= 4: the query's second e4m3 term
     if Q_FP16:
-        # An e4m3 cache with a bf16 query: the math runs in fp16, which e4m3 widens to in one
-        # instruction per pair. A power of two brings max|q| into [64, 128), where fp16 holds every
-        # bf16 mantissa exactly (entries over 2^20 times smaller than the largest may round, far below
-        # bf16's own rounding of the product); the score scale takes it back.
+        # An e4m3 cache with a bf16 (or e4m3) query. A power of two brings max|q| into a range where
+        # the query's bits survive, and the score scale takes it back: FP8 < 4, the math runs in
+        # fp16 (which e4m3 widens to in one instruction per pair), max|q| in [64, 128), where fp16
+        # holds every bf16 mantissa exactly (entries over 2^20 times smaller than the largest may
+        # round, far below bf16's own rounding of the product); FP8 >= 4, e4m3 dots on the cache's
+        # K: two e4m3 terms, max|q| in [128, 256), the first keeping each entry's leading 4
+        # significant bits (truncated: exact in e4m3, no rounding to carry), the second the rest,
+        # which a bf16 or e4m3 query holds in 4 more bits.
         q32 = q.to(tl.float32)
         amax_bits = tl.max(tl.max(tl.abs(q32), 1), 0).to(tl.int32, bitcast=True)
-        shift = tl.minimum(tl.maximum(6 - ((amax_bits >> 23) - 127), -120), 120)
+        top: tl.constexpr = 7 if FP8 >= 4 else 6
+        shift = tl.minimum(tl.maximum(top - ((amax_bits >> 23) - 127), -120), 120)
         q_scale = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-        q = (q32 * q_scale).to(tl.float16)
+        q32 = q32 * q_scale
+        if FP8 >= 4:
+            q_hi = (q32.to(tl.uint32, bitcast=True) & 0xFFF00000).to(tl.float32, bitcast=True)
+            q = q_hi.to(tl.float8e4nv)
+            q_lo = (q32 - q_hi).to(tl.float8e4nv)
+        else:
+            q = q32.to(tl.float16)
         if Q_DESCALE:  # an e4m3 query's descale, (B, Hk) contiguous: this program's factor
             heads_k = tl.num_programs(2)
             if ROW_BLOCKS:
@@ -167,19 +179,19 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
+        acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
         full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
         v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
         SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
+        acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
         full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
         v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
         SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
+        acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
         s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
         v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
@@ -301,6 +313,9 @@ class DecodeConfig:
     # > 0: with (sequence, KV head) pairs filling half the SMs or more, split to at least ``waves``
     # programs per SM but to no more than this many, all resident at once, without wave balancing.
     resident_per_sm: int = 0
+    # e4m3 caches: the query as two e4m3 terms and S by e4m3 dots on K as loaded (FP8 4/5 of the
+    # inner loop) instead of K widened to fp16
+    fp8_split_q: bool = False
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
@@ -320,7 +335,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
     sms = _sm_count(device)
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
     if hopper and rows > EIGHT_WARP_MIN_ROWS:
-        return _wide_rows_config(paged, head_dim)
+        return _wide_rows_config(paged, head_dim, fp8_cache)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
             # e4m3 pages of 33-64 query rows a KV head on sm_90: one stage, as the contiguous plan
@@ -389,7 +404,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
     return DecodeConfig(32, 4, 4, waves=2, min_split_keys=128, pdl=True)
 
 
-def _wide_rows_config(paged: bool, head_dim: int) -> DecodeConfig:
+def _wide_rows_config(paged: bool, head_dim: int, fp8_cache: bool = False) -> DecodeConfig:
     """sm_90, more than 64 query rows a KV head (speculative steps of 16 positions, chunked prefill
     against the cache), bf16 or e4m3 caches: tiles of 128 rows on 8 warps (two warpgroups of 64
     rows), 64-key steps, 3 stages, one wave of programs with splits of at least 256 keys. Same run
@@ -403,9 +418,20 @@ def _wide_rows_config(paged: bool, head_dim: int) -> DecodeConfig:
     With two waves, 1024-key splits, 2 or 4 stages or 128-key steps it was slower at one point or
     more (-wide-b). Head dims over 128 (not measured): 32-key steps and 2 stages, so that Q and the
     K/V stages fit in shared memory."""
+    split_q = fp8_cache and FP8_SPLIT_Q_WIDE
     if head_dim <= 128:
-        return DecodeConfig(64, 8, 3, waves=1, min_split_keys=256, pdl=not paged)
-    return DecodeConfig(32, 8, 2, waves=1, min_split_keys=256, pdl=not paged)
+        return DecodeConfig(64, 8, 3, waves=1, min_split_keys=256, pdl=not paged, fp8_split_q=split_q)
+    return DecodeConfig(32, 8, 2, waves=1, min_split_keys=256, pdl=not paged, fp8_split_q=split_q)
+
+
+# e4m3 caches past 64 query rows a KV head (_wide_rows_config): the query as two e4m3 terms and S by
+# e4m3 dots on K as loaded, instead of K widened to fp16 in registers and stored back for the wgmma.
+# Same run, Sq 16 (spec-decode-ab-h200-20261201-splitq-sq16, us per layer): B1 12/2 32k 29.5 -> 28.4,
+# B4 12/2 16k 47.4 -> 45.1, B1 64/8 32k 86.8 -> 84.8, B16 12/2 16k 156.5 -> 146.0, B64 12/2 4k 167.8
+# -> 159.8; pages of 16 4-9% faster. (Promoting the e4m3 sums to fp32 every 32 products,
+# max_num_imprecise_acc, spilled 504 bytes of stack in the paged kernel; the checks read 0.325 of
+# the accuracy budget without it, as with K widened.)
+FP8_SPLIT_Q_WIDE = True
 
 
 # The 2-warp plans were measured with 4-6 query rows a KV head (one query position); a speculative
@@ -554,7 +580,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         HAS_RIGHT=has_right, SOFTCAP=has_softcap, ALIBI=has_alibi,
         PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
-        FP8=_fp8_cache_mode(device) if fp8_cache else 0, WRITE_LSE=write_lse or splits > 1,
+        FP8=_fp8_cache_mode(device, cfg.fp8_split_q) if fp8_cache else 0,
+        WRITE_LSE=write_lse or splits > 1,
         Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
         Q_DESCALE=q_descale, num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
@@ -798,13 +825,17 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
 _OPTIONS: dict = {}
 
 
-def _fp8_cache_mode(device: torch.device) -> int:
+def _fp8_cache_mode(device: torch.device, split_q: bool = False) -> int:
     """The FP8 constexpr of an e4m3 cache: 3 (V widened by ``cvt.rn.f16x2.e4m3x2`` where it is
     loaded, then moved to its operand layout as fp16) on GPUs with e4m3 conversions, else 2 (Triton's
-    conversion, which it applies after gathering the 8-bit operand: one shared-memory load per byte)."""
+    conversion, which it applies after gathering the 8-bit operand: one shared-memory load per byte).
+    ``split_q``: the query as two e4m3 terms and e4m3 dots on K, V widened as in 3 (4; GPUs with
+    e4m3 tensor cores) or by Triton (5: the interpreter)."""
     if interpreting() or device.type != "cuda":
-        return 2
+        return 5 if split_q else 2
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if split_q and _arch(index) >= 89:
+        return 4
     return 3 if _arch(index) >= 89 else 2
 
 

@@ -107,7 +107,7 @@ def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
                     window_left, window_right, qk_scale, softcap_in, alibi_slope,
                     rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
@@ -138,7 +138,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
     K and V tiles widen to the query's dtype (the decode kernel hands over an fp16 query: e4m3 widens
     to fp16 in one instruction per pair, to bf16 through a second conversion), K's descales scale the
     score columns, V's the columns of P. FP8 == 3: the same, V widened by PTX where it is loaded
-    (``widen_e4m3``; GPU only).
+    (``widen_e4m3``; GPU only). FP8 == 4 and 5: the query comes as two e4m3 terms, ``q`` (its
+    leading bits) and ``q_lo`` (the rest), and S = q K^T + q_lo K^T runs as e4m3 dots on K as loaded
+    (not widened), each promoting its sum to fp32 every 32 products; V widens to fp16 by PTX (4,
+    GPU only) or by Triton (5). ``q_lo`` is unused otherwise.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
@@ -195,8 +198,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
                 nxt = cols + BLOCK_N
                 k_scales_ahead = tl.load(k_descale + nxt * stride_scale_n, mask=nxt < seqlen_k, other=0.0)
                 v_scales_ahead = tl.load(v_descale + nxt * stride_scale_n, mask=nxt < seqlen_k, other=0.0)
-            k = k.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k))
+            if FP8 < 4:
+                k = k.to(q.dtype)
+            else:  # e4m3 as loaded (a no-op), or back from the interpreter's exact upcast
+                k = k.to(tl.float8e4nv)
+        if FP8 >= 4:
+            qk = tl.dot(q, tl.trans(k))
+            qk = tl.dot(q_lo, tl.trans(k), qk)
+        else:
+            qk = tl.dot(q, tl.trans(k))
         if FP8 >= 2:
             qk = qk * k_scales[None, :]
         tile_scale = 1.0
@@ -243,9 +253,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
             v_max = tl.max(v_scales, 0)
             v_max = tl.where(v_max > 0, v_max, 1.0)
             p = p * (v_scales / v_max)[None, :]
-            if FP8 == 3:  # fp16 math only (the decode kernel's fp16 or Q_FP16-scaled query)
-                tl.static_assert(q.dtype == tl.float16, "FP8 == 3 widens V to fp16 only")
+            if FP8 == 3 or FP8 == 4:  # fp16 math (the decode kernel's fp16 or Q_FP16-scaled query)
+                tl.static_assert(q.dtype == tl.float16 or FP8 == 4, "FP8 == 3 widens V to fp16 only")
                 v = widen_e4m3(v)
+            elif FP8 == 5:
+                v = v.to(tl.float16)
             else:
                 v = v.to(q.dtype)
             acc += tl.dot(p.to(v.dtype), v) * v_max
@@ -372,20 +384,20 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
 
     if HAS_LEFT:  # left edge of a sliding window
         acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+            acc, l_i, m_i, q, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
             stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
             HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        acc, l_i, m_i, q, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
         stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT,
         HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
+        acc, l_i, m_i, q, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
         stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,

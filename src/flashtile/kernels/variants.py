@@ -276,6 +276,8 @@ def compile_decode(variant: Variant, arch: int) -> list:
             # blocks of them (chunked prefill)
             _compile(_attn_decode, {**decode, **split_pages, "ROWS": 128, "ROW_BLOCKS": True, "SPLIT": True,
                                     "WRITE_LSE": True,
+                                    # e4m3: the query's two e4m3 terms (decode.FP8_SPLIT_Q_WIDE)
+                                    **({"FP8": 4} if variant.fp8_cache and arch >= 89 else {}),
                                     "BLOCK_N": 64 if variant.head_dim <= 128 else 32,
                                     "PDL": arch >= 90 and not variant.paged},
                      variant, arch, 8, 3 if variant.head_dim <= 128 else 2, cache)]
