@@ -259,9 +259,15 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
         assert decode.decode_config(False, dev, 512, fp8_cache, rows=17).num_warps == 4
     # ... an e4m3 cache's 4-warp plan at 33-64 rows on sm_90 without a software pipeline (1
     # stage), 3 at up to 32
+    # (with one stage the query as two e4m3 terms and S by e4m3 dots, decode.FP8_SPLIT_Q_ROWS64; on
+    # pages too)
     for pairs in (2, 32, 128):
         for rows, stages in ((48, 1), (64, 1), (32, 3), (17, 3)):
-            assert decode.decode_config(False, dev, pairs, True, rows=rows).num_stages == stages
+            cfg = decode.decode_config(False, dev, pairs, True, rows=rows)
+            assert cfg.num_stages == stages and cfg.fp8_split_q == (stages == 1)
+            paged = decode.decode_config(True, dev, pairs, True, rows=rows)
+            assert paged.fp8_split_q == (stages == 1) == (paged.num_stages == 1)
+            assert not decode.decode_config(False, dev, pairs, False, rows=rows).fp8_split_q
     # ... past 64 rows 128-row tiles on 8 warps, 64-key steps, 3 stages, one wave (32-key steps and
     # 2 stages over head dim 128), any cache; PDL on contiguous caches only
     for paged in (False, True):
@@ -269,7 +275,7 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
             for pairs in (2, 32, 128, 512):
                 cfg = decode.decode_config(paged, dev, pairs, fp8_cache, rows=65)
                 assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.waves, cfg.min_split_keys,
-                        cfg.pdl) == (64, 8, 3, 1, 256, not paged)
+                        cfg.pdl, cfg.fp8_split_q) == (64, 8, 3, 1, 256, not paged, fp8_cache)
             cfg = decode.decode_config(paged, dev, 2, fp8_cache, head_dim=256, rows=96)
             assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (32, 8, 2)
 
@@ -293,6 +299,7 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
     assert decode.decode_config(False, dev, 128).max_splits == 128
     assert decode.decode_config(False, dev, 512).num_warps == 4
     assert decode.decode_config(False, dev, 32, True, rows=48).num_stages == 3
+    assert not decode.decode_config(False, dev, 32, True, rows=48).fp8_split_q
 
 
 def test_long_caches_take_one_wave_of_splits(h200_plans):

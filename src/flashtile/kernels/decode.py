@@ -344,7 +344,8 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
             # 128k and B1 64/8 32k 3% faster, B16 12/2 16k the same, B16 64/8 8k 2% slower; more
             # rows: _wide_rows_config)
             stages = (1 if hopper and 32 < rows <= 64 else 3) if fp8_cache else 2
-            return DecodeConfig(128, 4, stages, waves=2, min_split_keys=256)
+            return DecodeConfig(128, 4, stages, waves=2, min_split_keys=256,
+                                fp8_split_q=fp8_cache and hopper and 32 < rows <= 64 and FP8_SPLIT_Q_ROWS64)
         if fp8_cache:  # (32-key steps not measured with e4m3 pages)
             return DecodeConfig(128, 4, 2, waves=2, min_split_keys=256)
         # Three of these programs fit on an SM at once: 2 splits for 132-198 pairs, where one had
@@ -376,8 +377,11 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         # -stages-rows32-b-sq4/-sq8, where sm_90 runs the Gluon kernel unless it refuses the call.)
         # 96-128 rows (Sq 16, -stages-sq16): 1.34-1.46x (B1 12/2 32k 84.2 -> 57.5 us, B16 12/2
         # 16k 313.0 -> 234.2, B1 64/8 32k 186.2 -> 135.7).
+        # With one stage (sm_90, 33-64 rows) the query as two e4m3 terms and S by e4m3 dots on K
+        # as loaded: FP8_SPLIT_Q_ROWS64.
         return DecodeConfig(128, 4, 1 if hopper and rows > 32 else 3, waves=2,
-                            min_split_keys=128, pdl=True)
+                            min_split_keys=128, pdl=True,
+                            fp8_split_q=hopper and rows > 32 and FP8_SPLIT_Q_ROWS64)
     if hopper and 4 * programs >= 3 * sms and programs <= sms:
         # Pairs that alone fill 3/4 of the SMs or more, but not all: one unsplit program each (no
         # merge) with 64-key steps, 4 stages, one CTA per SM, rather than two splits: 128 pairs
@@ -432,6 +436,13 @@ def _wide_rows_config(paged: bool, head_dim: int, fp8_cache: bool = False) -> De
 # max_num_imprecise_acc, spilled 504 bytes of stack in the paged kernel; the checks read 0.325 of
 # the accuracy budget without it, as with K widened.)
 FP8_SPLIT_Q_WIDE = True
+# ... and 33-64 query rows a KV head (the one-stage 4-warp plans, contiguous and on pages), same run
+# against the same plans with K widened, Sq 8 (spec-decode-ab-h200-20261201-splitq-sq8, us per
+# layer): B1 12/2 32k 20.0 -> 19.6, B4 12/2 16k 29.3 -> 27.9, B1 64/8 32k 48.9 -> 46.5, B16 12/2 16k
+# 81.4 -> 75.9, B64 12/2 4k 85.0 -> 80.5, B16 64/8 8k 155.2 -> 144.9; pages of 16 18.7/29.0/49.0/
+# 83.4/86.1/159.1 -> 17.7/26.8/44.1/74.1/76.9/143.0; 0.307 of the accuracy budget at most. (With 3
+# stages, or 64-key steps, 0.64-0.99x the one-stage plan with K widened.)
+FP8_SPLIT_Q_ROWS64 = True
 
 
 # The 2-warp plans were measured with 4-6 query rows a KV head (one query position); a speculative

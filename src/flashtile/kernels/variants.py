@@ -266,6 +266,11 @@ def compile_decode(variant: Variant, arch: int) -> list:
         fp8_query = [_compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True,
                                              "WRITE_LSE": True, "Q_FP16": True, "Q_DESCALE": True},
                               variant, arch, warps, split_stages, {**cache, "Q": "*fp8e4nv"})]
+        if arch >= 89:  # 33-64 query rows on sm_90: 64-row tiles, 128-key steps, one stage, the
+            # query as two e4m3 terms (decode.FP8_SPLIT_Q_ROWS64)
+            fp8_query.append(_compile(_attn_decode, {**decode, **split_pages, "ROWS": 64, "BLOCK_N": 128,
+                                                     "SPLIT": True, "WRITE_LSE": True, "FP8": 4},
+                                      variant, arch, 4, 1, cache))
     return fp8_query + [
             _compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True, "WRITE_LSE": True},
                      variant, arch, warps, split_stages, cache),
