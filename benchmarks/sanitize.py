@@ -256,6 +256,25 @@ def _e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, slots: int):
     return pool_k[rows, at], pool_v[rows, at], pool_kd[rows, at], pool_vd[rows, at]
 
 
+def _e4m3_cache_call(q, k8, v8, kd, vd, new_k, new_v, lengths, page_size, q_descale=None, fixed=None):
+    """flash_attn_with_kvcache (causal, appending new_k/new_v) on copies of an e4m3 cache with per-key
+    descales kd/vd, contiguous or as page pools (_e4m3_pages), or with ``fixed`` (B, Hk) descales
+    instead; returns the output and the cache and descales as each sequence's rows afterwards."""
+    import flashtile
+    ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=k8.device), causal=True,
+              q_descale=q_descale)
+    if page_size:
+        pool_k, pool_v, pool_kd, pool_vd, table = _e4m3_pages(ck, cv, ckd, cvd, page_size)
+        k_ds, v_ds = fixed or (pool_kd, pool_vd)
+        got = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, new_k, new_v, block_table=table,
+                                                k_descale=k_ds, v_descale=v_ds, **kw)
+        return (got, *_e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, k8.shape[1]))
+    k_ds, v_ds = fixed or (ckd, cvd)
+    got = flashtile.flash_attn_with_kvcache(q, ck, cv, new_k, new_v, k_descale=k_ds, v_descale=v_ds, **kw)
+    return got, ck, cv, ckd, cvd
+
+
 def fp8_varlen_and_cache_cases(dev) -> int:
     """FP8 packed sequences (ragged lengths) and the e4m3 KV cache (contiguous and paged P16, with an
     append of two tokens) against attention on the dequantized tensors."""
@@ -350,19 +369,8 @@ def fp8_query_cases(dev) -> int:
                                      (16, torch.rand(3, 2, device=dev) / 50 + 0.01)):
             new_k = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
             new_v = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
-            ck, cv, ckd, cvd = k8.clone(), v8.clone(), kd.clone(), vd.clone()
-            seqlens = torch.tensor(lengths, dtype=torch.int32, device=dev)
-            if page_size:
-                pool_k, pool_v, pool_kd, pool_vd, table = _e4m3_pages(ck, cv, ckd, cvd, page_size)
-                got = flashtile.flash_attn_with_kvcache(q8, pool_k, pool_v, new_k,
-                                                        new_v, cache_seqlens=seqlens, block_table=table,
-                                                        causal=True, k_descale=pool_kd, v_descale=pool_vd,
-                                                        q_descale=q_descale)
-                ck, cv, ckd, cvd = _e4m3_read_back(pool_k, pool_v, pool_kd, pool_vd, table, 304)
-            else:
-                got = flashtile.flash_attn_with_kvcache(q8, ck, cv, new_k, new_v, cache_seqlens=seqlens,
-                                                        causal=True, k_descale=ckd, v_descale=cvd,
-                                                        q_descale=q_descale)
+            got, ck, cv, ckd, cvd = _e4m3_cache_call(q8, k8, v8, kd, vd, new_k, new_v, lengths, page_size,
+                                                     q_descale=q_descale)
             q_deq = q8.double() * q_descale.double().repeat_interleave(4, dim=1)[:, None, :, None]
             for b, n in enumerate(lengths):
                 kk = (ck[b, :n + sq].double() * ckd[b, :n + sq, :, None])[None]
@@ -375,19 +383,17 @@ def fp8_query_cases(dev) -> int:
     # fixed (B, Hk) descales, bf16 and e4m3 q, 4 and 32 query rows a KV head, appending bf16 tokens
     # (quantized with the fixed descales)
     fkd, fvd = torch.rand(3, 2, device=dev) + 0.5, torch.rand(3, 2, device=dev) + 0.5
-    for sq, lengths in ((1, [1, 77, 300]), (8, [0, 77, 296])):
+    for sq, lengths, page_size in ((1, [1, 77, 300], None), (8, [0, 77, 296], None), (1, [1, 77, 300], 16),
+                                   (8, [0, 77, 296], 16), (16, [0, 77, 288], 16)):
         for fp8_q in (False, True):
             q = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
             q_descale = torch.rand(3, 2, device=dev) / 50 + 0.01 if fp8_q else None
             q_call = (q.float() * 50).to(e4m3) if fp8_q else q
             new_k = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
             new_v = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
-            ck, cv = k8.clone(), v8.clone()
-            got = flashtile.flash_attn_with_kvcache(q_call, ck, cv, new_k, new_v,
-                                                    cache_seqlens=torch.tensor(lengths, dtype=torch.int32,
-                                                                               device=dev),
-                                                    causal=True, k_descale=fkd, v_descale=fvd,
-                                                    q_descale=q_descale)
+            # (with pages, (B, Hk) descales are one a sequence: decode's seq_descales)
+            got, ck, cv, _, _ = _e4m3_cache_call(q_call, k8, v8, kd, vd, new_k, new_v, lengths, page_size,
+                                                 q_descale=q_descale, fixed=(fkd, fvd))
             q_deq = q_call.double()
             if fp8_q:
                 q_deq = q_deq * q_descale.double().repeat_interleave(4, dim=1)[:, None, :, None]
@@ -397,7 +403,7 @@ def fp8_query_cases(dev) -> int:
                 ref, _ = attention(q_deq[b:b + 1], kk, vv, causal=True)
                 if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
                     failures += 1
-                    print(f"FAIL fixed descales, e4m3 q {fp8_q}, Sq {sq} row {b}")
+                    print(f"FAIL fixed descales, e4m3 q {fp8_q}, Sq {sq} page_size {page_size} row {b}")
     # rotary with an e4m3 cache: a bf16 q and new keys turned, then the keys quantized and appended
     angles = torch.rand(320, 32, device=dev) * 6
     cos, sin = torch.cos(angles).to(BF16), torch.sin(angles).to(BF16)

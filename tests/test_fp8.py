@@ -398,11 +398,11 @@ def test_fp8_cache_arguments_are_checked():
     with pytest.raises(ValueError, match="same layout"):  # a copy would drop the appended descales
         flashtile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 16, 2),
                                           v_descale=torch.ones(2, 2, 16).transpose(1, 2))
-    pool = torch.randn(4, 16, 2, 32).to(torch.float8_e4m3fn)
-    table = torch.tensor([[0], [1]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="contiguous caches without"):
-        flashtile.flash_attn_with_kvcache(q, pool, pool, block_table=table, cache_seqlens=torch.tensor(
-            [3, 4], dtype=torch.int32), k_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="one per sequence; both descales alike"):
+        pool = torch.randn(4, 16, 2, 32).to(torch.float8_e4m3fn)  # (B, Hk) for K, per key for V
+        flashtile.flash_attn_with_kvcache(q, pool, pool, block_table=torch.tensor([[0], [1]], dtype=torch.int32),
+                                          cache_seqlens=torch.tensor([3, 4], dtype=torch.int32),
+                                          k_descale=torch.ones(2, 2), v_descale=torch.ones(4, 16, 2))
 
 
 def _fixed_quantize(x):
@@ -696,3 +696,51 @@ def test_fp8_cache_split_query_e4m3_dots(monkeypatch, paged, fp8_q, seqlen_q, so
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     _check_decode(out, q, k8.float() * kd[..., None], v8.float() * vd[..., None], lengths, True,
                   dtype=torch.bfloat16, softcap=softcap)
+
+
+@pytest.mark.parametrize("layout", ["paged3", "paged16", "batch_idx"])
+@pytest.mark.parametrize("fp8_q", [False, True])
+def test_fp8_cache_per_sequence_descales_on_pages(layout, fp8_q):
+    """FlashAttention-3's (B, Hk) descales with a paged cache or through cache_batch_idx: each
+    sequence's K and V descale for all of its keys, whichever pages or cache rows hold them; bf16
+    tokens appended are quantized with them."""
+    import flashtile
+    from flashtile.bench.decode import paginate
+    batch, cap, heads, heads_k, d = 3, 48, 4, 2, 32
+    lengths = [20, 45, 3]
+    k, v = torch.randn(batch, cap, heads_k, d), torch.randn(batch, cap, heads_k, d)
+    kd, vd = k.abs().amax(dim=(1, 3)) / fp8.E4M3_MAX, v.abs().amax(dim=(1, 3)) / fp8.E4M3_MAX
+    k8, v8 = (k / kd[:, None, :, None]).to(torch.float8_e4m3fn), (v / vd[:, None, :, None]).to(torch.float8_e4m3fn)
+    q = torch.randn(batch, 2, heads, d, dtype=torch.bfloat16)
+    kw = dict(causal=True, num_splits=2, k_descale=kd, v_descale=vd)
+    q_call = q
+    if fp8_q:
+        q_call = (q.float() * 50).to(torch.float8_e4m3fn)
+        kw["q_descale"] = torch.full((batch, heads_k), 0.02)
+        q = q_call.float() * 0.02
+    k_new = torch.randn(batch, 2, heads_k, d, dtype=torch.bfloat16)
+    v_new = torch.randn(batch, 2, heads_k, d, dtype=torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    if layout.startswith("paged"):
+        page = int(layout[5:])
+        pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), page)
+        pool_k, pool_v = pool_k.view(torch.float8_e4m3fn), pool_v.view(torch.float8_e4m3fn)
+        out = flashtile.flash_attn_with_kvcache(q_call, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens,
+                                                block_table=table, **kw)
+        pages = table.long()
+        k8, v8 = pool_k[pages].flatten(1, 2)[:, :cap], pool_v[pages].flatten(1, 2)[:, :cap]
+    else:
+        # the sequences in cache rows 2, 0, 1 of a four-row cache
+        rows = torch.tensor([2, 0, 1], dtype=torch.int32)
+        big_k = torch.zeros(4, cap, heads_k, d).to(torch.float8_e4m3fn)
+        big_v = torch.zeros(4, cap, heads_k, d).to(torch.float8_e4m3fn)
+        big_k[rows.long()], big_v[rows.long()] = k8, v8
+        out = flashtile.flash_attn_with_kvcache(q_call, big_k, big_v, k_new, v_new, cache_seqlens=seqlens,
+                                                cache_batch_idx=rows, **kw)
+        k8, v8 = big_k[rows.long()], big_v[rows.long()]
+    for b, n in enumerate(lengths):  # the appended tokens, quantized with their sequence's descales
+        want = (k_new[b].float() / kd[b][None, :, None]).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX)
+        assert torch.equal(k8[b, n:n + 2].view(torch.uint8), want.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert out.dtype == torch.bfloat16
+    _check_decode(out, q, k8.float() * kd[:, None, :, None], v8.float() * vd[:, None, :, None],
+                  [n + 2 for n in lengths], True, dtype=torch.bfloat16)

@@ -555,8 +555,14 @@ def _full_lengths(batch: int, value: int, device: torch.device) -> torch.Tensor:
 def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batch_idx: bool):
     """k/v descales of an e4m3 cache as per-key views shaped like the cache without its head dim
     (B_cache or pages, S_max or page_size, Hk), sharing one layout: (B, Hk) and None become views
-    with a token stride of 0."""
+    with a token stride of 0. Returns (k view, v view, per_sequence): per_sequence when (B, Hk)
+    descales go with pages or cache_batch_idx, whose cache rows are not the sequences: the views
+    are then (B, page_size or S_max, Hk), indexed by the sequence (FlashAttention-3's semantics)."""
     rows, slots, heads_k = k_cache.shape[:3]
+    per_sequence = (paged or batch_idx) and any(
+        isinstance(d, torch.Tensor) and tuple(d.shape) == (batch, heads_k) for d in (k_descale, v_descale))
+    if per_sequence:
+        rows = batch
     views = []
     for d, n in ((k_descale, "k_descale"), (v_descale, "v_descale")):
         if d is None:  # the layout of a fixed (B, Hk) descale, so the two can be mixed
@@ -566,16 +572,14 @@ def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batc
             raise TypeError(f"{n} must be a float32 tensor")
         elif d.device != k_cache.device:
             raise ValueError(f"{n} is on {d.device} but the cache is on {k_cache.device}")
-        elif tuple(d.shape) == (rows, slots, heads_k):
+        elif tuple(d.shape) == k_cache.shape[:3] and not per_sequence:
             pass
         elif tuple(d.shape) == (batch, heads_k):
-            if paged or batch_idx:
-                raise ValueError(f"{n} of shape (batch, heads_k) is for contiguous caches without "
-                                 f"cache_batch_idx; give one per key: shape {(rows, slots, heads_k)}")
-            d = d[:, None, :].expand(rows, slots, heads_k)
+            d = d[:, None, :].expand(batch, slots, heads_k)
         else:
-            raise ValueError(f"{n} must have shape {(rows, slots, heads_k)} (one per key and KV head) "
-                             f"or ({batch}, {heads_k}), got {tuple(d.shape)}")
+            raise ValueError(f"{n} must have shape {tuple(k_cache.shape[:3])} (one per key and KV "
+                             f"head) or ({batch}, {heads_k}) (one per sequence; both descales alike), "
+                             f"got {tuple(d.shape)}")
         views.append(d)
     # One set of strides serves both in the kernel; a copy would also lose the descales an append
     # writes, so differing layouts are an error rather than copied.
@@ -583,16 +587,21 @@ def _cache_descales(k_descale, v_descale, k_cache, batch: int, paged: bool, batc
         raise ValueError("k_descale and v_descale must have the same layout: both one per key "
                          f"(same strides), or both fixed (batch, heads_k) / None; got strides "
                          f"{views[0].stride()} and {views[1].stride()}")
-    return views
+    return views[0], views[1], per_sequence
 
 
-def _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx, block_table, slots: int):
+def _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx, block_table, slots: int,
+                       per_sequence: bool = False):
     """New keys/values (B, Sn, Hk, D) in e4m3 for an e4m3 cache. Per-key descales (token stride != 0)
     are computed from each token's largest magnitude per head and written where the tokens go; fixed
-    ones are used as they are. Positions come from ``lengths`` on the device (no host sync)."""
+    ones are used as they are (``per_sequence``: rows of the descales are the sequences). Positions
+    come from ``lengths`` on the device (no host sync)."""
     batch, new, heads_k, _ = k.shape
     pos = lengths.long()[:, None] + torch.arange(new, device=k.device)  # (B, Sn)
-    if block_table is not None:
+    if per_sequence:
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+        pos = pos % slots  # (the descales' token stride is 0)
+    elif block_table is not None:
         rows = block_table.long().gather(1, pos // slots)
         pos = pos % slots
     elif cache_batch_idx is not None:
@@ -643,8 +652,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``v_descale`` (multiply to dequantize) either shaped like the cache without its head dim, one per
     key and KV head ((B_cache, S_max, Hk), or (num_pages, page_size, Hk) for pages): new k/v are then
     quantized per token and head and their descales written alongside; or (B, Hk) (FlashAttention-3's
-    shape; contiguous caches without cache_batch_idx): fixed per sequence and KV head, new tokens
-    quantized with them (saturating at e4m3's largest value). None means 1.0. Rotary embedding turns
+    shape, contiguous or paged caches): fixed per sequence and KV head, new tokens quantized with
+    them (saturating at e4m3's largest value). None means 1.0. Rotary embedding turns
     q and the new keys before those are quantized.
     FlashAttention-3's all-FP8 call: q float8_e4m3fn too, with float32 ``q_descale`` (B, Hk) (None:
     1.0); the output is bf16. New k/v may then be e4m3 as well (stored as given: fixed (B, Hk) or
@@ -727,12 +736,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device:
             raise ValueError(f"cache_leftpad must have shape ({batch},) on {q.device}")
     rotary = rotary_cos is not None or rotary_sin is not None
+    seq_descales = False  # (B, Hk) descales on pages or through cache_batch_idx
     if fp8_cache:
         if rotary and (fp8_q or (new_tokens and k.dtype == torch.float8_e4m3fn)):
             raise ValueError("rotary embedding needs a 16-bit q and new k (rotated, then quantized): "
                              "with e4m3 ones, rotate before quantizing them")
-        k_descale, v_descale = _cache_descales(k_descale, v_descale, k_cache, batch, paged,
-                                               cache_batch_idx is not None)
+        k_descale, v_descale, seq_descales = _cache_descales(k_descale, v_descale, k_cache, batch,
+                                                             paged, cache_batch_idx is not None)
         if fp8_q:
             q_descale = _check_q_descale(q_descale, batch, k_cache.shape[2], q.device)
         if new_tokens and k.dtype == torch.float8_e4m3fn and k_descale.stride(1) != 0:
@@ -759,7 +769,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotary = False
         if new_tokens and k.dtype != torch.float8_e4m3fn:
             k, v = _quantize_appended(k, v, k_descale, v_descale, lengths, cache_batch_idx,
-                                      block_table, k_cache.shape[1])
+                                      block_table, k_cache.shape[1], seq_descales)
     if rotary or new_tokens:
         # One kernel rotates q and the new keys and writes the new keys/values into the cache; it
         # reads the lengths on the device. Queries take consecutive positions only under causal or
@@ -772,7 +782,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
                            scale, left, right, softcap, num_splits, cache_leftpad,
                            k_descale if fp8_cache else None, v_descale if fp8_cache else None,
-                           need_lse=bool(return_softmax_lse), q_descale=q_descale if fp8_q else None)
+                           need_lse=bool(return_softmax_lse), q_descale=q_descale if fp8_q else None,
+                           seq_descales=fp8_cache and seq_descales)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -108,11 +108,20 @@ def check_cases(on_gpu: bool) -> list[dict]:
                 dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
                      page_size=None, num_splits=0, fixed_descales=True),
                 dict(batch=2, heads=32, heads_k=8, head_dim=128, lengths=(3000, 16384), page_size=None,
-                     num_splits=0, fixed_descales=True, seqlen_q=8)]
+                     num_splits=0, fixed_descales=True, seqlen_q=8),
+                # ... with pages of 16 (one descale a sequence, read once by a program), e4m3 q too
+                dict(batch=4, heads=32, heads_k=8, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=16, num_splits=0, fixed_descales=True),
+                dict(batch=4, heads=12, heads_k=2, head_dim=128, lengths=(1, 1000, 7777, 16384),
+                     page_size=16, num_splits=0, fixed_descales=True, fp8_query=True),
+                dict(batch=2, heads=32, heads_k=8, head_dim=128, lengths=(3000, 16384), page_size=16,
+                     num_splits=0, fixed_descales=True, seqlen_q=16)]
     return [dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(1, 70), page_size=None, num_splits=0),
             dict(batch=2, heads=4, heads_k=1, head_dim=32, lengths=(33, 70), page_size=16, num_splits=2),
             dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(5, 70), page_size=None, num_splits=0,
-                 fp8_query=True, fixed_descales=True)]
+                 fp8_query=True, fixed_descales=True),
+            dict(batch=2, heads=4, heads_k=2, head_dim=32, lengths=(5, 70), page_size=16, num_splits=0,
+                 fixed_descales=True)]
 
 
 def _fp8_query(q: torch.Tensor, heads_k: int):
@@ -157,11 +166,14 @@ def run_check(device: torch.device, log=print) -> list[dict]:
         if case["page_size"]:
             ps = case["page_size"]
             pool_k, pool_v, table = paginate(k8.view(torch.uint8), v8.view(torch.uint8), ps, gen)
-            pool_kd = torch.full(pool_k.shape[:3], float("nan"), device=device)
-            pool_vd = torch.full(pool_k.shape[:3], float("nan"), device=device)
-            pages = table.long()
-            pool_kd[pages.reshape(-1)] = kd.reshape(b * (cap // ps), ps, hk)
-            pool_vd[pages.reshape(-1)] = vd.reshape(b * (cap // ps), ps, hk)
+            if case.get("fixed_descales"):  # FlashAttention-3's (B, Hk) with pages: per sequence
+                pool_kd, pool_vd = kd[:, 0], vd[:, 0]
+            else:
+                pool_kd = torch.full(pool_k.shape[:3], float("nan"), device=device)
+                pool_vd = torch.full(pool_k.shape[:3], float("nan"), device=device)
+                pages = table.long()
+                pool_kd[pages.reshape(-1)] = kd.reshape(b * (cap // ps), ps, hk)
+                pool_vd[pages.reshape(-1)] = vd.reshape(b * (cap // ps), ps, hk)
             out = flashtile.flash_attn_with_kvcache(q_call, pool_k.view(FP8), pool_v.view(FP8),
                                                     block_table=table, k_descale=pool_kd,
                                                     v_descale=pool_vd, **kw)

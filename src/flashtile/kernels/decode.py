@@ -52,7 +52,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
                  PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False,
-                 Q_DESCALE: tl.constexpr = False):
+                 Q_DESCALE: tl.constexpr = False, SEQ_DS: tl.constexpr = False):
     split = tl.program_id(0)
     batch = tl.program_id(1)
     # ROW_BLOCKS: a KV head's group x Sq query rows in blocks of ROWS (chunked prefill has thousands
@@ -136,12 +136,19 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         v_src = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
                  + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
 
-    # An e4m3 cache (FP8 == 2, or 3 where V widens by PTX, sm_89+): descales (B_cache or pages,
-    # S_max or page_size, Hk), one per key and KV head, walked like the cache itself.
+    # An e4m3 cache (FP8 >= 2): descales (B_cache or pages, S_max or page_size, Hk), one per key
+    # and KV head, walked like the cache itself; SEQ_DS: FlashAttention-3's (B, Hk), the sequence's
+    # for every key (key and page strides 0).
     k_descale = KDescale
     v_descale = VDescale
+    stride_scale_n = stride_dss
+    stride_scale_page = stride_dsb
     if FP8 >= 2:
-        if PAGED:
+        if SEQ_DS:
+            at = batch.to(tl.int64) * stride_dsb + kv_head.to(tl.int64) * stride_dsh
+            stride_scale_n = 0
+            stride_scale_page = 0
+        elif PAGED:
             at = kv_head.to(tl.int64) * stride_dsh
         else:
             at = (cache_row.to(tl.int64) * stride_dsb + key_start.to(tl.int64) * stride_dss
@@ -182,19 +189,19 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
         full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+        v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
         SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
         full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
+        v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
         SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
         s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
         0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-        v_descale, stride_dss, stride_dsb, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+        v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
         SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
 
     seen = l_i > 0.0
@@ -554,13 +561,14 @@ def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
-          one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False):
+          one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False,
+          seq_descales=False):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None,
     the Gluon kernel's variant or None)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
-                           heads // heads_k * seqlen_q, q_descale)
+                           heads // heads_k * seqlen_q, q_descale, seq_descales)
     rows = heads // heads_k * seqlen_q  # query rows a KV head
     tile_rows = tile_rows_for(rows, fp8_cache, device)
     # programs per sequence: KV heads x blocks of rows (see _attn_decode)
@@ -594,7 +602,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         FP8=_fp8_cache_mode(device, cfg.fp8_split_q) if fp8_cache else 0,
         WRITE_LSE=write_lse or splits > 1,
         Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
-        Q_DESCALE=q_descale, num_warps=cfg.num_warps, num_stages=num_stages, **launch)
+        Q_DESCALE=q_descale, SEQ_DS=fp8_cache and seq_descales,
+        num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
@@ -779,7 +788,7 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
-                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False):
+                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False, seq_descales=False):
     from . import gluon_decode
 
     pairs = batch * heads_k
@@ -819,7 +828,8 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         and base.programs_per_sm >= 3
     # (paged: always, with V in registers or not, the producer holding the page numbers the
     # descales' addresses need; 17-32 rows at every split length, see E4M3_ROWS32_DS_RING)
-    ds_ring = fp8 and (page_size > 0 or (rows > 16 and E4M3_ROWS32_DS_RING) or (
+    # (per-sequence descales: one a program, nothing to load per tile)
+    ds_ring = fp8 and not seq_descales and (page_size > 0 or (rows > 16 and E4M3_ROWS32_DS_RING) or (
         v_regs and -(-capacity // max(splits, 1)) <= E4M3_DS_RING_SPLIT))
     variant = gluon_decode.DecodeVariant(
         head_dim, gluon_decode.dtype_name(out_dtype(dtype)), base.block_n, base.num_stages, page_size > 0,
@@ -828,7 +838,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         # the query rows a KV head as the N of transposed tiles (8, 16 or 32)
         rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0,
         v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0, ds_ring=ds_ring,
-        q_fp8=dtype == torch.float8_e4m3fn, q_descale=q_descale)
+        q_fp8=dtype == torch.float8_e4m3fn, q_descale=q_descale, seq_ds=fp8 and seq_descales)
     merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
     return splits, False, None, merge, variant
 
@@ -888,7 +898,8 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    softmax_scale: float, window_left: int, window_right: int, softcap: float = 0.0,
                    alibi_slopes=None, block_table=None, cache_batch_idx=None, cache_leftpad=None,
                    num_splits: int = 0, config: DecodeConfig | None = None, k_descale=None,
-                   need_lse: bool = True, in_graph: bool = False, q_descale=None) -> PreparedDecode:
+                   need_lse: bool = True, in_graph: bool = False, q_descale=None,
+                   seq_descales: bool = False) -> PreparedDecode:
     """decode_attention's host work for one signature; see ``run_decode``. ``in_graph``: plan as
     for a call captured in a CUDA graph (as a call made while capturing is planned)."""
     batch, seqlen_q, heads, head_dim = q.shape
@@ -918,7 +929,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
            one_launch, need_lse, k_cache.shape[1] if paged else 0, gluon_ok, causal,
-           q_descale is not None)
+           q_descale is not None, seq_descales)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
@@ -1006,7 +1017,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
                      config: DecodeConfig | None = None, k_descale=None, v_descale=None,
-                     need_lse: bool = True, q_descale=None):
+                     need_lse: bool = True, q_descale=None, seq_descales: bool = False):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -1016,7 +1027,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows that see no key, as the forward).
 
     An e4m3 cache takes ``k_descale``/``v_descale`` float32, shaped like the cache without its head
-    dim (one per key and KV head, any strides, one layout for both). With one, q may be e4m3 too,
+    dim (one per key and KV head, any strides, one layout for both), or with ``seq_descales`` one
+    per sequence and KV head (FlashAttention-3's (B, Hk), given as a (B, 1, Hk) view: indexed by the
+    sequence, whatever the cache's rows are). With an e4m3 cache, q may be e4m3 too,
     with ``q_descale`` (B, Hk) float32 or None (1.0); the output is then bf16. With
     ``need_lse=False`` the LSE may be left unwritten and None is returned in its place.
     """
@@ -1025,6 +1038,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                               alibi_slopes=alibi_slopes, block_table=block_table,
                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                               num_splits=num_splits, config=config, k_descale=k_descale,
-                              need_lse=need_lse, q_descale=q_descale)
+                              need_lse=need_lse, q_descale=q_descale, seq_descales=seq_descales)
     return run_decode(prepared, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
                       block_table, alibi_slopes, k_descale, v_descale, q_descale)

@@ -91,11 +91,15 @@ class DecodeVariant:
     # q_descale its (B, Hk) float32 descales
     q_fp8: bool = False
     q_descale: bool = False
+    # e4m3: one K and one V descale a (sequence, KV head), FlashAttention-3's (B, Hk) on a paged
+    # cache or one read through cache_batch_idx (descales (B, 1, Hk), indexed by the sequence),
+    # read once by a program
+    seq_ds: bool = False
 
     def __post_init__(self):
         if not self.page_rows or not self.paged:
             object.__setattr__(self, "page_rows", self.block_n)
-        if self.fp8 and self.paged and not self.ds_ring:
+        if self.fp8 and self.paged and not self.ds_ring and not self.seq_ds:
             # the consumer's own descale loads index a contiguous cache; the producer's follow pages
             raise ValueError("paged e4m3 caches: with ds_ring only")
         if (self.fp8 and not self.rows_n) or (self.rows_n and (self.rows_n not in (8, 16, 32)
@@ -104,8 +108,11 @@ class DecodeVariant:
             # investigated, not allowed; 64 rows spilled)
             raise ValueError("rows_n: 8, 16 or 32 query rows (required with e4m3 caches), 64-key "
                              "tiles")
-        if (self.v_regs or self.ds_ring or self.q_fp8 or self.q_descale) and not self.fp8:
-            raise ValueError("v_regs, ds_ring, q_fp8, q_descale: e4m3 caches only")
+        if (self.v_regs or self.ds_ring or self.q_fp8 or self.q_descale or self.seq_ds) \
+                and not self.fp8:
+            raise ValueError("v_regs, ds_ring, q_fp8, q_descale, seq_ds: e4m3 caches only")
+        if self.seq_ds and self.ds_ring:
+            raise ValueError("seq_ds: no descale ring (nothing to load per tile)")
         if self.head_dim % SLAB or self.block_n % self.page_rows or self.page_rows < 8:
             raise ValueError(f"decode variant {self}: head dim a multiple of 64, pages of >= 8 keys "
                              "dividing the tile")
@@ -119,7 +126,7 @@ class DecodeVariant:
                 + ("-e4m3" if self.fp8 else "") + (f"-t{self.rows_n}" if self.rows_n else "")
                 + ("-vregs" if self.v_regs else "") + (f"-r{self.regs}" if self.regs else "")
                 + ("-dsring" if self.ds_ring else "") + ("-q8" if self.q_fp8 else "")
-                + ("-qds" if self.q_descale else ""))
+                + ("-qds" if self.q_descale else "") + ("-seqds" if self.seq_ds else ""))
 
     @property
     def shared_bytes(self) -> int:
@@ -532,7 +539,8 @@ if _GLUON:
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
                                HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
-                               V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False):
+                               V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False,
+                               SEQ_DS: gl.constexpr = False):
         """4 warps, e4m3 cache, 16-bit or e4m3 query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
@@ -603,7 +611,12 @@ if _GLUON:
         key = t_lo * BLOCK_N + keys0
         k_ds_next = gl.zeros([BLOCK_N], gl.float32, layout=key_layout)
         v_ds_next = k_ds_next
-        if not DS_RING:
+        if SEQ_DS:  # the sequence's one K and one V descale, for every tile (keys past the
+            # sequence are masked in the softmax, their V rows zeroed)
+            seq_base = batch.to(gl.int64) * stride_dsb + kv_head.to(gl.int64) * stride_dsh
+            k_ds_next = k_ds_next + gl.load(KDescale + seq_base)
+            v_ds_next = v_ds_next + gl.load(VDescale + seq_base)
+        elif not DS_RING:
             k_ds_next = gl.load(KDescale + ds_base + key.to(gl.int64) * stride_dss,
                                 mask=key < seqlen_k, other=0.0)
             v_ds_next = gl.load(VDescale + ds_base + key.to(gl.int64) * stride_dss,
@@ -614,7 +627,7 @@ if _GLUON:
             key = t * BLOCK_N + keys0
             k_ds = k_ds_next
             v_ds = v_ds_next
-            if not DS_RING:
+            if not DS_RING and not SEQ_DS:
                 nxt = key + BLOCK_N
                 k_ds_next = gl.load(KDescale + ds_base + nxt.to(gl.int64) * stride_dss,
                                     mask=nxt < seqlen_k, other=0.0)
@@ -718,7 +731,8 @@ if _GLUON:
                            Q_LAYOUT: gl.constexpr, SLAB_COLS: gl.constexpr, FP8: gl.constexpr,
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
                            PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False,
-                           DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False):
+                           DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False,
+                           SEQ_DS: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -769,7 +783,7 @@ if _GLUON:
                                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                           stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
                                           CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST,
-                                          BATCH_IDX, V_REGS, DS_RING)),
+                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -850,6 +864,7 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 Q_LAYOUT=q, SLAB_COLS=cols, FP8=variant.fp8, V16_LAYOUT=v16,
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
                 V_REGS=variant.v_regs, DS_RING=variant.ds_ring, Q_DESCALE=variant.q_descale,
+                SEQ_DS=variant.seq_ds,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
@@ -1072,6 +1087,14 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
     out += [(dataclasses.replace(vregs, regs=64, causal=True, **q8), True),
             (dataclasses.replace(ring, **q8), False), (dataclasses.replace(paged, causal=True, **q8), True),
             (dataclasses.replace(rows32, causal=True, **q8), True)]
+    # FlashAttention-3's (B, Hk) descales on pages and through cache_batch_idx (decode: per
+    # sequence, read once by a program, no descale ring)
+    seq = dict(seq_ds=True, ds_ring=False)
+    out += [(dataclasses.replace(paged, **seq), True), (dataclasses.replace(paged, regs=64, **seq), True),
+            (dataclasses.replace(paged, page_rows=64, rows_n=16, causal=True, **seq, **q8), False),
+            (dataclasses.replace(rows32, causal=True, **seq), True),
+            (dataclasses.replace(vregs, rows_n=16, causal=True, batch_idx=True, **seq), True),
+            (dataclasses.replace(paged, head_dim=64, rows_n=16, **seq), True)]
     return out
 
 

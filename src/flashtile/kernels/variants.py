@@ -245,7 +245,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
               "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
               "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
-              "Q_DESCALE": False}
+              "Q_DESCALE": False, "SEQ_DS": False}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
@@ -270,6 +270,11 @@ def compile_decode(variant: Variant, arch: int) -> list:
             # query as two e4m3 terms (decode.FP8_SPLIT_Q_ROWS64)
             fp8_query.append(_compile(_attn_decode, {**decode, **split_pages, "ROWS": 64, "BLOCK_N": 128,
                                                      "SPLIT": True, "WRITE_LSE": True, "FP8": 4},
+                                      variant, arch, 4, 1, cache))
+            # FlashAttention-3's (B, Hk) descales on pages or through cache_batch_idx: per sequence
+            fp8_query.append(_compile(_attn_decode, {**decode, **split_pages, "ROWS": 64, "BLOCK_N": 128,
+                                                     "SPLIT": True, "WRITE_LSE": True, "FP8": 4,
+                                                     "SEQ_DS": True},
                                       variant, arch, 4, 1, cache))
     return fp8_query + [
             _compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True, "WRITE_LSE": True},
