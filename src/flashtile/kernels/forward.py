@@ -140,8 +140,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
     score columns, V's the columns of P. FP8 == 3: the same, V widened by PTX where it is loaded
     (``widen_e4m3``; GPU only). FP8 == 4 and 5: the query comes as two e4m3 terms, ``q`` (its
     leading bits) and ``q_lo`` (the rest), and S = q K^T + q_lo K^T runs as e4m3 dots on K as loaded
-    (not widened), each promoting its sum to fp32 every 32 products; V widens to fp16 by PTX (4,
-    GPU only) or by Triton (5). ``q_lo`` is unused otherwise.
+    (not widened; the tensor cores' own accumulation over the head dim: promoting the sums to fp32
+    every 32 products spilled); V widens to fp16 by PTX (4, GPU only) or by Triton (5). ``q_lo`` is
+    unused otherwise.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
