@@ -404,6 +404,26 @@ def fp8_query_cases(dev) -> int:
                 if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
                     failures += 1
                     print(f"FAIL fixed descales, e4m3 q {fp8_q}, Sq {sq} page_size {page_size} row {b}")
+    # ... through cache_batch_idx (the sequences in rows 2, 0, 1 of a four-row cache; on sm_90 the
+    # Gluon kernel's per-sequence descales at 4 and 32 rows)
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32, device=dev)
+    for sq, lengths in ((1, [1, 77, 300]), (8, [0, 77, 296])):
+        q = torch.randn(3, sq, 8, 128, device=dev, dtype=BF16)
+        new_k = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+        new_v = torch.randn(3, sq, 2, 128, device=dev, dtype=BF16)
+        big_k = torch.zeros(4, 304, 2, 128, device=dev).to(e4m3)
+        big_v = torch.zeros(4, 304, 2, 128, device=dev).to(e4m3)
+        big_k[rows.long()], big_v[rows.long()] = k8, v8
+        got = flashtile.flash_attn_with_kvcache(
+            q, big_k, big_v, new_k, new_v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=dev),
+            cache_batch_idx=rows, causal=True, k_descale=fkd, v_descale=fvd)
+        for b, n in enumerate(lengths):
+            kk = (big_k[rows[b].long(), :n + sq].double() * fkd[b, None, :, None])[None]
+            vv = (big_v[rows[b].long(), :n + sq].double() * fvd[b, None, :, None])[None]
+            ref, _ = attention(q[b:b + 1].double(), kk, vv, causal=True)
+            if not torch.isfinite(got[b]).all() or (got[b].double() - ref[0]).abs().max() > 0.05:
+                failures += 1
+                print(f"FAIL fixed descales through cache_batch_idx, Sq {sq} row {b}")
     # rotary with an e4m3 cache: a bf16 q and new keys turned, then the keys quantized and appended
     angles = torch.rand(320, 32, device=dev) * 6
     cos, sin = torch.cos(angles).to(BF16), torch.sin(angles).to(BF16)
@@ -517,6 +537,10 @@ def main() -> int:
     if "--gluon-only" in sys.argv:  # the Hopper Gluon forward alone
         return 1 if gluon_cases(dev) else 0
     fp8_ok = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
+    if "--fp8-query-only" in sys.argv:  # the e4m3 query, fixed descales and rotary cases alone
+        failures = fp8_query_cases(dev) if fp8_ok else 0
+        print(f"sanitize: e4m3 query, fixed-descale and rotary cases; {failures} wrong results")
+        return 1 if failures else 0
     if "--decode-only" in sys.argv:  # after a change to the decode kernels alone (e4m3 cache too)
         failures = decode_cases(dev) + (fp8_varlen_and_cache_cases(dev) + fp8_query_cases(dev)
                                         if fp8_ok else 0)
