@@ -89,7 +89,7 @@ def load_baseline(path: str):
 def run_points(points: str, probe, out: str, name: str, **meta) -> None:
     """``probe(point, device, ceiling)`` at each 'B,H,Hk,ctx' of ``points``; JSON after each."""
     device = torch.device("cuda")
-    ceiling = bench.measure_ceiling(device)["sum_gbps"]
+    ceiling = bench.ceiling_rate(bench.measure_ceiling(device))
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     results = []
     for item in points.split(";"):

@@ -85,7 +85,7 @@ def _default(page_size):
 
 def main():
     from flashtile.bench.decode import (LayerCaches, Point, build_replay, gpu_timer, layers_for,
-                                        measure_ceiling, point_bytes, shuffled_block_table)
+                                        ceiling_rate, measure_ceiling, point_bytes, shuffled_block_table)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--workers", type=int, default=12)
@@ -141,7 +141,7 @@ def main():
         ceiling = None
     else:
         timer = gpu_timer
-        ceiling = measure_ceiling(dev)["sum_gbps"]
+        ceiling = ceiling_rate(measure_ceiling(dev))
         print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
 
     import torch.nn.functional as F

@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from flashtile.bench import decode
+from flashtile.bench import decode, stream_read
 from flashtile.bench.common import gbps, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,10 +263,30 @@ def test_speed_ratios_are_anchor_time_over_flashtile_time():
         {"sdpa-flash": 1.5, "sdpa-cudnn": None}
 
 
-def test_ceiling_counts_bytes_read():
+def test_ceiling_counts_bytes_read(monkeypatch):
+    # every config through the interpreter would take minutes: two of them
+    monkeypatch.setattr(stream_read, "CONFIGS", ((4096, 4, 1), (16384, 8, 2)))
     calls = []
     m = decode.measure_ceiling(CPU, timer=_fake_timer(calls), nbytes=1 << 20)
     assert m["sum_gbps"] == pytest.approx((1 << 20) / 3e-3 / 1e9)
+    assert m["read_gbps"] == pytest.approx((1 << 20) / 3e-3 / 1e9)
+    assert len(m["read_configs"]) == len(stream_read.CONFIGS)
     assert m["copy_read_write_gbps"] == pytest.approx(2 * m["copy_read_gbps"])
-    summary = decode.ceiling_summary(m, {**m, "sum_gbps": m["sum_gbps"] / 2})
-    assert summary["gbps"] == m["sum_gbps"]
+    faster = {**m, "read_gbps": 2 * m["read_gbps"]}
+    summary = decode.ceiling_summary(m, faster)
+    assert summary["gbps"] == 2 * m["read_gbps"] and summary["sum_gbps"] == m["sum_gbps"]
+    assert decode.ceiling_rate({**m, "sum_gbps": 3 * m["read_gbps"]}) == 3 * m["read_gbps"]
+
+
+@pytest.mark.parametrize("block,per_sm", [(4096, 1), (4096, 0), (16384, 2)])
+def test_stream_read_reads_every_word(block, per_sm):
+    words = torch.randint(-2**31, 2**31 - 1, (block * 11,), dtype=torch.int32)  # 11 blocks
+    out = torch.full((64,), 7, dtype=torch.int32)
+    got = stream_read.stream_read(words, block, 4, per_sm, out=out)
+    grid = stream_read.grid_size(11, per_sm, 4)
+    blocks = words.view(11, block).numpy()
+    for p in range(grid):
+        expected = np.bitwise_xor.reduce(blocks[p::grid].reshape(-1))
+        assert int(got[p]) == int(expected)
+    with pytest.raises(ValueError, match="words"):
+        stream_read.stream_read(words[1:], block, 4, per_sm)

@@ -5,7 +5,7 @@ The bytes counted for the FP8 cache are its e4m3 K and V plus their descales (4 
 head, each): sum_b cache_seqlens[b] * Hk * (2 * D + 8). Both caches are timed like ``bench decode``:
 a CUDA graph over L layers, each with its own cache, at least 1 GiB of cache in all, so every read
 comes from DRAM, the two in balanced rounds (each the median of its rounds); the read ceiling is
-torch.sum's, measured in the same run. With ``--page-size P`` (16 unless 0) the same e4m3 caches
+``bench decode``'s (a streaming read kernel), measured in the same run. With ``--page-size P`` (16 unless 0) the same e4m3 caches
 are also read as page pools of P keys through a shuffled block table, timed in the same rounds. A correctness check of
 the FP8 cache against float64 attention of the dequantized cache comes first.
 """
@@ -21,8 +21,9 @@ import torch
 from .common import (add_common_arguments, check_without_gpu, choose_device, environment, format_number,
                      format_seqlen, gbps, result_path, write_json)
 from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, ROUNDS, LayerCaches, Point, Step,
-                     _memory_skip, ceiling_summary, decode_points, gpu_timer, layers_for, measure,
-                     measure_ceiling, measure_providers, paginate, point_bytes, shuffled_block_table)
+                     _memory_skip, ceiling_line, ceiling_rate, ceiling_summary, decode_points, gpu_timer,
+                     layers_for, measure, measure_ceiling, measure_providers, paginate, point_bytes,
+                     shuffled_block_table)
 
 FP8 = torch.float8_e4m3fn
 FP8_PROVIDER = "flashtile-fp8"
@@ -330,10 +331,10 @@ def run(args) -> int:
           f"torch {env['torch']}, triton {env['triton']}")
     checks = None if args.no_check else run_check(device)
     before = measure_ceiling(device)
-    print(f"Read ceiling: {before['sum_gbps']:.0f} GB/s")
+    print(ceiling_line(before))
     records = []
     for i, point in enumerate(decode_points(args.quick)):
-        records.append(run_point(point, device, before["sum_gbps"], args.layers, seed=i,
+        records.append(run_point(point, device, ceiling_rate(before), args.layers, seed=i,
                                  page_size=args.page_size))
         r = records[-1]
         print(f"{point.model:<13} {point.label():<22} " + ", ".join(
