@@ -290,3 +290,13 @@ def test_stream_read_reads_every_word(block, per_sm):
         assert int(got[p]) == int(expected)
     with pytest.raises(ValueError, match="words"):
         stream_read.stream_read(words[1:], block, 4, per_sm)
+
+
+def test_ceiling_bytes_fit_small_gpus(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (141 << 30, 141 << 30))
+    assert decode.ceiling_bytes(cuda) == decode.CEILING_BYTES
+    free = (10 << 30) + 12345  # a quarter, in whole MiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 24 << 30))
+    assert decode.ceiling_bytes(cuda) == (free // 4) >> 20 << 20
+    assert decode.ceiling_bytes(cuda) % (4 * max(b for b, _, _ in stream_read.CONFIGS)) == 0

@@ -467,13 +467,23 @@ def run_sweep(planned: list[Planned], command: str, device: torch.device, timer:
 
 # ----------------------------------------------------------------------------------------- ceiling
 
+def ceiling_bytes(device: torch.device) -> int:
+    """CEILING_BYTES, or a quarter of the free GPU memory where that is less (the measurement holds
+    two buffers of this size): whole MiB, so every stream_read block size divides it."""
+    if device.type != "cuda":
+        return CEILING_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1 << 20, min(CEILING_BYTES, free // 4) >> 20 << 20)
+
+
 def measure_ceiling(device: torch.device, timer: Callable | None = None,
-                    nbytes: int = CEILING_BYTES) -> dict:
-    """DRAM read rate over ``nbytes``: a streaming read kernel (``stream_read``: the best of its
-    configs, the ceiling), and for comparison ``torch.sum`` over bf16 (the ceiling before
-    2026-12-01, which decode kernels beat by up to 10%) and a copy."""
+                    nbytes: int | None = None) -> dict:
+    """DRAM read rate over ``nbytes`` (``ceiling_bytes`` if None): a streaming read kernel
+    (``stream_read``: the best of its configs, the ceiling), and for comparison ``torch.sum`` over
+    bf16 (the ceiling before 2026-12-01, which decode kernels beat by up to 10%) and a copy."""
     from . import stream_read
     timer = timer or gpu_timer
+    nbytes = nbytes or ceiling_bytes(device)
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     sum_ms = timer(functools.partial(torch.sum, x))
     read = stream_read.measure(x.view(torch.int32), timer)
