@@ -300,3 +300,16 @@ def test_ceiling_bytes_fit_small_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 24 << 30))
     assert decode.ceiling_bytes(cuda) == (free // 4) >> 20 << 20
     assert decode.ceiling_bytes(cuda) % (4 * max(b for b, _, _ in stream_read.CONFIGS)) == 0
+
+
+def test_stream_read_verify_catches_a_skipped_word(monkeypatch):
+    words = torch.randint(-2**31, 2**31 - 1, (16384 * 3,), dtype=torch.int32)
+    monkeypatch.setattr(stream_read, "CONFIGS", ((4096, 4, 1), (16384, 4, 0)))
+    stream_read.verify(words)  # passes
+    real = stream_read.stream_read
+
+    def skips_the_last_block(w, block, warps, per_sm, out=None):
+        return real(w[:-block], block, warps, per_sm, out)
+    monkeypatch.setattr(stream_read, "stream_read", skips_the_last_block)
+    with pytest.raises(RuntimeError, match="stream_read"):
+        stream_read.verify(words)

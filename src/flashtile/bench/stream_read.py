@@ -58,9 +58,22 @@ def stream_read(words: torch.Tensor, block: int, warps: int, per_sm: int,
     return out
 
 
+def verify(words: torch.Tensor) -> None:
+    """Every config's programs together XOR each word of ``words`` (a few MiB) exactly once: the XOR
+    of their outputs equals the XOR of the whole buffer, computed on the host. Raises if not."""
+    import numpy as np
+    expected = int(np.bitwise_xor.reduce(words.cpu().numpy()))
+    for block, warps, per_sm in CONFIGS:
+        got = int(np.bitwise_xor.reduce(stream_read(words, block, warps, per_sm).cpu().numpy()))
+        if got != expected:
+            raise RuntimeError(f"stream_read ({block}, {warps}, {per_sm}) read {got:#x}, expected {expected:#x}")
+
+
 def measure(words: torch.Tensor, timer) -> dict:
-    """Read rate of every config over ``words`` (GB/s of the bytes of ``words``): the best and all."""
+    """Read rate of every config over ``words`` (GB/s of the bytes of ``words``): the best and all.
+    The configs are first checked on the buffer's first 4 MiB (``verify``)."""
     nbytes = words.numel() * words.element_size()
+    verify(words[:min(words.numel(), 1 << 20)])
     rows = []
     for block, warps, per_sm in CONFIGS:
         out = stream_read(words, block, warps, per_sm)  # compile and check the launch once
