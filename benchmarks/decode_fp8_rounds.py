@@ -15,7 +15,8 @@ import statistics
 import torch
 
 from flashtile.bench.common import time_in_rounds
-from flashtile.bench.decode import LayerCaches, Point, gpu_timer, layers_for, measure_ceiling, point_bytes, prepare_replay
+from flashtile.bench.decode import (LayerCaches, Point, ceiling_rate, gpu_timer, layers_for, measure_ceiling,
+                                    point_bytes, prepare_replay)
 from flashtile.bench.decode_fp8 import FP8Caches, fp8_layers, fp8_point_bytes, fp8_step
 
 def rate(nbytes: int, ms: list, ceiling: float) -> tuple[float, float, float]:
@@ -30,7 +31,7 @@ def start(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.de
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     device = torch.device("cuda")
-    ceiling = measure_ceiling(device)["sum_gbps"]
+    ceiling = ceiling_rate(measure_ceiling(device))
     print(f"read ceiling {ceiling:.0f} GB/s")
     return args, device, ceiling
 

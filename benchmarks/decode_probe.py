@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.bench.decode import LayerCaches, Point, build_replay, layers_for, measure_ceiling, \
+from flashtile.bench.decode import LayerCaches, Point, build_replay, ceiling_rate, layers_for, measure_ceiling, \
     shuffled_block_table
 from flashtile.kernels import decode as dec
 from flashtile.kernels.launch import launch
@@ -351,7 +351,7 @@ def main():
             if kind not in ("bf16", "e4m3", "e4m3@2", "e4m3@3"):
                 parser.error(f"--fp8-configs: unknown cache {kind!r} (bf16, e4m3, e4m3@2, e4m3@3)")
     device = torch.device("cuda")
-    ceiling = measure_ceiling(device)["sum_gbps"]
+    ceiling = ceiling_rate(measure_ceiling(device))
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     results = []
     if args.mode == "where":

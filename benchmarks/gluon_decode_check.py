@@ -23,7 +23,7 @@ import torch
 from decode_probe import time_layers  # this directory: run as a script
 from flashtile import reference
 from flashtile.bench.common import source_digest
-from flashtile.bench.decode import (LayerCaches, Point, layers_for, measure_ceiling, paginate,
+from flashtile.bench.decode import (LayerCaches, Point, ceiling_rate, layers_for, measure_ceiling, paginate,
                                     shuffled_block_table)
 from flashtile.kernels import decode as dec
 from flashtile.kernels import gluon_decode as gd
@@ -343,7 +343,7 @@ def main():
             print(f"fp8 case {i} {shown}: {'ok' if r['ok'] else 'FAIL'} "
                   f"{r.get('worst_err_over_budget', r.get('error'))} splits {r.get('splits')} "
                   f"({time.time() - t:.1f}s)", flush=True)
-    ceiling = measure_ceiling(device)["sum_gbps"]
+    ceiling = ceiling_rate(measure_ceiling(device))
     result["ceiling_gbps"] = ceiling
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     points = [(1, 12, 2, 32768), (1, 32, 8, 16384), (1, 32, 8, 32768), (16, 32, 8, 16384),
