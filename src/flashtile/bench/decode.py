@@ -77,8 +77,9 @@ PAGE_SWEEP_CONTEXT = 32768  # in both the full and the quick context lists
 # is the median of its rounds' medians. One pass per provider in a fixed order (before 2026-11-30) let
 # the order decide differences of a few percent. Six rounds (until 2026-12-01) were too few on long
 # caches: the H200 reaches its 700 W power cap there and the rounds that fall into a capped stretch
-# run 10-13% slower, three of six for flashtile at B16 32/8 128k in one run (0.96x cuDNN as the
-# median; 1.00x in a run of ten rounds, decode-long-ab-h200-20261201.log).
+# run 4-19% slower, three of six for flashtile at B16 32/8 128k in decode-nvidia-h200-20261201-c
+# (0.96x cuDNN as the median; 1.002x in decode-long-ab-h200-20261201.log's ten rounds, 0.995x in
+# twelve in decode-nvidia-h200-20261201-e).
 WARMUP_MS, REP_MS, ROUNDS = 10, 40, 10
 TIMING_WHAT = (f"replay of one CUDA graph over L layers (each its own K/V cache, >= "
                f"{MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), divided by L; every "
