@@ -24,7 +24,9 @@ from paged_gap import forced, run_points  # noqa: E402
 from spec_decode_ab import check  # noqa: E402
 
 POINTS = "16,32,8,131072;64,12,2,131072;16,32,8,16384"
-# (name, DecodeConfig, num_splits)
+# (name, DecodeConfig, num_splits): the configs of decode-long-ab-h200-20261201-b.log; the first run
+# (decode-long-ab-h200-20261201.log) had 32-key 4-warp 4-stage programs in 2 splits in place of the
+# two 8-warp ones, and SDPA cuDNN as its only anchor
 CONFIGS = (("n64 w8 s4, unsplit", dec.DecodeConfig(64, 8, 4, waves=1, min_split_keys=128, pdl=True,
                                                    max_splits=1), 1),
            ("n128 w8 s2, unsplit", dec.DecodeConfig(128, 8, 2, waves=1, min_split_keys=128, pdl=True,
