@@ -3,14 +3,25 @@ thousands, causal bottom-right), checked against float64 attention and timed aga
 forward (flash_attn_func) on the same keys.
 
     PYTHONPATH=src python benchmarks/chunked_prefill.py --out $OUT [--points 'B,H,Hk,ctx,Sq;...']
-        [--configs 'block_n,warps,stages[,waves[,pdl[,min split keys]]];...']
+        [--configs 'block_n,warps,stages[,waves[,pdl[,min split keys]]];...'] [--check-only]
+        [--small]
 
 Each point: a contiguous bf16 cache of ``ctx`` keys per sequence (all filled, the chunk's own keys
 included, as after the append), q (B, Sq, H, 128). The check covers the first KV head's query heads
 of the first and last sequence (the accuracy rule: 2x textbook attention in bf16). Timing:
-triton.testing.do_bench median of one call (the cache is read warm; at these sizes the step is
-compute-bound), TFLOP/s as FlashAttention-2 counts a causal forward. ``--configs``: the Triton
-decode kernel forced to these plans too. Writes chunked-prefill.json.
+triton.testing.do_bench median of one call replayed from a CUDA graph (graph_time), TFLOP/s as
+FlashAttention-2 counts a causal forward. ``--configs``: the Triton decode kernel forced to these plans too; "decode-kernel" is the call with the Gluon prefill route
+turned off (decode.PREFILL_MIN_QUERIES raised), i.e. the decode kernel's default plan,
+"route-forced" the call with the route taken whatever the query and work-tile counts.
+
+First, correctness of the route (``check_route``, every case against float64 attention per
+sequence within the accuracy rule): caches longer than the sequences with NaN in every slot past
+them (whatever a cache holds there must not reach the output), sequences of different lengths
+in one batch (0 included), appended k/v, causal and full, GQA/MQA, head dims 64/128/256, fp16,
+Sq not a multiple of 128, rotary (against the decode kernel's result, the same rotation), the
+LSE, a CUDA graph replayed as the lengths change, and that the slots past the lengths stay
+untouched. ``--check-only --small`` (the sanitizer's run) does the checks on small shapes only.
+Writes chunked-prefill.json.
 """
 
 from __future__ import annotations
@@ -26,19 +37,29 @@ import triton
 
 import flashtile
 from flashtile import reference
+from flashtile.bench.decode import build_replay
+from flashtile.kernels import decode as dec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_gap import forced  # noqa: E402
 from spec_decode_ab import config_name, triton_config  # noqa: E402
 
-POINTS = ("1,32,8,8192,1;1,32,8,8192,16;1,32,8,8192,64;1,32,8,8192,128;1,32,8,8192,512;"
-          "1,32,8,8192,2048;4,12,2,4096,512;2,32,8,16384,1024")
+POINTS = ("1,32,8,8192,64;1,32,8,8192,128;2,32,8,8192,128;1,32,8,8192,256;1,32,8,8192,384;"
+          "1,32,8,8192,512;1,12,2,8192,128;1,32,8,32768,512;8,32,8,2048,128;1,32,8,8192,2048;"
+          "4,12,2,4096,512;2,32,8,16384,1024")
 
 
 def causal_flops(batch, heads, seqlen_q, seqlen_k, head_dim):
     """4 * d per visible (query, key) pair, bottom-right causal."""
     visible = sum(min(seqlen_k, seqlen_k - seqlen_q + i + 1) for i in range(seqlen_q))
     return 4.0 * batch * heads * head_dim * visible
+
+
+def graph_time(fn) -> float:
+    """Median ms of one call replayed from a CUDA graph (the calls here are 50-1000 us of GPU
+    time, near the host's own cost of a call: timed eagerly, the host's time shows through)."""
+    replay = build_replay(lambda layer: fn(), 1, torch.device("cuda"))
+    return triton.testing.do_bench(replay, warmup=25, rep=200)
 
 
 def check(out, q, k, v):
@@ -55,14 +76,156 @@ def check(out, q, k, v):
     return worst
 
 
+# (batch, heads, heads_k, head_dim, capacity, lengths before the chunk, Sq, causal, dtype, append)
+CHECKS = (
+    (4, 32, 8, 128, 5000, (1000, 0, 2047, 3333), 300, True, "bf16", True),
+    (2, 12, 2, 128, 4096, (100, 1500), 128, False, "bf16", False),
+    (3, 8, 8, 64, 3000, (17, 999, 2500), 200, True, "bf16", True),
+    (3, 8, 8, 64, 3000, (17, 999, 2500), 200, False, "bf16", True),
+    (2, 16, 2, 256, 4000, (0, 1234), 257, True, "bf16", True),
+    (2, 16, 2, 256, 3000, (5, 2000), 130, False, "bf16", False),
+    (2, 16, 2, 256, 9000, (5, 7000), 130, False, "bf16", True),
+    (2, 32, 8, 128, 2048, (64, 640), 129, True, "fp16", True),
+    (1, 16, 1, 128, 9000, (8000,), 512, True, "bf16", True),
+    (1, 4, 4, 128, 1024, (0,), 128, False, "bf16", False),
+)
+SMALL_CHECKS = (
+    (2, 4, 2, 128, 700, (100, 0), 130, True, "bf16", True),
+    (2, 4, 2, 64, 500, (3, 250), 128, False, "bf16", False),
+    (2, 4, 1, 256, 600, (0, 300), 129, True, "bf16", True),
+)
+
+
+def _reference_check(out, lse, q, k_cache, v_cache, lengths, causal):
+    """Worst error / budget over the sequences (float64 attention on each one's own keys)."""
+    worst = 0.0
+    for b in range(q.shape[0]):
+        n = int(lengths[b])
+        qb, kb, vb = q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n]
+        if n == 0:  # no key: output 0, LSE +inf
+            ok = bool((out[b] == 0).all()) and bool(torch.isinf(lse[b]).all())
+            worst = max(worst, 0.0 if ok else math.inf)
+            continue
+        ref, ref_lse = reference.attention(qb.double(), kb.double(), vb.double(), causal=causal)
+        low, _ = reference.attention(qb, kb, vb, causal=causal)
+        budget = 2 * (low.double() - ref).abs().max().item() + 1e-6
+        got = out[b:b + 1].double()
+        err = (got - ref).abs().max().item() if torch.isfinite(got).all() else math.inf
+        lse_err = (lse[b:b + 1].double() - ref_lse).abs().max().item()
+        worst = max(worst, err / budget, lse_err / 1e-3)
+    return worst
+
+
+def check_route(device, small: bool) -> list:
+    """The chunked-prefill route against float64 attention (see the module docstring), taken
+    whatever the work-tile count (small cases would go to the decode kernel otherwise)."""
+    saved, dec.PREFILL_MIN_TILES_PER_SM = dec.PREFILL_MIN_TILES_PER_SM, 0.0
+    try:
+        return _check_route(device, small)
+    finally:
+        dec.PREFILL_MIN_TILES_PER_SM = saved
+
+
+def _check_route(device, small: bool) -> list:
+    records = []
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for case in (SMALL_CHECKS if small else CHECKS):
+        batch, heads, heads_k, d, cap, lens, seqlen_q, causal, dt, append = case
+        dtype = dtypes[dt]
+        q = torch.randn(batch, seqlen_q, heads, d, device=device, dtype=dtype)
+        k_cache = torch.full((batch, cap, heads_k, d), math.nan, device=device, dtype=dtype)
+        v_cache = torch.full_like(k_cache, math.nan)
+        for b, n in enumerate(lens):
+            k_cache[b, :n] = torch.randn(n, heads_k, d, device=device, dtype=dtype)
+            v_cache[b, :n] = torch.randn(n, heads_k, d, device=device, dtype=dtype)
+        lengths = torch.tensor(lens, dtype=torch.int32, device=device)
+        k_new = torch.randn(batch, seqlen_q, heads_k, d, device=device, dtype=dtype) if append else None
+        v_new = torch.randn_like(k_new) if append else None
+        after = lengths + seqlen_q if append else lengths
+        plan = dec.describe_plan(q, k_cache, v_cache, causal=causal)["kernel"]
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                     cache_seqlens=lengths, causal=causal,
+                                                     return_softmax_lse=True)
+        torch.cuda.synchronize()
+        slack_nan = all(bool(torch.isnan(k_cache[b, n:]).all() and torch.isnan(v_cache[b, n:]).all())
+                        for b, n in enumerate(after.tolist()))
+        worst = _reference_check(out, lse, q, k_cache, v_cache, after.tolist(), causal)
+        record = {"case": list(case), "route": plan, "err_over_budget": worst, "slack_untouched": slack_nan}
+        records.append(record)
+        print(f"check {case}: route {plan}, error/budget {worst:.3f}, slack untouched {slack_nan}",
+              flush=True)
+
+    # Rotary (rotated by the append kernel either way): the route against the decode kernel.
+    batch, heads, heads_k, d, cap, seqlen_q = (2, 32, 8, 128, 3000, 256) if not small else (1, 4, 2, 128, 600, 128)
+    q = torch.randn(batch, seqlen_q, heads, d, device=device, dtype=torch.bfloat16)
+    k0 = torch.randn(batch, cap, heads_k, d, device=device, dtype=torch.bfloat16)
+    v0 = torch.randn_like(k0)
+    kn, vn = torch.randn(2, batch, seqlen_q, heads_k, d, device=device, dtype=torch.bfloat16)
+    lengths = torch.tensor([300, 1200][:batch], dtype=torch.int32, device=device)
+    angle = torch.rand(cap, d // 2, device=device) * 6.28
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    results = []
+    for min_queries in (dec.PREFILL_MIN_QUERIES, 1 << 30):
+        saved, dec.PREFILL_MIN_QUERIES = dec.PREFILL_MIN_QUERIES, min_queries
+        try:
+            kc, vc = k0.clone(), v0.clone()
+            results.append(flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos,
+                                                             rotary_sin=sin, cache_seqlens=lengths,
+                                                             causal=True))
+        finally:
+            dec.PREFILL_MIN_QUERIES = saved
+    diff = (results[0].double() - results[1].double()).abs().max().item()
+    scale = results[1].double().abs().max().item()
+    rec = {"case": "rotary, route vs decode kernel", "max_abs_diff": diff, "out_abs_max": scale,
+           "ok": diff <= 2e-2 * max(scale, 1.0)}
+    records.append(rec)
+    print(f"check rotary: route vs decode kernel max |diff| {diff:.2e} (|out| <= {scale:.2f})", flush=True)
+
+    # CUDA graph: one capture, replayed as the lengths grow (no append: the cache is fixed).
+    batch, heads, heads_k, d, cap, seqlen_q = (2, 16, 4, 128, 4096, 256) if not small else (1, 4, 2, 128, 700, 128)
+    q = torch.randn(batch, seqlen_q, heads, d, device=device, dtype=torch.bfloat16)
+    kc = torch.randn(batch, cap, heads_k, d, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lengths = torch.full((batch,), seqlen_q, dtype=torch.int32, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True)
+    same = []
+    for n in (seqlen_q, seqlen_q + 1, cap // 2 + 3, cap):
+        lengths.fill_(n)
+        graph.replay()
+        eager = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=True)
+        torch.cuda.synchronize()
+        same.append(bool(torch.equal(graphed, eager)))
+    records.append({"case": "CUDA graph replay as the lengths grow", "bitwise_equal": same})
+    print(f"check CUDA graph replay: bitwise equal to eager at 4 lengths: {same}", flush=True)
+    return records
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--configs", default="")
+    parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
     device = torch.device("cuda")
+    torch.manual_seed(1)
+    checks = check_route(device, args.small)
+    failed = [c for c in checks if c.get("err_over_budget", 0) > 1 or c.get("slack_untouched") is False
+              or c.get("ok") is False or (c.get("bitwise_equal") and not all(c["bitwise_equal"]))]
+    print(f"route checks: {len(checks) - len(failed)} of {len(checks)} passed", flush=True)
+    if args.check_only:
+        with open(os.path.join(args.out, "chunked-prefill-check.json"), "w") as f:
+            json.dump({"checks": checks}, f, indent=1)
+        sys.exit(1 if failed else 0)
     records = []
     print(f"{'point':28s} {'kvcache us':>11s} {'TFLOP/s':>8s} {'check':>6s} {'prefill us':>11s} "
           f"{'TFLOP/s':>8s} {'kvcache/prefill':>15s}", flush=True)
@@ -82,7 +245,23 @@ def main():
 
         def prefill():
             return flashtile.flash_attn_func(q, k, v, causal=True)
-        providers = [("kvcache", kvcache), ("prefill", prefill)]
+
+        def kvcache_decode():
+            saved, dec.PREFILL_MIN_QUERIES = dec.PREFILL_MIN_QUERIES, 1 << 30
+            try:
+                return kvcache()
+            finally:
+                dec.PREFILL_MIN_QUERIES = saved
+        def kvcache_route():
+            saved = dec.PREFILL_MIN_QUERIES, dec.PREFILL_MIN_TILES_PER_SM
+            dec.PREFILL_MIN_QUERIES, dec.PREFILL_MIN_TILES_PER_SM = 1, 0.0
+            try:
+                return kvcache()
+            finally:
+                dec.PREFILL_MIN_QUERIES, dec.PREFILL_MIN_TILES_PER_SM = saved
+        record["route"] = dec.describe_plan(q, k, v, causal=True)["kernel"]
+        providers = [("kvcache", kvcache), ("prefill", prefill), ("decode-kernel", kvcache_decode),
+                     ("route-forced", kvcache_route)]
         providers += [(f"kvcache {config_name(c)}", forced(lambda layer: kvcache(), False,
                                                            decode_config=triton_config(*c)))
                       for c in configs]
@@ -93,7 +272,7 @@ def main():
                 out = fn()
                 torch.cuda.synchronize()
                 record[f"{name}_check"] = check(out, q, k, v)
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                ms = graph_time(fn)
                 record[f"{name}_us"] = ms * 1e3
                 record[f"{name}_tflops"] = flops / ms / 1e9
             except Exception as exc:  # a failing call is a result here
@@ -110,6 +289,11 @@ def main():
         print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q:<6d} {cell('kvcache')} "
               f"{record.get('kvcache_check', math.nan):6.3f} {cell('prefill')} {ratio:15.3f}", flush=True)
         for name, _ in providers[2:]:
+            if name in ("decode-kernel", "route-forced") and f"{name}_us" in record:
+                print(f"  (route {record['route']}) {name} {record[name + '_us']:9.1f} us "
+                      f"{record[name + '_tflops']:6.1f} TFLOP/s check {record[name + '_check']:.3f}",
+                      flush=True)
+                continue
             if f"{name}_us" in record:
                 print(f"  {name:40s} {record[name + '_us']:9.1f} us {record[name + '_tflops']:6.1f} TFLOP/s "
                       f"check {record[name + '_check']:.3f}", flush=True)
@@ -119,7 +303,7 @@ def main():
         q = k = v = out = None
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "chunked-prefill.json"), "w") as f:
-        json.dump({"points": records}, f, indent=1)
+        json.dump({"checks": checks, "points": records}, f, indent=1)
 
 
 if __name__ == "__main__":

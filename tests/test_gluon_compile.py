@@ -332,7 +332,7 @@ def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatc
         jit, grid, tensors, scalars, options, descriptors = got
         assert (jit, grid, scalars) == general[:2] + general[3:4]
         assert options is general[4]
-        assert len(tensors) == 4 and all(t.shape == ref_lse.shape for t in tensors)
+        assert len(tensors) == 5 and all(t.shape == ref_lse.shape for t in tensors)
         for mine, theirs in zip(descriptors, general[5]):
             assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
                    (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
@@ -376,3 +376,47 @@ def test_d256_non_causal_takes_q_from_registers_up_to_4k_keys():
         gluon_forward.GluonVariant(256, q_regs=64)
     with pytest.raises(ValueError, match="q_regs"):
         gluon_forward.GluonVariant(256, "fp8", q_regs=128)
+
+
+def test_plain_forward_with_seqused_k_launches_what_the_general_path_does(monkeypatch):
+    """Keys per sequence from the device: the seqused_k variant of the dispatched schedule, the
+    lengths as the fifth pointer, the same launch from the cached plan and the general path."""
+    q = torch.randn(2, 300, 8, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 5000, 2, 128, dtype=torch.bfloat16)
+    lengths = torch.tensor([1000, 4321], dtype=torch.int32)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "supported", lambda *a, **kw: gluon_forward.shapes_supported(*a[:3]))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(gluon_forward, "_PLAIN", {})
+    gluon_forward.plain_forward(q, k, k, 0.1, True, seqused_k=lengths)
+    gluon_forward.gluon_attention_forward(q, k, k, softmax_scale=0.1, causal=True, seqused_k=lengths)
+    plain, general = launches
+    assert plain[4] is general[4] and plain[4]["SEQUSED_K"] is True
+    assert plain[2][4] is lengths and general[2][4] is lengths
+    assert plain[3] == general[3] and plain[1] == general[1]
+    gluon_forward.plain_forward(q, k, k, 0.1, True)  # the plain call: its own plan and variant
+    assert launches[-1][4]["SEQUSED_K"] is False and len(gluon_forward._PLAIN) == 2
+
+
+def test_seqused_k_variants():
+    """Compiled for every 16-bit schedule dispatch gives (d64 on two consumers: three spill with
+    it), refused with e4m3 inputs, named -seqk, and picked by variants_named only when named."""
+    seqk = [v for v in gluon_forward.GLUON_VARIANTS if v.seqused_k]
+    for d in gluon_forward.HEAD_DIMS:
+        for dt in ("bf16", "fp16"):
+            for c in (False, True):
+                for n in (1, 1 << 20):
+                    assert gluon_forward.with_seqused_k(gluon_forward.dispatch_variant(d, dt, c, n)) in seqk
+    assert all(v.name.endswith("-seqk") and v.consumers == 2 for v in seqk)
+    with pytest.raises(ValueError, match="seqused_k"):
+        gluon_forward.GluonVariant(128, "fp8", seqused_k=True)
+    assert not any(v.seqused_k for v in gluon_forward.variants_named(["d128", "pq"]))
+    assert all(v.seqused_k for v in gluon_forward.variants_named(["seqk"]))
+    q = torch.randn(2, 64, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 80, 4, 128, dtype=torch.bfloat16)
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="seqused_k"):
+            gluon_forward.gluon_attention_forward(q, k, k, softmax_scale=0.1, causal=True, seqused_k=bad)

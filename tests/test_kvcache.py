@@ -456,3 +456,81 @@ def test_too_many_row_blocks_is_a_clear_error(small_row_blocks, monkeypatch):
     q1 = q[:, :4]  # 16 rows a KV head: one block each, 2 programs along the axis
     out = flashtile.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=lengths, causal=True)
     assert_each_sequence_matches(out, None, q1, k_cache, v_cache, lengths, causal=True)
+
+
+def _route_args(**overrides):
+    kw = dict(causal=True, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None,
+              block_table=None, cache_batch_idx=None, cache_leftpad=None, num_splits=0, config=None)
+    kw.update(overrides)
+    return kw
+
+
+@pytest.fixture
+def prefill_route(monkeypatch):
+    """decode.prefill_wanted as on an H200 (132 SMs, kernels compiled, not interpreted), with
+    gluon_forward.plain_plan (the sm_90 check) answering yes for every tensor it is asked about."""
+    from flashtile.kernels import decode as dec
+    from flashtile.kernels import gluon_forward
+    asked = []
+    monkeypatch.setattr(dec, "interpreting", lambda: False)
+    monkeypatch.setattr(dec, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_forward, "plain_plan", lambda *args: asked.append(args) or "plan")
+    return dec, asked
+
+
+@pytest.mark.parametrize("batch, seqlen_q, heads, routed", [
+    (1, 384, 32, True),  # 96 work tiles of 128 positions: at least half the 132 SMs
+    (1, 256, 32, False),  # 64 tiles: the decode kernel's key splits are faster (chunked-prefill-...-d)
+    (2, 128, 32, False),
+    (8, 128, 32, True),
+    (1, 127, 256, False),  # under PREFILL_MIN_QUERIES
+    (4, 512, 12, True),
+])
+def test_chunked_prefill_route_needs_positions_and_work_tiles(prefill_route, batch, seqlen_q, heads, routed):
+    dec, asked = prefill_route
+    q = torch.randn(batch, seqlen_q, heads, 64, dtype=F16)
+    k = torch.randn(batch, 600, 4, 64, dtype=F16)
+    assert dec.prefill_wanted(q, k, k, **_route_args()) is routed
+    assert len(asked) == int(routed) and (not routed or asked[0][3:] == (True, True))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"block_table": torch.zeros(4, 3, dtype=torch.int32)}, {"cache_batch_idx": torch.arange(4)},
+    {"cache_leftpad": torch.zeros(4, dtype=torch.int32)}, {"alibi_slopes": torch.ones(32)},
+    {"softcap": 30.0}, {"window_left": 64}, {"causal": False, "window_right": 8},
+    {"num_splits": 2}, {"config": "a forced plan"},
+])
+def test_chunked_prefill_route_leaves_the_rest_to_the_decode_kernel(prefill_route, overrides):
+    dec, asked = prefill_route
+    q = torch.randn(4, 512, 32, 64, dtype=F16)
+    k = torch.randn(4, 600, 8, 64, dtype=F16)
+    assert dec.prefill_wanted(q, k, k, **_route_args()) is True
+    assert dec.prefill_wanted(q, k, k, **_route_args(**overrides)) is False
+    assert dec.prefill_wanted(q, k, k, **_route_args(causal=False, window_right=-1, num_splits=1)) is True
+
+
+def test_chunked_prefill_route_is_off_in_the_interpreter():
+    from flashtile.kernels import decode as dec
+    q = torch.randn(4, 512, 32, 64, dtype=F16)
+    k = torch.randn(4, 600, 8, 64, dtype=F16)
+    assert not dec.prefill_wanted(q, k, k, **_route_args())
+
+
+def test_chunked_prefill_route_runs_the_forward_on_the_cache_lengths(prefill_route, monkeypatch):
+    """A routed call: prepare_decode plans the prefill forward, run_decode hands it the cache and
+    the lengths (int32, as the kernel reads them) and returns its (out, lse)."""
+    from flashtile.kernels import gluon_forward
+    dec, _ = prefill_route
+    calls = []
+    monkeypatch.setattr(gluon_forward, "plain_forward",
+                        lambda *args, **kw: calls.append((args, kw)) or ("out", "lse"))
+    q = torch.randn(2, 512, 16, 64, dtype=F16)
+    k = torch.randn(2, 900, 4, 64, dtype=F16)
+    v = torch.randn_like(k)
+    lengths = torch.tensor([700, 3], dtype=torch.int64)
+    assert dec.describe_plan(q, k, v)["kernel"] == "gluon-prefill"
+    assert dec.decode_attention(q, k, v, lengths, softmax_scale=0.3, window_left=-1,
+                                window_right=0) == ("out", "lse")
+    (args, kw), = calls
+    assert args[:3] == (q, k, v) and args[3:] == (0.3, True)
+    assert kw["seqused_k"].dtype == torch.int32 and kw["seqused_k"].tolist() == [700, 3]

@@ -864,10 +864,45 @@ def describe_plan(q, k_cache, v_cache, block_table=None, causal: bool = True,
                   in_graph: bool = True) -> dict:
     """The kernel and split count a default flash_attn_with_kvcache call on these tensors gets (for
     reports; ``in_graph``: as captured in a CUDA graph, where short caches keep their splits):
-    {"kernel": "gluon-tma" or "triton", "num_splits": n}."""
+    {"kernel": "gluon-prefill", "gluon-tma" or "triton", "num_splits": n}."""
     p = prepare_decode(q, k_cache, v_cache, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
                        window_right=0 if causal else -1, block_table=block_table, in_graph=in_graph)
-    return {"kernel": "gluon-tma" if p.gluon is not None else "triton", "num_splits": p.splits}
+    kernel = "gluon-prefill" if p.prefill is not None else "gluon-tma" if p.gluon is not None else "triton"
+    return {"kernel": kernel, "num_splits": p.splits}
+
+
+# Query positions from which a call on a contiguous 16-bit cache may run the Gluon prefill forward
+# (one CTA per 128 query positions of a head, keys per sequence from cache_seqlens on the device)
+# instead of the decode kernel, whose tiles pack a KV head's query rows for reading the cache once.
+# The forward does not split the keys, so it also needs work tiles (batch x heads x 128-position
+# blocks) for at least half the SMs. H200, 8k keys, 32/8 heads (chunked-prefill-h200-20261201-d):
+# 128 positions (32 tiles) 99.0 us against the decode kernel's 62.3, 256 (64 tiles) 100.1 / 103.4,
+# 512 (128 tiles) 106.7 / 172.6; 12/2 heads 128 positions (12 tiles) 97.2 / 48.7.
+PREFILL_MIN_QUERIES = 128
+PREFILL_BLOCK = 128
+PREFILL_MIN_TILES_PER_SM = 0.5
+
+
+def prefill_wanted(q, k_cache, v_cache, *, causal: bool, window_left: int, window_right: int,
+                   softcap: float, alibi_slopes, block_table, cache_batch_idx, cache_leftpad,
+                   num_splits: int, config) -> bool:
+    """Whether a flash_attn_with_kvcache call is chunked prefill the Gluon forward takes: at least
+    PREFILL_MIN_QUERIES query positions, a contiguous cache of one row per sequence in q's 16-bit
+    dtype, causal or full attention without softcap or ALiBi, no forced split count or plan, on
+    tensors ``gluon_forward.supported`` accepts (an sm_90 GPU; its answer cached by the tensors'
+    geometry, as the plain forward's plan), and work tiles for at least half the SMs."""
+    if (q.shape[1] < PREFILL_MIN_QUERIES or config is not None or num_splits > 1
+            or block_table is not None or cache_batch_idx is not None or cache_leftpad is not None
+            or alibi_slopes is not None or softcap > 0 or window_left >= 0
+            or (window_right >= 0 and not causal) or interpreting()):
+        return False
+    batch, seqlen_q, heads, _ = q.shape
+    if batch * heads * -(-seqlen_q // PREFILL_BLOCK) < PREFILL_MIN_TILES_PER_SM * _sm_count(q.device):
+        return False
+    from . import gluon_forward
+    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        return False
+    return gluon_forward.plain_plan(q, k_cache, v_cache, causal, True) is not None
 
 
 def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,
@@ -892,6 +927,7 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     dtype: torch.dtype
     device: torch.device
     gluon: tuple | None = None  # (variant, softmax_scale, causal) of the Gluon kernel, or None
+    prefill: tuple | None = None  # (softmax_scale, causal) of the Gluon prefill forward, or None
 
 
 def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -917,6 +953,14 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                   and capacity * head_dim * k_cache.element_size() <= EAGER_ONE_LAUNCH_BYTES // 2
                   and not in_graph and not torch.cuda.is_current_stream_capturing())
     causal = window_right == 0 and window_left < 0
+    if seqlen_q >= PREFILL_MIN_QUERIES and prefill_wanted(
+            q, k_cache, v_cache, causal=causal, window_left=window_left, window_right=window_right,
+            softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, num_splits=num_splits,
+            config=config):
+        return PreparedDecode(1, False, None, None, (), (batch, seqlen_q, heads, head_dim),
+                              (batch, heads, seqlen_q), (1,), q.dtype, device, None,
+                              (softmax_scale, causal))
     fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
                 and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache,
@@ -983,6 +1027,16 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
                q_descale=None):
     """The launches of a prepared decode, for tensors with the signature it was prepared for
     (the caller's guarantee). Returns (out, lse or None)."""
+    if p.prefill is not None:
+        from .gluon_forward import gluon_attention_forward, plain_forward
+        softmax_scale, causal = p.prefill
+        if cache_seqlens.dtype != torch.int32:
+            cache_seqlens = cache_seqlens.to(torch.int32)
+        result = plain_forward(q, k_cache, v_cache, softmax_scale, causal, seqused_k=cache_seqlens)
+        if result is None:  # inputs on another than the current device: the general path
+            result = gluon_attention_forward(q, k_cache, v_cache, softmax_scale=softmax_scale,
+                                             causal=causal, seqused_k=cache_seqlens)
+        return result
     if q_descale is not None:
         q_descale = descale_rows(q_descale)
     if p.gluon is not None:

@@ -35,7 +35,9 @@ the mask. Rows that see no key give output 0 and LSE +inf, as the portable kerne
 
 Tensors are read through host-side TMA descriptors over the (B, S, H, D) tensors themselves (rank
 4, box [1, rows, 1, D]): the descriptor clips at each batch's sequence end, so loads past it fill
-zeros and the output store writes nothing past it, for any Sq and Sk.
+zeros and the output store writes nothing past it, for any Sq and Sk. With ``seqused_k`` (chunked
+prefill against a KV cache) k and v are caches and sequence b's key count is read on the device;
+its last key tile's V rows past that count are zeroed in shared memory before P V reads them.
 
 This module imports on machines without a GPU; ``compile_for_sm90`` builds a variant's cubin there.
 """
@@ -163,6 +165,11 @@ class GluonVariant:
     # per 32 clocks, the 128 bytes per clock shared memory serves, so taking half of Q off it leaves
     # room for the TMA writes and the P V operand.
     q_regs: int = 0
+    # Keys per sequence from a device tensor (``seqused_k``, a KV cache's lengths) instead of K's
+    # length: k and v are caches (B, S_max, Hk, D) whose slots past a sequence's length hold
+    # anything, so the last key tile's V rows past it are zeroed in shared memory before P V reads
+    # them (0 x NaN would poison the rows' output). Chunked prefill against a contiguous cache.
+    seqused_k: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -175,6 +182,8 @@ class GluonVariant:
             raise ValueError("the lazy rescale is for 16-bit inputs")
         if not 0 <= self.exp2_poly <= 8:
             raise ValueError("exp2_poly counts exponentials out of every 8")
+        if self.seqused_k and self.fp8:
+            raise ValueError("seqused_k: 16-bit caches only")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -214,6 +223,8 @@ class GluonVariant:
             sched += "-prmt"
         if self.q_regs:
             sched += f"-qr{self.q_regs}"
+        if self.seqused_k:
+            sched += "-seqk"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -311,6 +322,19 @@ def _dispatch_variant(head_dim: int, dtype: str, causal: bool, short: bool) -> G
     return base
 
 
+@functools.lru_cache(maxsize=None)
+def with_seqused_k(variant: GluonVariant) -> GluonVariant:
+    """The schedule a ``seqused_k`` call of this variant's shape runs. The V tail's zeroing keeps
+    a few registers more live around the last P V: sm_90 compiles (CPU machine) put d128 causal at
+    16 stack bytes (loads and stores outside the key loops), d256 at 24-48 (one register reloaded
+    in each loop iteration); d64's three 160-register consumers spilled 56-80 bytes, so d64 takes
+    the two-consumer schedule (no stack)."""
+    if variant.consumers != 2:
+        variant = _two_consumers(variant)
+    stack = {128: 16, 256: 48}.get(variant.head_dim, 0)
+    return dataclasses.replace(variant, seqused_k=True, max_stack=max(variant.max_stack, stack))
+
+
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0,
                                own_range=False, prefetch_q=False)
@@ -394,15 +418,21 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # non-causal up to Q_REGS_MAX_KEYS keys; causal, not dispatched
                   + [dispatch_variant(256, dt, False, 1) for dt in ("bf16", "fp16")]
                   + [dataclasses.replace(default_variant(256, "bf16", True), q_regs=128,
-                                         max_stack=24)])
+                                         max_stack=24)]
+                  # keys per sequence from the device (chunked prefill against a KV cache): every
+                  # 16-bit schedule a call may dispatch
+                  + [with_seqused_k(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
+                     for dt in ("bf16", "fp16") for c in (False, True)
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
     """The shipped variants whose name contains one of ``parts`` ("A$": ends in A, so that a
-    default's name does not also pick its suffixed alternates); for the device scripts' --only."""
+    default's name does not also pick its suffixed alternates); for the device scripts' --only.
+    Variants taking ``seqused_k`` (which plain calls cannot run) only where a part names them."""
     return [v for v in GLUON_VARIANTS
-            if any(v.name.endswith(part[:-1]) if part.endswith("$") else part in v.name
-                   for part in parts)]
+            if any((v.name.endswith(part[:-1]) if part.endswith("$") else part in v.name)
+                   and (not v.seqused_k or "seqk" in part) for part in parts)]
 
 
 # Everything dispatch can run (gluon_check gives these its full case list).
@@ -487,6 +517,42 @@ if _GLUON:
         return num_tiles, gl.minimum(num_full, num_tiles)
 
     @gluon.jit
+    def _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K: gl.constexpr):
+        """Keys sequence ``batch`` attends to: seqused_k[batch] clamped to [0, seqlen_k] (the
+        cache's capacity), or seqlen_k itself."""
+        if SEQUSED_K:
+            return gl.minimum(gl.maximum(gl.load(SeqlensK + batch), 0), seqlen_k)
+        else:
+            return seqlen_k
+
+    @gluon.jit
+    def _zero_v_tail(v_buf, tile, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Key tile ``tile`` reaching past the sequence's keys (a cache's slots hold anything
+        there, NaN included): zero those V rows where the P V wgmma reads them, a few rows at a
+        time (a whole tile in registers would spill beside O). Every consumer of the slot writes
+        the same values, so concurrent rewrites change nothing another reads."""
+        if tile * BLOCK_N + BLOCK_N > seqlen_k:
+            # One 16-byte vector a thread per chunk: the fewest registers.
+            NUM_WARPS: gl.constexpr = gl.num_warps()
+            COL_THREADS: gl.constexpr = HEAD_DIM // 8 if HEAD_DIM < 256 else 32
+            ROW_THREADS: gl.constexpr = 32 // COL_THREADS
+            # (slices of the swizzled tile start at multiples of its 8-row period)
+            CHUNK: gl.constexpr = 8 if ROW_THREADS * NUM_WARPS < 8 else ROW_THREADS * NUM_WARPS
+            io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [ROW_THREADS, COL_THREADS],
+                                                       [NUM_WARPS, 1], [1, 0])
+            v_rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, io_layout))
+            v_tile = v_buf.reshape([BLOCK_N, HEAD_DIM])
+            for c in gl.static_range(BLOCK_N // CHUNK):
+                first = tile * BLOCK_N + c * CHUNK
+                if first + CHUNK > seqlen_k:
+                    part = v_tile.slice(c * CHUNK, CHUNK, dim=0)
+                    v = part.load(io_layout)
+                    keep = gl.expand_dims(first + v_rows < seqlen_k, 1)
+                    part.store(gl.where(keep, v, gl.zeros_like(v)))
+            fence_async_shared()
+            gl.thread_barrier()
+
+    @gluon.jit
     def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile, ring,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
                          TRANSPOSED: gl.constexpr = False, WAIT: gl.constexpr = True):
@@ -512,8 +578,10 @@ if _GLUON:
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                   seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, head_group,
+                  SeqlensK,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr):
+                  CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr,
+                  SEQUSED_K: gl.constexpr = False):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
         consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
@@ -525,7 +593,8 @@ if _GLUON:
             pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group,
                                               CAUSAL)
             kv_head = head // group_size
-            num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+            keys = _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
+            num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, keys, BLOCK_M, BLOCK_N, CAUSAL)
             for j in range(num_tiles):
                 if JOINT:
                     _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, batch, kv_head, j, ring + j,
@@ -763,7 +832,8 @@ if _GLUON:
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0):
+                      P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
+                      ZERO_TAIL: gl.constexpr = False, SeqlensK=None):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -772,7 +842,10 @@ if _GLUON:
         rows that all lie past the query length run tile 0 only.
         FP8: ``q_scales`` points at this (batch, head)'s query-block descales, ``k_scales`` and
         ``v_scales`` at its KV head's key-block ones (V's relative to their largest, which sits at
-        ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys."""
+        ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys.
+        ``ZERO_TAIL``: V rows past ``seqlen_k`` in the last key tile are zeroed before P V (keys
+        from a cache whose slots past the sequence hold anything); the count is read again from
+        ``SeqlensK`` there rather than kept in a register through the loop."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * NUM_WARPS
         INSTR_K: gl.constexpr = 32 if FP8 else 16
@@ -870,6 +943,10 @@ if _GLUON:
         slot = last % STAGES
         _take_turn(turn_bars, event0 + num_tiles, WG, PINGPONG)
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        if ZERO_TAIL:  # the only tile that can reach past the sequence's keys
+            # (past the capacity the TMA filled zeros: the unclamped count is as good there)
+            _zero_v_tail(v_bufs.index(slot), num_tiles - 1, gl.maximum(gl.load(SeqlensK + batch), 0),
+                         BLOCK_N, HEAD_DIM)
         v_tile = _v_operand(v_bufs, slot, BLOCK_N, HEAD_DIM, FP8)
         p_last = _p_operand(p_op, p_bufs, num_tiles - 1, WG, FP8)
         o_tok = warpgroup_mma(p_last, v_tile, o, is_async=True)
@@ -928,7 +1005,7 @@ if _GLUON:
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
-                  Q_REGS: gl.constexpr = 0):
+                  Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -939,7 +1016,7 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index, head_group) = shared
+         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
@@ -968,18 +1045,19 @@ if _GLUON:
                                               CAUSAL)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
-            num_tiles, num_full = _key_range(m0, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+            keys = _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
+            num_tiles, num_full = _key_range(m0, seqlen_q, keys, BLOCK_M, BLOCK_N, CAUSAL)
             q_scales = QScale + batch.to(gl.int64) * stride_qsb + head.to(gl.int64) * stride_qsh
             k_scales = KScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
             v_scales = VScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
             _attend_block(q_desc, k_desc, v_desc, o_desc, q_buf, o_buf, p_bufs,
                           q_bars.index(WG * Q_BUFS + b), (t // Q_BUFS) & 1, k_bufs,
                           v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
-                          stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, seqlen_k,
+                          stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, keys,
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
                           CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                          EXP_POLY, P_PACK, Q_REGS)
+                          EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK)
             ring += num_tiles
             event += num_tiles + 1
         if Q_BUFS == 2:
@@ -991,7 +1069,7 @@ if _GLUON:
                                   "num_heads", "num_m_blocks", "batch_size", "stride_qsb",
                                   "stride_qsh", "stride_ksb", "stride_ksh", "scale_shift_q",
                                   "scale_shift_k", "v_max_index", "head_group"])
-    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, stride_lb,
+    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
                         scale_shift_q, scale_shift_k, v_max_index, head_group,
@@ -1002,7 +1080,7 @@ if _GLUON:
                         CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
-                        Q_REGS: gl.constexpr = 0):
+                        Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1011,7 +1089,8 @@ if _GLUON:
         FP8: q, k e4m3 through their descriptors, v_desc over e4m3 V^T (B, Hk, D, Sk), o_desc
         bf16; per-block descales at QScale (B, H, query blocks) and KScale / VScale (B, Hk, key
         blocks + 1; V's relative to their largest, which follows them). Otherwise the scale
-        arguments are unused."""
+        arguments are unused. SEQUSED_K: sequence b attends to its first SeqlensK[b] keys (int32,
+        clamped to seqlen_k, the caches' capacity)."""
         dtype: gl.constexpr = q_desc.dtype
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -1054,7 +1133,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group)
+                  head_group, SeqlensK)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1066,17 +1145,17 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             head_group,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE)),
+                             head_group, SeqlensK,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
@@ -1086,19 +1165,19 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             head_group,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE)),
+                             head_group, SeqlensK,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
                       False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
-                      EXP2_POLY, P_PACK_ASM, Q_REGS)
+                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1142,7 +1221,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "SNAKE": variant.snake,
             "OWN_RANGE": (2 if variant.skip_empty_rows else 1) if variant.own_range else 0,
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
-            "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs}
+            "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
+            "SEQUSED_K": variant.seqused_k}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1301,41 +1381,51 @@ _PLAIN: dict = {}
 _MAX_PLAIN = 1024
 
 
-def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                  causal: bool):
-    """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)`` (fresh out
-    and LSE, the shipped variant) with everything that depends only on the tensors' shapes,
-    strides, dtypes and device looked up rather than worked out again: ``supported``'s checks
-    and the launch geometry cost ~20 us of host time a call, as much as the kernel itself at 1-2k
-    tokens. Returns None, having launched nothing, where ``supported`` refuses the inputs or they
-    sit on another than the current device: the caller then takes the general path."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
-        return None
-    q_shape, k_shape, q_strides, k_strides, v_strides = q.shape, k.shape, q.stride(), k.stride(), v.stride()
-    key = (q_shape, k_shape, v.shape, q_strides, k_strides, v_strides, q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), causal)
+def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               seqused_k: bool = False) -> _PlainPlan | None:
+    """The cached launch plan of a plain call on tensors of this geometry (shapes, strides, dtypes,
+    devices), or None where ``supported`` refuses them; ``seqused_k``: keys per sequence from the
+    device. Data pointers are not looked at (callers check their alignment)."""
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), causal, seqused_k)
     plan = _PLAIN.get(key, False)
     if plan is False:
-        plan = _plain_plan(q, k, v, causal)
+        plan = _plain_plan(q, k, v, causal, seqused_k)
         if len(_PLAIN) >= _MAX_PLAIN:
             _PLAIN.clear()
         _PLAIN[key] = plan
+    return plan
+
+
+def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                  causal: bool, seqused_k: torch.Tensor | None = None):
+    """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
+    seqused_k=seqused_k)`` (fresh out and LSE, the shipped variant) with everything that depends
+    only on the tensors' shapes, strides, dtypes and device looked up rather than worked out again:
+    ``supported``'s checks and the launch geometry cost ~20 us of host time a call, as much as the
+    kernel itself at 1-2k tokens. Returns None, having launched nothing, where ``supported`` refuses
+    the inputs or they sit on another than the current device: the caller then takes the general
+    path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
+        return None
+    plan = plain_plan(q, k, v, causal, seqused_k is not None)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
+    q_shape = q.shape
     out = torch.empty(q_shape, dtype=q.dtype, device=plan.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
     q_layout, k_layout, v_layout, o_layout = geo.layouts
-    descriptors = (_Descriptor(q, q_shape, q_strides, geo.q_block, q_layout),
-                   _Descriptor(k, k_shape, k_strides, geo.kv_block, k_layout),
-                   _Descriptor(v, k_shape, v_strides, geo.kv_block, v_layout),
+    descriptors = (_Descriptor(q, q_shape, q.stride(), geo.q_block, q_layout),
+                   _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
+                   _Descriptor(v, k.shape, v.stride(), geo.kv_block, v_layout),
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
-    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse),
+    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lse if seqused_k is None else seqused_k),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
 
-def _plain_plan(q, k, v, causal: bool) -> _PlainPlan | None:
+def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False) -> _PlainPlan | None:
     if not supported(q, k, v, causal=causal):
         return None
     batch, seqlen_q, heads, head_dim = q.shape
@@ -1343,6 +1433,8 @@ def _plain_plan(q, k, v, causal: bool) -> _PlainPlan | None:
     if batch == 0 or seqlen_q == 0 or heads == 0 or seqlen_k == 0:
         return None  # gluon_attention_forward's conventions for empty inputs, on the general path
     variant = dispatch_variant(head_dim, _DTYPES[q.dtype], causal, seqlen_k)
+    if seqused_k:
+        variant = with_seqused_k(variant)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
@@ -1355,7 +1447,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             causal: bool, variant: GluonVariant | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
-                            head_group: int | None = None):
+                            head_group: int | None = None, seqused_k: torch.Tensor | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -1372,6 +1464,11 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     ``head_group`` (causal): the work tiles in groups of that many (batch, head) pairs, each group
     query-block-major: 1 is (batch, head)-major, 0 (or >= B * H) query-block-major over all of
     them; None: ``head_group_order`` decides.
+
+    ``seqused_k`` (B,) int32 on q's device (16-bit inputs): sequence b attends to its first
+    seqused_k[b] keys (clamped to [0, Sk]), read on the device; k and v are then caches whose
+    slots past those keys may hold anything (a KV cache's lengths: chunked prefill, causal
+    bottom-right against each sequence's own length).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -1395,10 +1492,18 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         lse.fill_(math.inf)
         return out, lse
     dtype = _DTYPES[q.dtype]
+    if seqused_k is not None and (fp8 or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,)
+                                  or seqused_k.device != q.device):
+        raise ValueError("gluon_attention_forward: seqused_k must be (B,) int32 on q's device, with "
+                         "16-bit inputs")
     if variant is None:
         variant = dispatch_variant(head_dim, dtype, causal, seqlen_k)
+        if seqused_k is not None:
+            variant = with_seqused_k(variant)
     elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
+    if variant.seqused_k != (seqused_k is not None):
+        raise ValueError(f"variant {variant.name}: seqused_k is {'needed' if variant.seqused_k else 'not taken'}")
     if head_group is not None and head_group < 0:
         raise ValueError("head_group must be >= 0")
 
@@ -1426,7 +1531,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_fwd_gluon, geo.grid, (lse, *scales), scalars, geo.options, descriptors)
+        launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lse if seqused_k is None else seqused_k),
+               scalars, geo.options, descriptors)
     return out, lse
 
 
@@ -1537,13 +1643,13 @@ def compile_for_sm90(variant: GluonVariant):
     signature = {"q_desc": desc(dt, (1, rows, 1, d), q_layout), "k_desc": desc(dt, (1, n, 1, d), k_layout),
                  "v_desc": desc(dt, v_block, v_layout), "o_desc": desc(out_dt, (1, rows, 1, d), o_layout),
                  "Lse": "*fp32", "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32",
-                 "qk_scale": "fp32"}
+                 "SeqlensK": "*i32" if variant.seqused_k else "*fp32", "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Lse", "QScale", "KScale", "VScale"):
+        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK"):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name not in signature:
             signature[name] = "i32"
