@@ -12,7 +12,9 @@ of the first and last sequence (the accuracy rule: 2x textbook attention in bf16
 triton.testing.do_bench median of one call replayed from a CUDA graph (graph_time), TFLOP/s as
 FlashAttention-2 counts a causal forward. ``--configs``: the Triton decode kernel forced to these plans too; "decode-kernel" is the call with the Gluon prefill route
 turned off (decode.PREFILL_MIN_QUERIES raised), i.e. the decode kernel's default plan,
-"route-forced" the call with the route taken whatever the query and work-tile counts.
+"route-forced" the call with the route taken whatever the query and work-tile counts, "paged-256"
+and "paged-16" the same cache as shuffled pools of 256- and 16-key pages, "paged-16-decode-kernel"
+the latter with the route turned off.
 
 First, correctness of the route (``check_route``, every case against float64 attention per
 sequence within the accuracy rule): caches longer than the sequences with NaN in every slot past
@@ -96,6 +98,48 @@ SMALL_CHECKS = (
 )
 
 
+# (batch, heads, heads_k, head_dim, pages a sequence, page size, lengths, Sq, causal, dtype, append,
+#  routed): page pools in shuffled order, NaN in every slot no sequence owns
+PAGED_CHECKS = (
+    (3, 16, 4, 128, 20, 128, (1000, 0, 2100), 300, True, "bf16", True, True),
+    (2, 16, 2, 128, 8, 256, (100, 1700), 200, False, "bf16", True, True),
+    (2, 16, 2, 256, 30, 64, (5, 1500), 150, True, "bf16", True, True),
+    (2, 8, 8, 64, 10, 128, (17, 999), 130, True, "fp16", True, True),
+    (2, 16, 4, 128, 100, 16, (100, 1000), 200, True, "bf16", True, True),  # boxes of 16 keys
+    (2, 16, 4, 128, 40, 48, (100, 1000), 200, False, "bf16", True, True),  # boxes straddle no page
+    (2, 16, 2, 256, 60, 32, (0, 1500), 129, True, "fp16", True, True),
+    (2, 8, 8, 64, 120, 16, (999, 17), 300, True, "bf16", False, True),
+    (2, 16, 4, 128, 200, 8, (100, 1000), 200, True, "bf16", True, False),  # the decode kernel
+)
+SMALL_PAGED_CHECKS = (
+    (2, 4, 2, 128, 6, 128, (100, 0), 130, True, "bf16", True, True),
+    (2, 4, 2, 128, 30, 16, (100, 250), 130, True, "bf16", True, True),
+    (2, 4, 1, 256, 6, 64, (3, 200), 128, False, "bf16", False, True),
+)
+
+
+def page_pools(k_cache, v_cache, page, spare=3):
+    """k_cache/v_cache (B, pages * page, Hk, D) as shuffled page pools with ``spare`` unowned pages
+    of NaN, and the block table (B, pages) int32."""
+    batch, cap, heads_k, d = k_cache.shape
+    pages = cap // page
+    order = torch.randperm(batch * pages + spare, device=k_cache.device)
+    table = order[:batch * pages].view(batch, pages).to(torch.int32)
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.full((batch * pages + spare, page, heads_k, d), math.nan, dtype=cache.dtype,
+                          device=cache.device)
+        pool[table.flatten().long()] = cache.reshape(batch * pages, page, heads_k, d)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def gathered(pool, table):
+    """The page pool read back in each sequence's order: (B, pages * page, Hk, D)."""
+    batch, pages = table.shape
+    return pool[table.flatten().long()].view(batch, pages * pool.shape[1], *pool.shape[2:])
+
+
 def _reference_check(out, lse, q, k_cache, v_cache, lengths, causal):
     """Worst error / budget over the sequences (float64 attention on each one's own keys)."""
     worst = 0.0
@@ -153,6 +197,38 @@ def _check_route(device, small: bool) -> list:
         record = {"case": list(case), "route": plan, "err_over_budget": worst, "slack_untouched": slack_nan}
         records.append(record)
         print(f"check {case}: route {plan}, error/budget {worst:.3f}, slack untouched {slack_nan}",
+              flush=True)
+
+    for case in (SMALL_PAGED_CHECKS if small else PAGED_CHECKS):
+        batch, heads, heads_k, d, pages, page, lens, seqlen_q, causal, dt, append, routed = case
+        dtype = dtypes[dt]
+        q = torch.randn(batch, seqlen_q, heads, d, device=device, dtype=dtype)
+        k_cache = torch.full((batch, pages * page, heads_k, d), math.nan, device=device, dtype=dtype)
+        v_cache = torch.full_like(k_cache, math.nan)
+        for b, n in enumerate(lens):
+            k_cache[b, :n] = torch.randn(n, heads_k, d, device=device, dtype=dtype)
+            v_cache[b, :n] = torch.randn(n, heads_k, d, device=device, dtype=dtype)
+        k_pool, v_pool, table = page_pools(k_cache, v_cache, page)
+        lengths = torch.tensor(lens, dtype=torch.int32, device=device)
+        k_new = torch.randn(batch, seqlen_q, heads_k, d, device=device, dtype=dtype) if append else None
+        v_new = torch.randn_like(k_new) if append else None
+        after = lengths + seqlen_q if append else lengths
+        plan = dec.describe_plan(q, k_pool, v_pool, block_table=table, causal=causal)["kernel"]
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lengths,
+                                                     block_table=table, causal=causal,
+                                                     return_softmax_lse=True)
+        torch.cuda.synchronize()
+        k_seq, v_seq = gathered(k_pool, table), gathered(v_pool, table)
+        owned = torch.zeros(k_pool.shape[0], dtype=torch.bool, device=device)
+        owned[table.flatten().long()] = True
+        slack_nan = (all(bool(torch.isnan(k_seq[b, n:]).all() and torch.isnan(v_seq[b, n:]).all())
+                         for b, n in enumerate(after.tolist()))
+                     and bool(torch.isnan(k_pool[~owned]).all() and torch.isnan(v_pool[~owned]).all()))
+        worst = _reference_check(out, lse, q, k_seq, v_seq, after.tolist(), causal)
+        route_ok = (plan == "gluon-prefill") == routed
+        records.append({"case": list(case), "paged": True, "route": plan, "err_over_budget": worst,
+                        "slack_untouched": slack_nan, "ok": route_ok})
+        print(f"check paged {case}: route {plan}, error/budget {worst:.3f}, slack untouched {slack_nan}",
               flush=True)
 
     # Rotary (rotated by the append kernel either way): the route against the decode kernel.
@@ -259,9 +335,25 @@ def main():
                 return kvcache()
             finally:
                 dec.PREFILL_MIN_QUERIES, dec.PREFILL_MIN_TILES_PER_SM = saved
+        pools = {page: page_pools(k, v, page, spare=0) for page in (256, 16)}
+
+        def paged(page):
+            k_pool, v_pool, table = pools[page]
+            return lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
+                                                             block_table=table, causal=True)
         record["route"] = dec.describe_plan(q, k, v, causal=True)["kernel"]
+        for page, (k_pool, v_pool, table) in pools.items():
+            record[f"route_paged-{page}"] = dec.describe_plan(q, k_pool, v_pool, block_table=table,
+                                                               causal=True)["kernel"]
+        def paged_decode():
+            saved, dec.PREFILL_MIN_QUERIES = dec.PREFILL_MIN_QUERIES, 1 << 30
+            try:
+                return paged(16)()
+            finally:
+                dec.PREFILL_MIN_QUERIES = saved
         providers = [("kvcache", kvcache), ("prefill", prefill), ("decode-kernel", kvcache_decode),
-                     ("route-forced", kvcache_route)]
+                     ("route-forced", kvcache_route), ("paged-256", paged(256)), ("paged-16", paged(16)),
+                     ("paged-16-decode-kernel", paged_decode)]
         providers += [(f"kvcache {config_name(c)}", forced(lambda layer: kvcache(), False,
                                                            decode_config=triton_config(*c)))
                       for c in configs]
@@ -289,8 +381,10 @@ def main():
         print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q:<6d} {cell('kvcache')} "
               f"{record.get('kvcache_check', math.nan):6.3f} {cell('prefill')} {ratio:15.3f}", flush=True)
         for name, _ in providers[2:]:
-            if name in ("decode-kernel", "route-forced") and f"{name}_us" in record:
-                print(f"  (route {record['route']}) {name} {record[name + '_us']:9.1f} us "
+            if name in ("decode-kernel", "route-forced", "paged-256", "paged-16",
+                        "paged-16-decode-kernel") and f"{name}_us" in record:
+                route = record.get(f"route_{name}", record["route"])
+                print(f"  (route {route}) {name} {record[name + '_us']:9.1f} us "
                       f"{record[name + '_tflops']:6.1f} TFLOP/s check {record[name + '_check']:.3f}",
                       flush=True)
                 continue
@@ -300,7 +394,7 @@ def main():
         for name, _ in providers:
             if f"{name}_error" in record:
                 print(f"  {name}: {record[name + '_error']}", flush=True)
-        q = k = v = out = None
+        q = k = v = out = pools = None
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "chunked-prefill.json"), "w") as f:
         json.dump({"checks": checks, "points": records}, f, indent=1)

@@ -332,7 +332,7 @@ def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatc
         jit, grid, tensors, scalars, options, descriptors = got
         assert (jit, grid, scalars) == general[:2] + general[3:4]
         assert options is general[4]
-        assert len(tensors) == 5 and all(t.shape == ref_lse.shape for t in tensors)
+        assert len(tensors) == 6 and all(t.shape == ref_lse.shape for t in tensors)
         for mine, theirs in zip(descriptors, general[5]):
             assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
                    (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
@@ -410,7 +410,7 @@ def test_seqused_k_variants():
             for c in (False, True):
                 for n in (1, 1 << 20):
                     assert gluon_forward.with_seqused_k(gluon_forward.dispatch_variant(d, dt, c, n)) in seqk
-    assert all(v.name.endswith("-seqk") and v.consumers == 2 for v in seqk)
+    assert all(v.name.endswith(("-seqk", "-seqk-pr16")) and v.consumers == 2 for v in seqk)
     with pytest.raises(ValueError, match="seqused_k"):
         gluon_forward.GluonVariant(128, "fp8", seqused_k=True)
     assert not any(v.seqused_k for v in gluon_forward.variants_named(["d128", "pq"]))
@@ -420,3 +420,25 @@ def test_seqused_k_variants():
     for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="seqused_k"):
             gluon_forward.gluon_attention_forward(q, k, k, softmax_scale=0.1, causal=True, seqused_k=bad)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_table"):  # pages need seqused_k (and a GPU)
+        gluon_forward.gluon_attention_forward(q, k, k, softmax_scale=0.1, causal=True, block_table=table)
+    assert not gluon_forward.paged_supported(q, k, k, table)  # CPU tensors
+
+
+def test_page_pools_take_one_box_a_tile_or_sixteen_key_boxes():
+    """paged_variant: pages of whole key tiles read as the contiguous cache is (one box a tile),
+    smaller ones (multiples of PAGED_BOX_ROWS) a 16-key box at a time; both compiled."""
+    shipped = set(gluon_forward.GLUON_VARIANTS)
+    for d in gluon_forward.HEAD_DIMS:
+        base = gluon_forward.dispatch_variant(d, "bf16", True, 1 << 20)
+        whole = gluon_forward.paged_variant(base, 256)
+        boxes = gluon_forward.paged_variant(base, 16)
+        assert whole == gluon_forward.with_seqused_k(base) and whole.page_rows == 0
+        assert boxes.page_rows == gluon_forward.PAGED_BOX_ROWS and boxes.name.endswith("-seqk-pr16")
+        assert gluon_forward.paged_variant(base, 48) == boxes
+        assert {whole, boxes} <= shipped
+    with pytest.raises(ValueError, match="page_rows"):
+        gluon_forward.GluonVariant(128, page_rows=16)  # without seqused_k
+    with pytest.raises(ValueError, match="page_rows"):
+        gluon_forward.GluonVariant(128, seqused_k=True, page_rows=12)

@@ -491,11 +491,11 @@ def test_chunked_prefill_route_needs_positions_and_work_tiles(prefill_route, bat
     q = torch.randn(batch, seqlen_q, heads, 64, dtype=F16)
     k = torch.randn(batch, 600, 4, 64, dtype=F16)
     assert dec.prefill_wanted(q, k, k, **_route_args()) is routed
-    assert len(asked) == int(routed) and (not routed or asked[0][3:] == (True, True))
+    assert len(asked) == int(routed) and (not routed or asked[0][3:] == (True, True, None))
 
 
 @pytest.mark.parametrize("overrides", [
-    {"block_table": torch.zeros(4, 3, dtype=torch.int32)}, {"cache_batch_idx": torch.arange(4)},
+    {"cache_batch_idx": torch.arange(4)},
     {"cache_leftpad": torch.zeros(4, dtype=torch.int32)}, {"alibi_slopes": torch.ones(32)},
     {"softcap": 30.0}, {"window_left": 64}, {"causal": False, "window_right": 8},
     {"num_splits": 2}, {"config": "a forced plan"},
@@ -507,6 +507,17 @@ def test_chunked_prefill_route_leaves_the_rest_to_the_decode_kernel(prefill_rout
     assert dec.prefill_wanted(q, k, k, **_route_args()) is True
     assert dec.prefill_wanted(q, k, k, **_route_args(**overrides)) is False
     assert dec.prefill_wanted(q, k, k, **_route_args(causal=False, window_right=-1, num_splits=1)) is True
+
+
+def test_chunked_prefill_route_asks_about_page_pools_with_their_table(prefill_route):
+    """Paged caches: whether the forward reads the pools (pages of whole key tiles) is the plan's
+    question, asked with the block table."""
+    dec, asked = prefill_route
+    q = torch.randn(4, 512, 32, 64, dtype=F16)
+    pool = torch.randn(40, 128, 8, 64, dtype=F16)
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    assert dec.prefill_wanted(q, pool, pool, **_route_args(block_table=table)) is True
+    assert asked[-1][3:] == (True, True, table)
 
 
 def test_chunked_prefill_route_is_off_in_the_interpreter():

@@ -170,6 +170,10 @@ class GluonVariant:
     # anything, so the last key tile's V rows past it are zeroed in shared memory before P V reads
     # them (0 x NaN would poison the rows' output). Chunked prefill against a contiguous cache.
     seqused_k: bool = False
+    # With seqused_k, page pools of pages smaller than a key tile: each tile arrives as boxes of
+    # this many keys, each at its own page (any page size that is a multiple of it); 0: a tile
+    # is one box (contiguous caches, pages of whole tiles).
+    page_rows: int = 0
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -184,6 +188,8 @@ class GluonVariant:
             raise ValueError("exp2_poly counts exponentials out of every 8")
         if self.seqused_k and self.fp8:
             raise ValueError("seqused_k: 16-bit caches only")
+        if self.page_rows and (not self.seqused_k or self.page_rows % 8 or self.block_n % self.page_rows):
+            raise ValueError("page_rows: with seqused_k, a multiple of 8 dividing the key tile")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -225,6 +231,8 @@ class GluonVariant:
             sched += f"-qr{self.q_regs}"
         if self.seqused_k:
             sched += "-seqk"
+        if self.page_rows:
+            sched += f"-pr{self.page_rows}"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -326,13 +334,27 @@ def _dispatch_variant(head_dim: int, dtype: str, causal: bool, short: bool) -> G
 def with_seqused_k(variant: GluonVariant) -> GluonVariant:
     """The schedule a ``seqused_k`` call of this variant's shape runs. The V tail's zeroing keeps
     a few registers more live around the last P V: sm_90 compiles (CPU machine) put d128 causal at
-    16 stack bytes (loads and stores outside the key loops), d256 at 24-48 (one register reloaded
-    in each loop iteration); d64's three 160-register consumers spilled 56-80 bytes, so d64 takes
-    the two-consumer schedule (no stack)."""
+    24 stack bytes (with the page table's arguments; every spill load and store outside the key
+    loops), d256 at 24-48 (one register reloaded in each loop iteration); d64's three 160-register
+    consumers spilled 56-80 bytes, so d64 takes the two-consumer schedule (no stack)."""
     if variant.consumers != 2:
         variant = _two_consumers(variant)
-    stack = {128: 16, 256: 48}.get(variant.head_dim, 0)
+    stack = {128: 24, 256: 48}.get(variant.head_dim, 0)
     return dataclasses.replace(variant, seqused_k=True, max_stack=max(variant.max_stack, stack))
+
+
+# Keys a box carries on page pools whose pages are smaller than a key tile (vLLM's 16 and its
+# multiples): a tile is BLOCK_N / PAGED_BOX_ROWS boxes, each at its own page.
+PAGED_BOX_ROWS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def with_page_boxes(variant: GluonVariant) -> GluonVariant:
+    """The seqused_k variant reading page pools in PAGED_BOX_ROWS-key boxes. Its sm_90 compiles
+    (CPU machine) keep 24-72 stack bytes: the 24-register producer spills a few values around each
+    tile's eight table loads, and d128's consumers reload one register a key-loop iteration."""
+    seqk = with_seqused_k(variant)
+    return dataclasses.replace(seqk, page_rows=PAGED_BOX_ROWS, max_stack=max(seqk.max_stack, 72))
 
 
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
@@ -422,6 +444,10 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # keys per sequence from the device (chunked prefill against a KV cache): every
                   # 16-bit schedule a call may dispatch
                   + [with_seqused_k(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
+                     for dt in ("bf16", "fp16") for c in (False, True)
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
+                  # ... on pools of pages smaller than a key tile
+                  + [with_page_boxes(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))])
 
@@ -576,16 +602,49 @@ if _GLUON:
         tma.async_copy_global_to_shared(desc, coords, ready.index(slot), bufs.index(slot), pred=pred)
 
     @gluon.jit
+    def _issue_rows_load(desc, bufs, ready, empty, first, row, kv_head, ring, STAGES: gl.constexpr):
+        """_issue_tile_load's box at [first, row, kv_head, 0] (a cache row or a page, and the tile's
+        first key in it)."""
+        slot = ring % STAGES
+        mbarrier.wait(empty.index(slot), ((ring // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [first, row, kv_head, 0], ready.index(slot), bufs.index(slot))
+
+    @gluon.jit
+    def _issue_page_boxes(desc, bufs, ready, empty, BlockTable, batch, stride_bt, page_size, seqlen_k,
+                          kv_head, tile, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          PAGE_ROWS: gl.constexpr):
+        """Key tile ``tile`` of a sequence on a page pool, as BLOCK_N / PAGE_ROWS boxes each at its
+        page (page_size a multiple of PAGE_ROWS) into their rows of the ring slot. Boxes past the
+        sequence's last table entry read that entry's page (rows past the sequence are masked, V's
+        zeroed, by the consumers)."""
+        slot = ring % STAGES
+        mbarrier.wait(empty.index(slot), ((ring // STAGES) & 1) ^ 1)
+        BOXES: gl.constexpr = BLOCK_N // PAGE_ROWS
+        mbarrier.expect(ready.index(slot), BOXES * desc.block_type.nbytes)
+        table = BlockTable + batch.to(gl.int64) * stride_bt
+        last = seqlen_k // page_size - 1
+        for i in gl.static_range(BOXES):
+            key = tile * BLOCK_N + i * PAGE_ROWS
+            page = gl.load(table + gl.minimum(key // page_size, last))
+            tma.async_copy_global_to_shared(desc, [page, key % page_size, kv_head, 0], ready.index(slot),
+                                            bufs.index(slot).slice(i * PAGE_ROWS, PAGE_ROWS, dim=1))
+
+    @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                   seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, head_group,
-                  SeqlensK,
+                  SeqlensK, BlockTable, page_size, stride_bt,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr,
-                  SEQUSED_K: gl.constexpr = False):
+                  SEQUSED_K: gl.constexpr = False, PAGE_ROWS: gl.constexpr = 0):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
         consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
-        (on v_empty, once P V of the tile has retired), one barrier round per tile instead of two."""
+        (on v_empty, once P V of the tile has retired), one barrier round per tile instead of two.
+        ``SEQUSED_K`` with ``page_size`` > 0: k/v descriptors are over page pools (num_pages,
+        page_size, Hk, D), page_size a multiple of BLOCK_N, and a tile's page is the sequence's
+        BlockTable entry (row stride ``stride_bt``); with PAGE_ROWS, page_size a multiple of it
+        and a tile one box of PAGE_ROWS keys per page piece (_issue_page_boxes)."""
         num_bh = num_heads * batch_size
         ring = 0
         for k in range(_work_tile_count(num_m_blocks * num_bh, SNAKE)):
@@ -596,7 +655,24 @@ if _GLUON:
             keys = _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
             num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, keys, BLOCK_M, BLOCK_N, CAUSAL)
             for j in range(num_tiles):
-                if JOINT:
+                if PAGE_ROWS > 0:
+                    _issue_page_boxes(k_desc, k_bufs, k_ready, v_empty if JOINT else k_empty, BlockTable,
+                                      batch, stride_bt, page_size, seqlen_k, kv_head, j, ring + j, BLOCK_N,
+                                      STAGES, PAGE_ROWS)
+                    _issue_page_boxes(v_desc, v_bufs, v_ready, v_empty, BlockTable, batch, stride_bt,
+                                      page_size, seqlen_k, kv_head, j, ring + j, BLOCK_N, STAGES,
+                                      PAGE_ROWS)
+                elif SEQUSED_K:  # 16-bit only
+                    first = batch
+                    row = j * BLOCK_N
+                    if page_size > 0:
+                        first = gl.load(BlockTable + batch.to(gl.int64) * stride_bt + row // page_size)
+                        row = row % page_size
+                    _issue_rows_load(k_desc, k_bufs, k_ready, v_empty if JOINT else k_empty, first, row,
+                                     kv_head, ring + j, STAGES)
+                    _issue_rows_load(v_desc, v_bufs, v_ready, v_empty, first, row, kv_head, ring + j,
+                                     STAGES)
+                elif JOINT:
                     _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, batch, kv_head, j, ring + j,
                                      BLOCK_N, STAGES, True)
                     _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
@@ -1068,11 +1144,13 @@ if _GLUON:
     @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "seqlen_q", "seqlen_k", "group_size",
                                   "num_heads", "num_m_blocks", "batch_size", "stride_qsb",
                                   "stride_qsh", "stride_ksb", "stride_ksh", "scale_shift_q",
-                                  "scale_shift_k", "v_max_index", "head_group"])
-    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, stride_lb,
+                                  "scale_shift_k", "v_max_index", "head_group", "page_size",
+                                  "stride_bt"])
+    def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, BlockTable,
+                        stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-                        scale_shift_q, scale_shift_k, v_max_index, head_group,
+                        scale_shift_q, scale_shift_k, v_max_index, head_group, page_size, stride_bt,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
@@ -1080,7 +1158,8 @@ if _GLUON:
                         CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
-                        Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False):
+                        Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
+                        PAGE_ROWS: gl.constexpr = 0):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1090,10 +1169,15 @@ if _GLUON:
         bf16; per-block descales at QScale (B, H, query blocks) and KScale / VScale (B, Hk, key
         blocks + 1; V's relative to their largest, which follows them). Otherwise the scale
         arguments are unused. SEQUSED_K: sequence b attends to its first SeqlensK[b] keys (int32,
-        clamped to seqlen_k, the caches' capacity)."""
+        clamped to seqlen_k, the caches' capacity); with page_size > 0 the caches are page pools
+        read through BlockTable (see _producer)."""
         dtype: gl.constexpr = q_desc.dtype
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if PAGE_ROWS > 0:  # the descriptors' boxes are page pieces; a slot holds a whole key tile
+            k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+        else:
+            k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1154,8 +1238,9 @@ if _GLUON:
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             head_group, SeqlensK,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K)),
+                             head_group, SeqlensK, BlockTable, page_size, stride_bt,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
+                             PAGE_ROWS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
@@ -1171,8 +1256,9 @@ if _GLUON:
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             head_group, SeqlensK,
-                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K)),
+                             head_group, SeqlensK, BlockTable, page_size, stride_bt,
+                             BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
+                             PAGE_ROWS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
@@ -1222,7 +1308,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "OWN_RANGE": (2 if variant.skip_empty_rows else 1) if variant.own_range else 0,
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
-            "SEQUSED_K": variant.seqused_k}
+            "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1359,7 +1445,8 @@ def _geometry(variant: GluonVariant, batch: int, seqlen_q: int, seqlen_k: int, h
     elif head_group == 0:
         head_group = heads * batch
     return _Geometry((min(work_tiles, sm_count) if variant.persistent else work_tiles,),
-                     (1, rows, 1, variant.head_dim), (1, variant.block_n, 1, variant.head_dim),
+                     (1, rows, 1, variant.head_dim),
+                     (1, variant.page_rows or variant.block_n, 1, variant.head_dim),
                      _layouts(rows, variant.block_n, variant.head_dim, torch_dtype), num_m_blocks,
                      min(head_group, heads * batch), _launch_options(variant))
 
@@ -1382,15 +1469,18 @@ _MAX_PLAIN = 1024
 
 
 def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               seqused_k: bool = False) -> _PlainPlan | None:
+               seqused_k: bool = False, block_table: torch.Tensor | None = None) -> _PlainPlan | None:
     """The cached launch plan of a plain call on tensors of this geometry (shapes, strides, dtypes,
-    devices), or None where ``supported`` refuses them; ``seqused_k``: keys per sequence from the
-    device. Data pointers are not looked at (callers check their alignment)."""
+    devices), or None where the kernel does not take them; ``seqused_k``: keys per sequence from the
+    device; ``block_table`` (with seqused_k): k and v are page pools read through it. Data pointers
+    are not looked at (callers check their alignment)."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), causal, seqused_k)
+           q.get_device(), k.get_device(), v.get_device(), causal, seqused_k,
+           None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                             block_table.get_device()))
     plan = _PLAIN.get(key, False)
     if plan is False:
-        plan = _plain_plan(q, k, v, causal, seqused_k)
+        plan = _plain_plan(q, k, v, causal, seqused_k, block_table)
         if len(_PLAIN) >= _MAX_PLAIN:
             _PLAIN.clear()
         _PLAIN[key] = plan
@@ -1398,17 +1488,18 @@ def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                  causal: bool, seqused_k: torch.Tensor | None = None):
+                  causal: bool, seqused_k: torch.Tensor | None = None,
+                  block_table: torch.Tensor | None = None):
     """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
-    seqused_k=seqused_k)`` (fresh out and LSE, the shipped variant) with everything that depends
-    only on the tensors' shapes, strides, dtypes and device looked up rather than worked out again:
-    ``supported``'s checks and the launch geometry cost ~20 us of host time a call, as much as the
-    kernel itself at 1-2k tokens. Returns None, having launched nothing, where ``supported`` refuses
-    the inputs or they sit on another than the current device: the caller then takes the general
-    path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee)."""
+    seqused_k=seqused_k, block_table=block_table)`` (fresh out and LSE, the shipped variant) with
+    everything that depends only on the tensors' shapes, strides, dtypes and device looked up rather
+    than worked out again: ``supported``'s checks and the launch geometry cost ~20 us of host time a
+    call, as much as the kernel itself at 1-2k tokens. Returns None, having launched nothing, where
+    the kernel does not take the inputs or they sit on another than the current device: the caller
+    then takes the general path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee)."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
         return None
-    plan = plain_plan(q, k, v, causal, seqused_k is not None)
+    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -1420,34 +1511,78 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
                    _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
                    _Descriptor(v, k.shape, v.stride(), geo.kv_block, v_layout),
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
-    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lse if seqused_k is None else seqused_k),
+    # Unread pointers: lse; an unpaged seqused_k call's table, the (int32) lengths.
+    lengths = lse if seqused_k is None else seqused_k
+    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lengths,
+                                       lengths if block_table is None else block_table),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
 
-def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False) -> _PlainPlan | None:
-    if not supported(q, k, v, causal=causal):
-        return None
+def paged_supported(q, k, v, block_table, causal: bool = False) -> bool:
+    """Whether the forward reads these page pools with seqused_k: q (B, Sq, H, D) as ``supported``
+    takes it, k and v (num_pages, page_size, Hk, D) alike with TMA-addressable rows, page_size a
+    multiple of PAGED_BOX_ROWS (pages of whole key tiles are read a box a tile, others a box of
+    PAGED_BOX_ROWS keys at a time: ``paged_variant``), and block_table (B, max_pages) int32 with a
+    contiguous last dim, all on one sm_90 GPU."""
+    if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+            and block_table.dtype == torch.int32 and block_table.shape[0] == q.shape[0]
+            and block_table.shape[1] > 0 and block_table.stride(-1) == 1):
+        return False
+    tensors = (q, k, v)
+    if not (_GLUON and all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors)
+            and len({t.device for t in (*tensors, block_table)}) == 1 and _arch(q.device.index) == 90):
+        return False
+    head_dim, heads, heads_k = q.shape[-1], q.shape[2], k.shape[2]
+    if (q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype
+            or head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape
+            or k.shape[0] == 0 or heads_k == 0 or heads % heads_k or not all(_tma_ok(t) for t in tensors)):
+        return False
+    return k.shape[1] % PAGED_BOX_ROWS == 0
+
+
+def paged_variant(variant: GluonVariant, page_size: int) -> GluonVariant:
+    """The schedule of ``variant`` on a page pool: one box a key tile where pages hold whole
+    tiles, else PAGED_BOX_ROWS-key boxes."""
+    return with_seqused_k(variant) if page_size % variant.block_n == 0 else with_page_boxes(variant)
+
+
+def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
+                block_table: torch.Tensor | None = None) -> _PlainPlan | None:
     batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if block_table is not None:
+        if not seqused_k or not paged_supported(q, k, v, block_table, causal):
+            return None
+        page_size, stride_bt = k.shape[1], block_table.stride(0)
+        seqlen_k = block_table.shape[1] * page_size  # the capacity a sequence's table gives
+    else:
+        if not supported(q, k, v, causal=causal):
+            return None
+        page_size, stride_bt = 0, 0
+        seqlen_k = k.shape[1]
+    heads_k = k.shape[2]
     if batch == 0 or seqlen_q == 0 or heads == 0 or seqlen_k == 0:
         return None  # gluon_attention_forward's conventions for empty inputs, on the general path
     variant = dispatch_variant(head_dim, _DTYPES[q.dtype], causal, seqlen_k)
-    if seqused_k:
+    if block_table is not None:
+        variant = paged_variant(variant, page_size)
+    elif seqused_k:
         variant = with_seqused_k(variant)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
                       (seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1),
                       (heads * seqlen_q, seqlen_q, seqlen_q, seqlen_k, heads // heads_k, heads,
-                       geo.num_m_blocks, batch), (*_NO_SCALES, geo.head_group))
+                       geo.num_m_blocks, batch),
+                      (*_NO_SCALES, geo.head_group, page_size, stride_bt))
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                             causal: bool, variant: GluonVariant | None = None,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
-                            head_group: int | None = None, seqused_k: torch.Tensor | None = None):
+                            head_group: int | None = None, seqused_k: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -1468,10 +1603,18 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     ``seqused_k`` (B,) int32 on q's device (16-bit inputs): sequence b attends to its first
     seqused_k[b] keys (clamped to [0, Sk]), read on the device; k and v are then caches whose
     slots past those keys may hold anything (a KV cache's lengths: chunked prefill, causal
-    bottom-right against each sequence's own length).
+    bottom-right against each sequence's own length). With it, ``block_table`` (B, max_pages) int32
+    makes k and v page pools (num_pages, page_size, Hk, D) as ``paged_supported`` takes them.
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
+    page_size = stride_bt = 0
+    if block_table is not None:
+        if seqused_k is None or not paged_supported(q, k, v, block_table, causal):
+            raise ValueError("gluon_attention_forward: block_table needs seqused_k and the page pools, "
+                             "page size and table paged_supported accepts")
+        page_size, stride_bt = k.shape[1], block_table.stride(0)
+        seqlen_k = block_table.shape[1] * page_size  # the capacity a sequence's table gives
     fp8 = q.dtype == torch.float8_e4m3fn
     out_dtype = torch.bfloat16 if fp8 else q.dtype
     if out is None:
@@ -1498,7 +1641,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                          "16-bit inputs")
     if variant is None:
         variant = dispatch_variant(head_dim, dtype, causal, seqlen_k)
-        if seqused_k is not None:
+        if block_table is not None:
+            variant = paged_variant(variant, page_size)
+        elif seqused_k is not None:
             variant = with_seqused_k(variant)
     elif (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
@@ -1527,11 +1672,14 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         scales = (lse, lse, lse)
         scale_scalars = _NO_SCALES
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads,
-               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group)
+               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group,
+               page_size, stride_bt)
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lse if seqused_k is None else seqused_k),
+        lengths = lse if seqused_k is None else seqused_k  # also an unpaged call's (unread) table
+        launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lengths,
+                                           lengths if block_table is None else block_table),
                scalars, geo.options, descriptors)
     return out, lse
 
@@ -1639,17 +1787,19 @@ def compile_for_sm90(variant: GluonVariant):
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{layout!r}>"
 
     fn = _attn_fwd_gluon
-    v_block = (1, 1, d, n) if variant.fp8 else (1, n, 1, d)
-    signature = {"q_desc": desc(dt, (1, rows, 1, d), q_layout), "k_desc": desc(dt, (1, n, 1, d), k_layout),
+    box = variant.page_rows or n  # keys a K/V box carries
+    v_block = (1, 1, d, n) if variant.fp8 else (1, box, 1, d)
+    signature = {"q_desc": desc(dt, (1, rows, 1, d), q_layout), "k_desc": desc(dt, (1, box, 1, d), k_layout),
                  "v_desc": desc(dt, v_block, v_layout), "o_desc": desc(out_dt, (1, rows, 1, d), o_layout),
                  "Lse": "*fp32", "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32",
-                 "SeqlensK": "*i32" if variant.seqused_k else "*fp32", "qk_scale": "fp32"}
+                 "SeqlensK": "*i32" if variant.seqused_k else "*fp32",
+                 "BlockTable": "*i32" if variant.seqused_k else "*fp32", "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK"):
+        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK", "BlockTable"):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name not in signature:
             signature[name] = "i32"
