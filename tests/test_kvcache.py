@@ -545,3 +545,19 @@ def test_chunked_prefill_route_runs_the_forward_on_the_cache_lengths(prefill_rou
     (args, kw), = calls
     assert args[:3] == (q, k, v) and args[3:] == (0.3, True)
     assert kw["seqused_k"].dtype == torch.int32 and kw["seqused_k"].tolist() == [700, 3]
+
+
+@pytest.mark.parametrize("batch, seqlen_q, heads, seqlen_k, wanted", [
+    (1, 128, 32, 2048, True),  # 32 work tiles on 132 SMs
+    (1, 256, 12, 65536, True),
+    (1, 100, 32, 1024, True),
+    (1, 128, 32, 1000, False),  # too few keys
+    (1, 257, 12, 8192, False),  # too many query positions
+    (1, 256, 32, 8192, False),  # 64 tiles: under half the gain, losses at 1-2k keys
+    (4, 128, 32, 8192, False),
+])
+def test_plain_calls_with_few_query_tiles_split_the_keys(batch, seqlen_q, heads, seqlen_k, wanted):
+    """flash_attn_func's plain call runs the split-KV decode kernel where the Gluon forward's grid
+    (query tiles alone) would leave most SMs idle (short-queries-h200-20261201)."""
+    from flashtile.kernels.forward import split_keys_wanted
+    assert split_keys_wanted(batch, seqlen_q, heads, seqlen_k, 132) is wanted

@@ -469,6 +469,23 @@ GLUON_ENABLED = os.environ.get("FLASHTILE_GLUON", "1") not in ("", "0")
 _PLAIN_GLUON = GLUON_ENABLED and not _INTERPRET
 
 
+# A plain call with few query tiles against many keys runs the split-KV decode kernel instead of the
+# Gluon forward, whose grid is the query tiles alone (one CTA per 128 positions and head): at most
+# SPLIT_KEYS_MAX_QUERIES positions, SPLIT_KEYS_MIN_KEYS keys, and work tiles for a quarter of the SMs.
+# H200, CUDA-graph replays (short-queries-h200-20261201): 12-32 tiles 1.05-5.9x faster from 1k keys
+# (B1 32/8 Sq 128: 2k 1.31x, 16k 2.13x; B1 12/2 Sq 128 16k 4.48x); 64 tiles 0.82-0.93x at 1-2k keys,
+# 1.03-1.20x from 4k; 128 tiles 0.51-0.69x.
+SPLIT_KEYS_MAX_QUERIES = 256
+SPLIT_KEYS_MIN_KEYS = 1024
+SPLIT_KEYS_MAX_TILES_PER_SM = 0.25
+
+
+def split_keys_wanted(batch: int, seqlen_q: int, heads: int, seqlen_k: int, sm_count: int) -> bool:
+    """Whether a plain call of these sizes takes the decode kernel (see SPLIT_KEYS_MAX_QUERIES)."""
+    return (seqlen_q <= SPLIT_KEYS_MAX_QUERIES and seqlen_k >= SPLIT_KEYS_MIN_KEYS
+            and batch * heads * -(-seqlen_q // 128) <= SPLIT_KEYS_MAX_TILES_PER_SM * sm_count)
+
+
 def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_offset, softcap=0.0,
                   alibi_slopes=None, config=None, cu_seqlens_q=None, dropout_seed=None,
                   block_table=None, descales=None) -> bool:
@@ -572,6 +589,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
         if window_right < 0 or causal:
             from . import gluon_forward
+            if (q.is_cuda and split_keys_wanted(q.shape[0], q.shape[1], q.shape[2], k.shape[1],
+                                                gluon_forward._sm_count(q.device))
+                    and gluon_forward.plain_plan(q, k, v, causal) is not None):
+                from .decode import decode_attention
+                lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+                return decode_attention(q, k, v, lengths, softmax_scale=softmax_scale, window_left=-1,
+                                        window_right=0 if causal else -1)
             result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal)
             if result is not None:
                 return result
