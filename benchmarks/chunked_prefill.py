@@ -199,6 +199,42 @@ def _check_route(device, small: bool) -> list:
         print(f"check {case}: route {plan}, error/budget {worst:.3f}, slack untouched {slack_nan}",
               flush=True)
 
+    # cache_batch_idx: sequences on shuffled rows of a larger cache (NaN in the rows nobody reads)
+    for batch, heads, heads_k, d, cap, lens, seqlen_q, causal in (
+            ((3, 16, 4, 128, 2048, (100, 0, 1500), 200, True),) if not small
+            else ((2, 4, 2, 128, 640, (100, 3), 130, True),)):
+        q = torch.randn(batch, seqlen_q, heads, d, device=device, dtype=torch.bfloat16)
+        k_cache = torch.full((batch + 2, cap, heads_k, d), math.nan, device=device, dtype=torch.bfloat16)
+        v_cache = torch.full_like(k_cache, math.nan)
+        rows = torch.randperm(batch + 2, device=device)[:batch].to(torch.int32)
+        for b, n in enumerate(lens):
+            k_cache[rows[b], :n] = torch.randn(n, heads_k, d, device=device, dtype=torch.bfloat16)
+            v_cache[rows[b], :n] = torch.randn(n, heads_k, d, device=device, dtype=torch.bfloat16)
+        lengths = torch.tensor(lens, dtype=torch.int32, device=device)
+        k_new = torch.randn(batch, seqlen_q, heads_k, d, device=device, dtype=torch.bfloat16)
+        v_new = torch.randn_like(k_new)
+        routed = dec.prefill_wanted(q, k_cache, v_cache, causal=causal, window_left=-1,
+                                    window_right=0 if causal else -1, softcap=0.0, alibi_slopes=None,
+                                    block_table=None, cache_batch_idx=rows, cache_leftpad=None,
+                                    num_splits=0, config=None)
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                                     cache_batch_idx=rows, causal=causal,
+                                                     return_softmax_lse=True)
+        torch.cuda.synchronize()
+        after = (lengths + seqlen_q).tolist()
+        k_seq, v_seq = k_cache[rows.long()], v_cache[rows.long()]
+        unused = torch.ones(batch + 2, dtype=torch.bool, device=device)
+        unused[rows.long()] = False
+        slack_nan = (all(bool(torch.isnan(k_seq[b, n:]).all() and torch.isnan(v_seq[b, n:]).all())
+                         for b, n in enumerate(after))
+                     and bool(torch.isnan(k_cache[unused]).all() and torch.isnan(v_cache[unused]).all()))
+        worst = _reference_check(out, lse, q, k_seq, v_seq, after, causal)
+        case = (batch, heads, heads_k, d, cap, lens, seqlen_q, causal, "cache_batch_idx")
+        records.append({"case": list(case), "route": "gluon-prefill" if routed else "decode kernel",
+                        "err_over_budget": worst, "slack_untouched": slack_nan, "ok": routed})
+        print(f"check {case}: routed {routed}, error/budget {worst:.3f}, slack untouched {slack_nan}",
+              flush=True)
+
     for case in (SMALL_PAGED_CHECKS if small else PAGED_CHECKS):
         batch, heads, heads_k, d, pages, page, lens, seqlen_q, causal, dt, append, routed = case
         dtype = dtypes[dt]

@@ -495,7 +495,6 @@ def test_chunked_prefill_route_needs_positions_and_work_tiles(prefill_route, bat
 
 
 @pytest.mark.parametrize("overrides", [
-    {"cache_batch_idx": torch.arange(4)},
     {"cache_leftpad": torch.zeros(4, dtype=torch.int32)}, {"alibi_slopes": torch.ones(32)},
     {"softcap": 30.0}, {"window_left": 64}, {"causal": False, "window_right": 8},
     {"num_splits": 2}, {"config": "a forced plan"},
@@ -518,6 +517,11 @@ def test_chunked_prefill_route_asks_about_page_pools_with_their_table(prefill_ro
     table = torch.arange(40, dtype=torch.int32).view(4, 10)
     assert dec.prefill_wanted(q, pool, pool, **_route_args(block_table=table)) is True
     assert asked[-1][3:] == (True, True, table)
+    # cache_batch_idx: the cache's rows as one-page tables
+    rows = torch.tensor([5, 0, 2, 7], dtype=torch.int32)
+    cache = torch.randn(8, 640, 8, 64, dtype=F16)
+    assert dec.prefill_wanted(q, cache, cache, **_route_args(cache_batch_idx=rows)) is True
+    assert asked[-1][4] is True and asked[-1][5].tolist() == [[5], [0], [2], [7]]
 
 
 def test_chunked_prefill_route_is_off_in_the_interpreter():

@@ -887,12 +887,13 @@ def prefill_wanted(q, k_cache, v_cache, *, causal: bool, window_left: int, windo
                    softcap: float, alibi_slopes, block_table, cache_batch_idx, cache_leftpad,
                    num_splits: int, config) -> bool:
     """Whether a flash_attn_with_kvcache call is chunked prefill the Gluon forward takes: at least
-    PREFILL_MIN_QUERIES query positions, a contiguous cache of one row per sequence or page pools
-    of pages of a multiple of 16 keys (``gluon_forward.paged_supported``), in q's 16-bit dtype, causal or full attention without softcap or ALiBi, no
+    PREFILL_MIN_QUERIES query positions, a contiguous cache of one row per sequence, rows picked by
+    ``cache_batch_idx`` (read as one-page tables: ``prefill_table``) or page pools, with rows or
+    pages of a multiple of 16 keys (``gluon_forward.paged_supported``), in q's 16-bit dtype, causal or full attention without softcap or ALiBi, no
     forced split count or plan, on an sm_90 GPU (the answer cached by the tensors' geometry, as the
     plain forward's plan), and work tiles for at least half the SMs."""
     if (q.shape[1] < PREFILL_MIN_QUERIES or config is not None or num_splits > 1
-            or cache_batch_idx is not None or cache_leftpad is not None
+            or cache_leftpad is not None
             or alibi_slopes is not None or softcap > 0 or window_left >= 0
             or (window_right >= 0 and not causal) or interpreting()):
         return False
@@ -902,7 +903,16 @@ def prefill_wanted(q, k_cache, v_cache, *, causal: bool, window_left: int, windo
     from . import gluon_forward
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
         return False
-    return gluon_forward.plain_plan(q, k_cache, v_cache, causal, True, block_table) is not None
+    return gluon_forward.plain_plan(q, k_cache, v_cache, causal, True,
+                                    prefill_table(block_table, cache_batch_idx)) is not None
+
+
+def prefill_table(block_table, cache_batch_idx):
+    """The block table the prefill forward reads: the call's own, or with ``cache_batch_idx`` the
+    cache seen as a pool of one page (row) per cache row, sequence b's table holding its row."""
+    if cache_batch_idx is not None and block_table is None:
+        return cache_batch_idx.view(-1, 1)
+    return block_table
 
 
 def planned_splits(batch: int, heads_k: int, capacity: int, device: torch.device,
@@ -1032,12 +1042,12 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
         softmax_scale, causal = p.prefill
         if cache_seqlens.dtype != torch.int32:
             cache_seqlens = cache_seqlens.to(torch.int32)
+        table = prefill_table(block_table, cache_batch_idx)
         result = plain_forward(q, k_cache, v_cache, softmax_scale, causal, seqused_k=cache_seqlens,
-                               block_table=block_table)
+                               block_table=table)
         if result is None:  # inputs on another than the current device: the general path
             result = gluon_attention_forward(q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                             causal=causal, seqused_k=cache_seqlens,
-                                             block_table=block_table)
+                                             causal=causal, seqused_k=cache_seqlens, block_table=table)
         return result
     if q_descale is not None:
         q_descale = descale_rows(q_descale)
