@@ -14,7 +14,8 @@ FlashAttention-2 counts a causal forward. ``--configs``: the Triton decode kerne
 turned off (decode.PREFILL_MIN_QUERIES raised), i.e. the decode kernel's default plan,
 "route-forced" the call with the route taken whatever the query and work-tile counts, "paged-256"
 and "paged-16" the same cache as shuffled pools of 256- and 16-key pages, "paged-16-decode-kernel"
-the latter with the route turned off.
+the latter with the route turned off; "sdpa-flash"/"sdpa-cudnn" SDPA's backends on the same tensors
+(bottom-right causal mask, enable_gqa) as anchors.
 
 First, correctness of the route (``check_route``, every case against float64 attention per
 sequence within the accuracy rule): caches longer than the sequences with NaN in every slot past
@@ -62,6 +63,24 @@ def graph_time(fn) -> float:
     time, near the host's own cost of a call: timed eagerly, the host's time shows through)."""
     replay = build_replay(lambda layer: fn(), 1, torch.device("cuda"))
     return triton.testing.do_bench(replay, warmup=25, rep=200)
+
+
+def sdpa_call(q, k, v, causal: bool, backend: str):
+    """SDPA pinned to ``backend`` ("FLASH_ATTENTION", "CUDNN_ATTENTION") on (B, S, H, D) tensors
+    viewed as (B, H, S, D), GQA by enable_gqa, causal aligned bottom-right (``causal_lower_right``,
+    flash_attn's convention; SDPA's is_causal is top-left). A refused call raises."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from flashtile.bench.prefill import backend_context
+    q_t, k_t, v_t = (t.transpose(1, 2) for t in (q, k, v))
+    mask = causal_lower_right(q.shape[1], k.shape[1]) if causal else None
+    gqa = q.shape[2] != k.shape[2]
+
+    def call():
+        with backend_context(backend):
+            return F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+    return call
 
 
 def check(out, q, k, v):
@@ -389,7 +408,9 @@ def main():
                 dec.PREFILL_MIN_QUERIES = saved
         providers = [("kvcache", kvcache), ("prefill", prefill), ("decode-kernel", kvcache_decode),
                      ("route-forced", kvcache_route), ("paged-256", paged(256)), ("paged-16", paged(16)),
-                     ("paged-16-decode-kernel", paged_decode)]
+                     ("paged-16-decode-kernel", paged_decode),
+                     ("sdpa-flash", sdpa_call(q, k, v, True, "FLASH_ATTENTION")),
+                     ("sdpa-cudnn", sdpa_call(q, k, v, True, "CUDNN_ATTENTION"))]
         providers += [(f"kvcache {config_name(c)}", forced(lambda layer: kvcache(), False,
                                                            decode_config=triton_config(*c)))
                       for c in configs]
@@ -418,7 +439,7 @@ def main():
               f"{record.get('kvcache_check', math.nan):6.3f} {cell('prefill')} {ratio:15.3f}", flush=True)
         for name, _ in providers[2:]:
             if name in ("decode-kernel", "route-forced", "paged-256", "paged-16",
-                        "paged-16-decode-kernel") and f"{name}_us" in record:
+                        "paged-16-decode-kernel", "sdpa-flash", "sdpa-cudnn") and f"{name}_us" in record:
                 route = record.get(f"route_{name}", record["route"])
                 print(f"  (route {route}) {name} {record[name + '_us']:9.1f} us "
                       f"{record[name + '_tflops']:6.1f} TFLOP/s check {record[name + '_check']:.3f}",

@@ -8,7 +8,8 @@ bottom-right or both full, each call replayed from a CUDA graph (chunked_prefill
 Every decode-kernel result is checked against float64 attention on the first KV head's query
 heads of the first sequence (error / the accuracy rule's budget). "forward" is flash_attn_func as
 dispatched (since forward.split_keys_wanted, the decode kernel where it holds), "gluon" the Gluon
-forward with that rule off. First, ``check_routed``: flash_attn_func on shapes the rule sends to the
+forward with that rule off, with SDPA's flash and cudnn backends on the same tensors as anchors
+(bottom-right causal mask). First, ``check_routed``: flash_attn_func on shapes the rule sends to the
 decode kernel, output, LSE and gradients against float64 (2x / 3x the bf16 textbook error).
 Writes short-queries.json.
 """
@@ -29,7 +30,7 @@ from flashtile.kernels import decode as dec
 from flashtile.kernels import forward as fwd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chunked_prefill import graph_time  # noqa: E402
+from chunked_prefill import graph_time, sdpa_call  # noqa: E402
 
 POINTS = ";".join(f"{b},{h},{hk},{sq},{sk},{c}" for (b, h, hk) in ((1, 32, 8), (1, 12, 2), (2, 32, 8))
                   for sq in (128, 256) for sk in (1024, 2048, 4096, 16384, 65536) for c in (1,))
@@ -123,14 +124,22 @@ def main():
         gluon_us = graph_time(gluon) * 1e3
         dec_us = graph_time(decode_kernel) * 1e3
         fwd_us = graph_time(forward) * 1e3
+        anchors = {}
+        for name, backend in (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION")):
+            try:
+                anchors[f"{name}_us"] = graph_time(sdpa_call(q, k, v, bool(causal), backend)) * 1e3
+            except Exception as exc:  # a refused shape is a result here
+                anchors[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.synchronize()
         tiles = batch * heads * -(-seqlen_q // 128)
         records.append({"batch": batch, "heads": heads, "heads_k": heads_k, "seqlen_q": seqlen_q,
                         "seqlen_k": seqlen_k, "causal": bool(causal), "work_tiles": tiles, "sms": sms,
                         "gluon_us": gluon_us, "decode_us": dec_us, "decode_check": check,
-                        "forward_us": fwd_us})
+                        "forward_us": fwd_us, **anchors})
         print(f"B{batch} {heads}/{heads_k} Sq{seqlen_q} Sk{seqlen_k} {'causal' if causal else 'full':6s} "
               f"{tiles:5d} {gluon_us:10.1f} {dec_us:10.1f} {gluon_us / dec_us:7.2f} {check:6.3f} "
-              f"{fwd_us:10.1f}", flush=True)
+              f"{fwd_us:10.1f} sdpa flash {anchors.get('sdpa_flash_us', math.nan):7.1f} "
+              f"cudnn {anchors.get('sdpa_cudnn_us', math.nan):7.1f}", flush=True)
         q = k = v = None
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "short-queries.json"), "w") as f:
