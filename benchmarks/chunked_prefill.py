@@ -13,8 +13,9 @@ triton.testing.do_bench median of one call replayed from a CUDA graph (graph_tim
 FlashAttention-2 counts a causal forward. ``--configs``: the Triton decode kernel forced to these plans too; "decode-kernel" is the call with the Gluon prefill route
 turned off (decode.PREFILL_MIN_QUERIES raised), i.e. the decode kernel's default plan,
 "route-forced" the call with the route taken whatever the query and work-tile counts, "paged-256"
-and "paged-16" the same cache as shuffled pools of 256- and 16-key pages, "paged-16-decode-kernel"
-the latter with the route turned off; "sdpa-flash"/"sdpa-cudnn" SDPA's backends on the same tensors
+and "paged-16" the same cache as shuffled pools of 256- and 16-key pages, "paged-16-ordered" the
+cache itself read as a pool of 16-key pages in order (the same bytes as the contiguous call, through
+the paged boxes), "paged-16-decode-kernel" the shuffled 16-key pool with the route turned off; "sdpa-flash"/"sdpa-cudnn" SDPA's backends on the same tensors
 (bottom-right causal mask, enable_gqa) as anchors.
 
 First, correctness of the route (``check_route``, every case against float64 attention per
@@ -56,6 +57,18 @@ def causal_flops(batch, heads, seqlen_q, seqlen_k, head_dim):
     """4 * d per visible (query, key) pair, bottom-right causal."""
     visible = sum(min(seqlen_k, seqlen_k - seqlen_q + i + 1) for i in range(seqlen_q))
     return 4.0 * batch * heads * head_dim * visible
+
+
+def point_tensors(text: str, device):
+    """A point 'B,H,Hk,ctx,Sq': q (B, Sq, H, 128), a full bf16 cache k, v (B, ctx, Hk, 128), the
+    (B,) lengths (ctx each) and the causal FLOPs."""
+    batch, heads, heads_k, ctx, seqlen_q = (int(x) for x in text.split(","))
+    torch.manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, ctx, heads_k, 128, device=device, dtype=torch.bfloat16)
+    v = torch.randn(batch, ctx, heads_k, 128, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return q, k, v, lengths, causal_flops(batch, heads, seqlen_q, ctx, 128)
 
 
 def graph_time(fn) -> float:
@@ -128,12 +141,18 @@ PAGED_CHECKS = (
     (2, 16, 4, 128, 40, 48, (100, 1000), 200, False, "bf16", True, True),  # boxes straddle no page
     (2, 16, 2, 256, 60, 32, (0, 1500), 129, True, "fp16", True, True),
     (2, 8, 8, 64, 120, 16, (999, 17), 300, True, "bf16", False, True),
+    (2, 16, 4, 128, 40, 64, (100, 1800), 200, True, "bf16", True, True),  # boxes of 64 keys
+    (2, 16, 4, 128, 60, 32, (1, 1500), 150, False, "bf16", True, True),  # boxes of 32 keys
+    (2, 8, 8, 64, 12, 192, (500, 2000), 130, True, "fp16", True, True),  # 64-key boxes, 1.5-tile pages
+    (2, 8, 2, 64, 30, 96, (17, 2700), 256, False, "bf16", False, True),  # 32-key boxes
     (2, 16, 4, 128, 200, 8, (100, 1000), 200, True, "bf16", True, False),  # the decode kernel
 )
 SMALL_PAGED_CHECKS = (
     (2, 4, 2, 128, 6, 128, (100, 0), 130, True, "bf16", True, True),
     (2, 4, 2, 128, 30, 16, (100, 250), 130, True, "bf16", True, True),
     (2, 4, 1, 256, 6, 64, (3, 200), 128, False, "bf16", False, True),
+    (2, 4, 2, 128, 12, 64, (100, 250), 130, True, "bf16", True, True),
+    (2, 4, 2, 64, 20, 32, (3, 400), 128, False, "bf16", True, True),
 )
 
 
@@ -362,12 +381,7 @@ def main():
           f"{'TFLOP/s':>8s} {'kvcache/prefill':>15s}", flush=True)
     for text in args.points.split(";"):
         batch, heads, heads_k, ctx, seqlen_q = (int(x) for x in text.split(","))
-        torch.manual_seed(0)
-        q = torch.randn(batch, seqlen_q, heads, 128, device=device, dtype=torch.bfloat16)
-        k = torch.randn(batch, ctx, heads_k, 128, device=device, dtype=torch.bfloat16)
-        v = torch.randn(batch, ctx, heads_k, 128, device=device, dtype=torch.bfloat16)
-        lengths = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        flops = causal_flops(batch, heads, seqlen_q, ctx, 128)
+        q, k, v, lengths, flops = point_tensors(text, device)
         record = {"batch": batch, "heads": heads, "heads_k": heads_k, "context": ctx, "seqlen_q": seqlen_q,
                   "flops": flops}
 
@@ -391,6 +405,9 @@ def main():
             finally:
                 dec.PREFILL_MIN_QUERIES, dec.PREFILL_MIN_TILES_PER_SM = saved
         pools = {page: page_pools(k, v, page, spare=0) for page in (256, 16)}
+        pools["16-ordered"] = (k.view(-1, 16, heads_k, 128), v.view(-1, 16, heads_k, 128),
+                               torch.arange(batch * ctx // 16, device=device, dtype=torch.int32
+                                            ).view(batch, -1))
 
         def paged(page):
             k_pool, v_pool, table = pools[page]
@@ -408,6 +425,7 @@ def main():
                 dec.PREFILL_MIN_QUERIES = saved
         providers = [("kvcache", kvcache), ("prefill", prefill), ("decode-kernel", kvcache_decode),
                      ("route-forced", kvcache_route), ("paged-256", paged(256)), ("paged-16", paged(16)),
+                     ("paged-16-ordered", paged("16-ordered")),
                      ("paged-16-decode-kernel", paged_decode),
                      ("sdpa-flash", sdpa_call(q, k, v, True, "FLASH_ATTENTION")),
                      ("sdpa-cudnn", sdpa_call(q, k, v, True, "CUDNN_ATTENTION"))]
@@ -438,7 +456,7 @@ def main():
         print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q:<6d} {cell('kvcache')} "
               f"{record.get('kvcache_check', math.nan):6.3f} {cell('prefill')} {ratio:15.3f}", flush=True)
         for name, _ in providers[2:]:
-            if name in ("decode-kernel", "route-forced", "paged-256", "paged-16",
+            if name in ("decode-kernel", "route-forced", "paged-256", "paged-16", "paged-16-ordered",
                         "paged-16-decode-kernel", "sdpa-flash", "sdpa-cudnn") and f"{name}_us" in record:
                 route = record.get(f"route_{name}", record["route"])
                 print(f"  (route {route}) {name} {record[name + '_us']:9.1f} us "

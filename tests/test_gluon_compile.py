@@ -410,7 +410,8 @@ def test_seqused_k_variants():
             for c in (False, True):
                 for n in (1, 1 << 20):
                     assert gluon_forward.with_seqused_k(gluon_forward.dispatch_variant(d, dt, c, n)) in seqk
-    assert all(v.name.endswith(("-seqk", "-seqk-pr16")) and v.consumers == 2 for v in seqk)
+    assert all(v.name.endswith(("-seqk", "-seqk-pr16", "-seqk-pr32", "-seqk-pr64")) and v.consumers == 2
+               for v in seqk)
     with pytest.raises(ValueError, match="seqused_k"):
         gluon_forward.GluonVariant(128, "fp8", seqused_k=True)
     assert not any(v.seqused_k for v in gluon_forward.variants_named(["d128", "pq"]))
@@ -426,18 +427,27 @@ def test_seqused_k_variants():
     assert not gluon_forward.paged_supported(q, k, k, table)  # CPU tensors
 
 
-def test_page_pools_take_one_box_a_tile_or_sixteen_key_boxes():
+def test_page_pools_take_one_box_a_tile_or_the_largest_box_a_page_holds():
     """paged_variant: pages of whole key tiles read as the contiguous cache is (one box a tile),
-    smaller ones (multiples of PAGED_BOX_ROWS) a 16-key box at a time; both compiled."""
+    others in boxes of the largest of 64/32/16 keys dividing the page (and under the tile); every
+    such variant compiled."""
     shipped = set(gluon_forward.GLUON_VARIANTS)
     for d in gluon_forward.HEAD_DIMS:
         base = gluon_forward.dispatch_variant(d, "bf16", True, 1 << 20)
         whole = gluon_forward.paged_variant(base, 256)
-        boxes = gluon_forward.paged_variant(base, 16)
         assert whole == gluon_forward.with_seqused_k(base) and whole.page_rows == 0
-        assert boxes.page_rows == gluon_forward.PAGED_BOX_ROWS and boxes.name.endswith("-seqk-pr16")
-        assert gluon_forward.paged_variant(base, 48) == boxes
-        assert {whole, boxes} <= shipped
+        assert gluon_forward.paged_variant(base, base.block_n) == whole
+        expected = ({16: 16, 48: 16, 32: 32, 96: 32, 64: 64, 192: 64} if base.block_n == 128
+                    else {16: 16, 48: 16, 32: 32, 96: 32, 192: 64, 64: 64})
+        for page, rows in expected.items():
+            variant = gluon_forward.paged_variant(base, page)
+            if rows == base.block_n:
+                assert variant == whole
+                continue
+            assert variant.page_rows == rows == gluon_forward.page_box_rows(page, base.block_n)
+            assert variant.name.endswith(f"-seqk-pr{rows}") and variant in shipped
+        assert whole in shipped
+    assert gluon_forward.page_box_rows(8, 128) == 0 and gluon_forward.page_box_rows(24, 64) == 0
     with pytest.raises(ValueError, match="page_rows"):
         gluon_forward.GluonVariant(128, page_rows=16)  # without seqused_k
     with pytest.raises(ValueError, match="page_rows"):

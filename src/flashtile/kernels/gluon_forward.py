@@ -343,18 +343,30 @@ def with_seqused_k(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, seqused_k=True, max_stack=max(variant.max_stack, stack))
 
 
-# Keys a box carries on page pools whose pages are smaller than a key tile (vLLM's 16 and its
-# multiples): a tile is BLOCK_N / PAGED_BOX_ROWS boxes, each at its own page.
-PAGED_BOX_ROWS = 16
+# Keys a box may carry on page pools whose pages do not hold whole key tiles: a tile arrives as
+# boxes of the largest of these that divides the page size (and is under the key tile), each at its
+# own page. A box costs the same whatever its size (a TMA message per 128 bytes of row, so two per
+# box at d128, 16-bit): with 16-key boxes the forward ran 0.82-0.86x the contiguous cache, with
+# 32-key boxes 0.89-0.93x and 64-key boxes 0.94-0.98x, pages in order or shuffled alike
+# (paged-boxes-h200-20261201: B1 32/8 32k keys 512 positions, B8 32/8 2k 128, B4 12/2 4k 512).
+PAGED_BOX_ROWS = (64, 32, 16)
+
+
+def page_box_rows(page_size: int, block_n: int) -> int:
+    """Keys per box on pools of ``page_size``-key pages under ``block_n``-key tiles: block_n where
+    pages hold whole tiles, else the largest PAGED_BOX_ROWS entry dividing page_size; 0: none."""
+    if page_size % block_n == 0:
+        return block_n
+    return next((rows for rows in PAGED_BOX_ROWS if rows < block_n and page_size % rows == 0), 0)
 
 
 @functools.lru_cache(maxsize=None)
-def with_page_boxes(variant: GluonVariant) -> GluonVariant:
-    """The seqused_k variant reading page pools in PAGED_BOX_ROWS-key boxes. Its sm_90 compiles
-    (CPU machine) keep 24-72 stack bytes: the 24-register producer spills a few values around each
-    tile's eight table loads, and d128's consumers reload one register a key-loop iteration."""
+def with_page_boxes(variant: GluonVariant, rows: int) -> GluonVariant:
+    """The seqused_k variant reading page pools in ``rows``-key boxes. Its sm_90 compiles (CPU
+    machine) keep 8-40 stack bytes: the consumers' as with_seqused_k's, and at d128 full the
+    24-register producer's (three spill loads a key tile, none in the consumers)."""
     seqk = with_seqused_k(variant)
-    return dataclasses.replace(seqk, page_rows=PAGED_BOX_ROWS, max_stack=max(seqk.max_stack, 72))
+    return dataclasses.replace(seqk, page_rows=rows, max_stack=max(seqk.max_stack, 40))
 
 
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
@@ -446,10 +458,11 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [with_seqused_k(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
-                  # ... on pools of pages smaller than a key tile
-                  + [with_page_boxes(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
+                  # ... on pools of pages that do not hold whole key tiles, each box size
+                  + [with_page_boxes(dispatch_variant(d, dt, c, n), rows) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True)
-                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))])
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
+                     for rows in PAGED_BOX_ROWS if rows < default_variant(d, dt, c).block_n])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -579,15 +592,13 @@ if _GLUON:
             gl.thread_barrier()
 
     @gluon.jit
-    def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile, ring,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                         TRANSPOSED: gl.constexpr = False, WAIT: gl.constexpr = True):
-        """Wait until ring slot ``ring % STAGES`` is free, then TMA key tile ``tile`` into it.
+    def _issue_box_load(desc, bufs, ready, empty, coords, ring, STAGES: gl.constexpr, pred=True,
+                        WAIT: gl.constexpr = True):
+        """Wait until ring slot ``ring % STAGES`` is free, then TMA the box at ``coords`` into it.
 
         ``ring`` counts every tile that went through the ring (across work tiles when persistent).
         Empty barriers start in phase 0: waiting for parity 1 passes at once, so the first lap
-        over the ring needs no consumer arrival. Keys past the sequence end fill zeros.
-        ``TRANSPOSED``: the descriptor is over (B, Hk, D, Sk) (e4m3 V^T, keys contiguous).
+        over the ring needs no consumer arrival. Rows past the tensor's end fill zeros.
         ``WAIT=False``: the caller has waited for the slot already (K and V slots freed together).
         """
         slot = ring % STAGES
@@ -595,38 +606,48 @@ if _GLUON:
         if WAIT:
             mbarrier.wait(empty.index(slot), phase ^ 1, pred=pred)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes, pred=pred)
-        if TRANSPOSED:
-            coords = [batch, kv_head, 0, tile * BLOCK_N]
-        else:
-            coords = [batch, tile * BLOCK_N, kv_head, 0]
         tma.async_copy_global_to_shared(desc, coords, ready.index(slot), bufs.index(slot), pred=pred)
 
     @gluon.jit
-    def _issue_rows_load(desc, bufs, ready, empty, first, row, kv_head, ring, STAGES: gl.constexpr):
-        """_issue_tile_load's box at [first, row, kv_head, 0] (a cache row or a page, and the tile's
-        first key in it)."""
-        slot = ring % STAGES
-        mbarrier.wait(empty.index(slot), ((ring // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [first, row, kv_head, 0], ready.index(slot), bufs.index(slot))
+    def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile, ring,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
+                         TRANSPOSED: gl.constexpr = False, WAIT: gl.constexpr = True):
+        """_issue_box_load of key tile ``tile`` of (batch, kv_head). ``TRANSPOSED``: the descriptor
+        is over (B, Hk, D, Sk) (e4m3 V^T, keys contiguous)."""
+        if TRANSPOSED:
+            _issue_box_load(desc, bufs, ready, empty, [batch, kv_head, 0, tile * BLOCK_N], ring,
+                            STAGES, pred, WAIT)
+        else:
+            _issue_box_load(desc, bufs, ready, empty, [batch, tile * BLOCK_N, kv_head, 0], ring,
+                            STAGES, pred, WAIT)
 
     @gluon.jit
-    def _issue_page_boxes(desc, bufs, ready, empty, BlockTable, batch, stride_bt, page_size, seqlen_k,
-                          kv_head, tile, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          PAGE_ROWS: gl.constexpr):
+    def _tile_pages(BlockTable, batch, stride_bt, page_size, seqlen_k, tile, BLOCK_N: gl.constexpr,
+                    PAGE_ROWS: gl.constexpr):
+        """Pages of key tile ``tile``'s BLOCK_N / PAGE_ROWS boxes, box i's in lane i of the (one
+        warp) producer: one load a tile, one register a lane, for both K and V. Boxes past the
+        sequence's last table entry take that entry's page (rows past the sequence are masked,
+        V's zeroed, by the consumers)."""
+        BOXES: gl.constexpr = BLOCK_N // PAGE_ROWS
+        box = gl.arange(0, BOXES, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        table = BlockTable + batch.to(gl.int64) * stride_bt
+        last = seqlen_k // page_size - 1
+        return gl.load(table + gl.minimum((tile * BLOCK_N + box * PAGE_ROWS) // page_size, last))
+
+    @gluon.jit
+    def _issue_page_boxes(desc, bufs, ready, empty, pages, page_size, kv_head, tile, ring,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_ROWS: gl.constexpr):
         """Key tile ``tile`` of a sequence on a page pool, as BLOCK_N / PAGE_ROWS boxes each at its
-        page (page_size a multiple of PAGE_ROWS) into their rows of the ring slot. Boxes past the
-        sequence's last table entry read that entry's page (rows past the sequence are masked, V's
-        zeroed, by the consumers)."""
+        page (``pages``, from _tile_pages; page_size a multiple of PAGE_ROWS) into their rows of
+        the ring slot."""
         slot = ring % STAGES
         mbarrier.wait(empty.index(slot), ((ring // STAGES) & 1) ^ 1)
         BOXES: gl.constexpr = BLOCK_N // PAGE_ROWS
         mbarrier.expect(ready.index(slot), BOXES * desc.block_type.nbytes)
-        table = BlockTable + batch.to(gl.int64) * stride_bt
-        last = seqlen_k // page_size - 1
+        box = gl.arange(0, BOXES, layout=pages.type.layout)
         for i in gl.static_range(BOXES):
             key = tile * BLOCK_N + i * PAGE_ROWS
-            page = gl.load(table + gl.minimum(key // page_size, last))
+            page = gl.sum(gl.where(box == i, pages, 0), 0)  # lane i's entry, by three shuffles
             tma.async_copy_global_to_shared(desc, [page, key % page_size, kv_head, 0], ready.index(slot),
                                             bufs.index(slot).slice(i * PAGE_ROWS, PAGE_ROWS, dim=1))
 
@@ -654,24 +675,29 @@ if _GLUON:
             kv_head = head // group_size
             keys = _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
             num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, keys, BLOCK_M, BLOCK_N, CAUSAL)
+            if PAGE_ROWS > 0:
+                pages = _tile_pages(BlockTable, batch, stride_bt, page_size, seqlen_k, 0, BLOCK_N,
+                                    PAGE_ROWS)
             for j in range(num_tiles):
                 if PAGE_ROWS > 0:
-                    _issue_page_boxes(k_desc, k_bufs, k_ready, v_empty if JOINT else k_empty, BlockTable,
-                                      batch, stride_bt, page_size, seqlen_k, kv_head, j, ring + j, BLOCK_N,
-                                      STAGES, PAGE_ROWS)
-                    _issue_page_boxes(v_desc, v_bufs, v_ready, v_empty, BlockTable, batch, stride_bt,
-                                      page_size, seqlen_k, kv_head, j, ring + j, BLOCK_N, STAGES,
-                                      PAGE_ROWS)
+                    # the next tile's pages load while this one's slots are waited for
+                    pages_next = _tile_pages(BlockTable, batch, stride_bt, page_size, seqlen_k, j + 1,
+                                             BLOCK_N, PAGE_ROWS)
+                    _issue_page_boxes(k_desc, k_bufs, k_ready, v_empty if JOINT else k_empty, pages,
+                                      page_size, kv_head, j, ring + j, BLOCK_N, STAGES, PAGE_ROWS)
+                    _issue_page_boxes(v_desc, v_bufs, v_ready, v_empty, pages, page_size, kv_head, j,
+                                      ring + j, BLOCK_N, STAGES, PAGE_ROWS)
+                    pages = pages_next
                 elif SEQUSED_K:  # 16-bit only
                     first = batch
                     row = j * BLOCK_N
                     if page_size > 0:
                         first = gl.load(BlockTable + batch.to(gl.int64) * stride_bt + row // page_size)
                         row = row % page_size
-                    _issue_rows_load(k_desc, k_bufs, k_ready, v_empty if JOINT else k_empty, first, row,
-                                     kv_head, ring + j, STAGES)
-                    _issue_rows_load(v_desc, v_bufs, v_ready, v_empty, first, row, kv_head, ring + j,
-                                     STAGES)
+                    _issue_box_load(k_desc, k_bufs, k_ready, v_empty if JOINT else k_empty,
+                                    [first, row, kv_head, 0], ring + j, STAGES)
+                    _issue_box_load(v_desc, v_bufs, v_ready, v_empty, [first, row, kv_head, 0], ring + j,
+                                    STAGES)
                 elif JOINT:
                     _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, batch, kv_head, j, ring + j,
                                      BLOCK_N, STAGES, True)
@@ -1522,8 +1548,8 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
 def paged_supported(q, k, v, block_table, causal: bool = False) -> bool:
     """Whether the forward reads these page pools with seqused_k: q (B, Sq, H, D) as ``supported``
     takes it, k and v (num_pages, page_size, Hk, D) alike with TMA-addressable rows, page_size a
-    multiple of PAGED_BOX_ROWS (pages of whole key tiles are read a box a tile, others a box of
-    PAGED_BOX_ROWS keys at a time: ``paged_variant``), and block_table (B, max_pages) int32 with a
+    multiple of the smallest PAGED_BOX_ROWS (pages of whole key tiles are read a box a tile, others
+    in smaller boxes: ``paged_variant``), and block_table (B, max_pages) int32 with a
     contiguous last dim, all on one sm_90 GPU."""
     if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
             and block_table.dtype == torch.int32 and block_table.shape[0] == q.shape[0]
@@ -1538,13 +1564,14 @@ def paged_supported(q, k, v, block_table, causal: bool = False) -> bool:
             or head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape
             or k.shape[0] == 0 or heads_k == 0 or heads % heads_k or not all(_tma_ok(t) for t in tensors)):
         return False
-    return k.shape[1] % PAGED_BOX_ROWS == 0
+    return k.shape[1] % min(PAGED_BOX_ROWS) == 0
 
 
 def paged_variant(variant: GluonVariant, page_size: int) -> GluonVariant:
     """The schedule of ``variant`` on a page pool: one box a key tile where pages hold whole
-    tiles, else PAGED_BOX_ROWS-key boxes."""
-    return with_seqused_k(variant) if page_size % variant.block_n == 0 else with_page_boxes(variant)
+    tiles, else boxes of page_box_rows keys (page_size a multiple of the smallest box)."""
+    rows = page_box_rows(page_size, variant.block_n)
+    return with_seqused_k(variant) if rows == variant.block_n else with_page_boxes(variant, rows)
 
 
 def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
