@@ -59,16 +59,18 @@ def causal_flops(batch, heads, seqlen_q, seqlen_k, head_dim):
     return 4.0 * batch * heads * head_dim * visible
 
 
-def point_tensors(text: str, device):
-    """A point 'B,H,Hk,ctx,Sq': q (B, Sq, H, 128), a full bf16 cache k, v (B, ctx, Hk, 128), the
-    (B,) lengths (ctx each) and the causal FLOPs."""
+def point_tensors(text: str, device, head_dim: int = 128, causal: bool = True):
+    """A point 'B,H,Hk,ctx,Sq': q (B, Sq, H, D), a full bf16 cache k, v (B, ctx, Hk, D), the (B,)
+    lengths (ctx each) and the FLOPs (FlashAttention-2's count, bottom-right causal or full)."""
     batch, heads, heads_k, ctx, seqlen_q = (int(x) for x in text.split(","))
     torch.manual_seed(0)
-    q = torch.randn(batch, seqlen_q, heads, 128, device=device, dtype=torch.bfloat16)
-    k = torch.randn(batch, ctx, heads_k, 128, device=device, dtype=torch.bfloat16)
-    v = torch.randn(batch, ctx, heads_k, 128, device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, ctx, heads_k, head_dim, device=device, dtype=torch.bfloat16)
+    v = torch.randn(batch, ctx, heads_k, head_dim, device=device, dtype=torch.bfloat16)
     lengths = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    return q, k, v, lengths, causal_flops(batch, heads, seqlen_q, ctx, 128)
+    flops = (causal_flops(batch, heads, seqlen_q, ctx, head_dim) if causal
+             else 4.0 * batch * heads * head_dim * seqlen_q * ctx)
+    return q, k, v, lengths, flops
 
 
 def graph_time(fn) -> float:
@@ -96,13 +98,13 @@ def sdpa_call(q, k, v, causal: bool, backend: str):
     return call
 
 
-def check(out, q, k, v):
+def check(out, q, k, v, causal: bool = True):
     worst = 0.0
     group = q.shape[2] // k.shape[2]
     for b in sorted({0, q.shape[0] - 1}):
         qb, kb, vb = q[b:b + 1, :, :group], k[b:b + 1, :, :1], v[b:b + 1, :, :1]
-        ref, _ = reference.attention(qb.double(), kb.double(), vb.double(), causal=True)
-        low, _ = reference.attention(qb, kb, vb, causal=True)
+        ref, _ = reference.attention(qb.double(), kb.double(), vb.double(), causal=causal)
+        low, _ = reference.attention(qb, kb, vb, causal=causal)
         budget = 2 * (low.double() - ref).abs().max().item() + 1e-6
         got = out[b:b + 1, :, :group].double()
         err = (got - ref).abs().max().item() if torch.isfinite(got).all() else math.inf

@@ -2,10 +2,11 @@
 with pages smaller than a key tile, as a function of the TMA box size (keys a box carries,
 forced here through ``gluon_forward.PAGED_BOX_ROWS``) and of the pool's order (pages in sequence order,
 i.e. the contiguous cache's very bytes, or shuffled), against the contiguous cache in the same run; "shipped" rows: the box size the dispatch picks
-(``gluon_forward.page_box_rows``).
+(``gluon_forward.page_box_rows``); ``--stages``: the shipped box sizes (and the contiguous cache)
+again with that many K/V ring slots.
 
     PYTHONPATH=src python benchmarks/paged_boxes.py --out $OUT [--points 'B,H,Hk,ctx,Sq;...']
-        [--pages 16,32,64] [--boxes 16,32,64]
+        [--pages 16,32,64] [--boxes 16,32,64] [--stages 3] [--head-dim 128] [--full]
 
 Every timed call is checked against float64 attention (chunked_prefill.check: the first KV head
 of the first and last sequence, error / budget of the accuracy rule). Timing: one call replayed
@@ -15,6 +16,7 @@ from a CUDA graph, do_bench median (chunked_prefill.graph_time). Writes paged-bo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,12 +40,34 @@ def force_box_rows(rows: int) -> None:
     dec._PLANS.clear()
 
 
+_SEQUSED_K = gf.with_seqused_k
+_PAGED_VARIANT = gf.paged_variant
+
+
+def force_stages(stages: int) -> None:
+    """The seqused_k schedules (contiguous and paged) with ``stages`` K/V ring slots: two with the
+    Q prefetch as with_seqused_k has it, more without (the third slot takes the second Q buffer's
+    room); 0: as shipped."""
+    def staged(variant, seqk):
+        return dataclasses.replace(variant, stages=stages,
+                                   prefetch_q=seqk.prefetch_q if stages == 2 else False)
+    if stages:
+        gf.with_seqused_k = lambda v: staged(_SEQUSED_K(v), _SEQUSED_K(v))
+        gf.paged_variant = lambda v, page: staged(_PAGED_VARIANT(v, page), _SEQUSED_K(v))
+    else:
+        gf.with_seqused_k, gf.paged_variant = _SEQUSED_K, _PAGED_VARIANT
+    force_box_rows(gf.PAGED_BOX_ROWS)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--pages", default="16,32,64")
     parser.add_argument("--boxes", default="16,32,64")
+    parser.add_argument("--stages", default="", help="ring slots to force too (shipped box sizes)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--full", action="store_true", help="non-causal calls")
     args = parser.parse_args()
     device = torch.device("cuda")
     pages = [int(x) for x in args.pages.split(",")]
@@ -52,14 +76,15 @@ def main():
     records = []
     for text in args.points.split(";"):
         batch, heads, heads_k, ctx, seqlen_q = (int(x) for x in text.split(","))
-        q, k, v, lengths, flops = point_tensors(text, device)
+        d, causal = args.head_dim, not args.full
+        q, k, v, lengths, flops = point_tensors(text, device, d, causal)
         rec = {"point": text, "flops": flops, "runs": {}}
 
         def run(name, fn):
             try:
                 out = fn()
                 torch.cuda.synchronize()
-                err = check(out, q, k, v)
+                err = check(out, q, k, v, causal)
                 us = graph_time(fn) * 1e3
                 rec["runs"][name] = {"us": us, "tflops": flops / us / 1e6, "check": err}
             except Exception as exc:  # a failing call is a result here
@@ -68,17 +93,17 @@ def main():
 
         force_box_rows(shipped)
         run("contiguous", lambda: flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths,
-                                                                   causal=True))
+                                                                   causal=causal))
         for page in pages:
-            ordered = (k.view(-1, page, heads_k, 128), v.view(-1, page, heads_k, 128),
+            ordered = (k.view(-1, page, heads_k, d), v.view(-1, page, heads_k, d),
                        torch.arange(batch * ctx // page, device=device, dtype=torch.int32).view(batch, -1))
             shuffled = page_pools(k, v, page, spare=0)
             k_pool, v_pool, table = shuffled
             force_box_rows(shipped)
-            rows = gf.page_box_rows(page, gf.dispatch_variant(128, "bf16", True, ctx).block_n)
+            rows = gf.page_box_rows(page, gf.dispatch_variant(d, "bf16", causal, ctx).block_n)
             run(f"page{page}-shuffled-shipped(box{rows})",
                 lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
-                                                         block_table=table, causal=True))
+                                                         block_table=table, causal=causal))
             for order, (k_pool, v_pool, table) in (("ordered", ordered), ("shuffled", shuffled)):
                 for rows in boxes:
                     if page % rows or rows > 128:
@@ -86,11 +111,23 @@ def main():
                     force_box_rows(rows)
                     run(f"page{page}-{order}-box{rows}",
                         lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
-                                                                 block_table=table, causal=True))
+                                                                 block_table=table, causal=causal))
             ordered = shuffled = k_pool = v_pool = None
         force_box_rows(shipped)
+        for stages in [int(x) for x in args.stages.split(",") if x]:
+            force_stages(stages)
+            run(f"contiguous-s{stages}", lambda: flashtile.flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=lengths, causal=causal))
+            for page in pages:
+                k_pool, v_pool, table = page_pools(k, v, page, spare=0)
+                run(f"page{page}-shuffled-shipped-s{stages}",
+                    lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
+                                                             block_table=table, causal=causal))
+                k_pool = v_pool = None
+            force_stages(0)
         base = rec["runs"]["contiguous"].get("us")
-        print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q}", flush=True)
+        print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q} d{d} {'causal' if causal else 'full'}",
+              flush=True)
         for name, r in rec["runs"].items():
             if "error" in r:
                 print(f"  {name:28s} {r['error']}", flush=True)

@@ -362,11 +362,15 @@ def page_box_rows(page_size: int, block_n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def with_page_boxes(variant: GluonVariant, rows: int) -> GluonVariant:
-    """The seqused_k variant reading page pools in ``rows``-key boxes. Its sm_90 compiles (CPU
-    machine) keep 8-40 stack bytes: the consumers' as with_seqused_k's, and at d128 full the
-    24-register producer's (three spill loads a key tile, none in the consumers)."""
+    """The seqused_k variant reading page pools in ``rows``-key boxes. d128 takes three K/V ring
+    slots (the second Q buffer of the non-causal schedule's Q prefetch makes room): the boxes of a
+    tile arrive later than one box would, and with two slots the consumers waited for them
+    (paged-boxes-h200-20261201-c). Its sm_90 compiles (CPU machine) keep 8-56 stack bytes: the
+    consumers' as with_seqused_k's (d128 non-causal with three slots: 56), and the 24-register
+    producer's (a few spill loads a key tile)."""
     seqk = with_seqused_k(variant)
-    return dataclasses.replace(seqk, page_rows=rows, max_stack=max(seqk.max_stack, 40))
+    slots = {"stages": 3, "prefetch_q": False} if seqk.head_dim == 128 else {}
+    return dataclasses.replace(seqk, page_rows=rows, max_stack=max(seqk.max_stack, 56), **slots)
 
 
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
