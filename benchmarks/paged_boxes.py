@@ -2,7 +2,8 @@
 with pages smaller than a key tile, as a function of the TMA box size (keys a box carries,
 forced here through ``gluon_forward.PAGED_BOX_ROWS``) and of the pool's order (pages in sequence order,
 i.e. the contiguous cache's very bytes, or shuffled), against the contiguous cache in the same run; "shipped" rows: the box size the dispatch picks
-(``gluon_forward.page_box_rows``); ``--stages``: the shipped box sizes (and the contiguous cache)
+(``gluon_forward.page_box_rows``), "decode-kernel" rows: the same pool through the split-KV
+decode kernel (the route turned off); ``--stages``: the shipped box sizes (and the contiguous cache)
 again with that many K/V ring slots.
 
     PYTHONPATH=src python benchmarks/paged_boxes.py --out $OUT [--points 'B,H,Hk,ctx,Sq;...']
@@ -104,6 +105,11 @@ def main():
             run(f"page{page}-shuffled-shipped(box{rows})",
                 lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
                                                          block_table=table, causal=causal))
+            saved, dec.PREFILL_MIN_QUERIES = dec.PREFILL_MIN_QUERIES, 1 << 30
+            run(f"page{page}-shuffled-decode-kernel",
+                lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
+                                                         block_table=table, causal=causal))
+            dec.PREFILL_MIN_QUERIES = saved
             for order, (k_pool, v_pool, table) in (("ordered", ordered), ("shuffled", shuffled)):
                 for rows in boxes:
                     if page % rows or rows > 128:
