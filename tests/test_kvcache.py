@@ -565,3 +565,23 @@ def test_plain_calls_with_few_query_tiles_split_the_keys(batch, seqlen_q, heads,
     (query tiles alone) would leave most SMs idle (short-queries-h200-20261201)."""
     from flashtile.kernels.forward import split_keys_wanted
     assert split_keys_wanted(batch, seqlen_q, heads, seqlen_k, 132) is wanted
+
+
+def test_key_counts_made_once_per_shape_and_fresh_under_capture(monkeypatch):
+    """The split route's per-sequence key counts: the right values, one tensor per (device, batch,
+    keys) reused across calls, and a new one while a CUDA graph is being captured (a captured fill
+    has not run when capture ends)."""
+    from flashtile.kernels import forward
+    monkeypatch.setattr(forward, "_KEY_COUNTS", {})
+    cpu = torch.device("cpu")
+    counts = forward.key_counts(3, 4096, cpu)
+    assert counts.dtype == torch.int32 and counts.tolist() == [4096] * 3
+    assert forward.key_counts(3, 4096, cpu) is counts
+    assert forward.key_counts(2, 4096, cpu).tolist() == [4096] * 2
+    assert forward.key_counts(3, 1000, cpu).tolist() == [1000] * 3
+    cuda = torch.device("cuda", 0)
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch, "full", lambda *a, **kw: made.append((a, kw)) or object())
+    first, second = forward.key_counts(1, 2048, cuda), forward.key_counts(1, 2048, cuda)
+    assert first is not second and len(made) == 2 and (cuda, 1, 2048) not in forward._KEY_COUNTS

@@ -486,6 +486,27 @@ def split_keys_wanted(batch: int, seqlen_q: int, heads: int, seqlen_k: int, sm_c
             and batch * heads * -(-seqlen_q // 128) <= SPLIT_KEYS_MAX_TILES_PER_SM * sm_count)
 
 
+_KEY_COUNTS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of that many keys
+_MAX_KEY_COUNTS = 256
+
+
+def key_counts(batch: int, keys: int, device: torch.device) -> torch.Tensor:
+    """A (batch,) int32 tensor of ``keys`` (the decode kernel's per-sequence lengths for a plain
+    call), made once per (device, batch, keys) instead of filled by a kernel each call; the kernels
+    only read it. It is copied from the host once, blocking, so that it holds its values before any
+    stream reads it. Under CUDA-graph capture a fresh one, filled in the graph and not kept (a
+    captured fill has not run when capture ends)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((batch,), keys, dtype=torch.int32, device=device)
+    key = (device, batch, keys)
+    counts = _KEY_COUNTS.get(key)
+    if counts is None:
+        if len(_KEY_COUNTS) >= _MAX_KEY_COUNTS:
+            _KEY_COUNTS.clear()
+        counts = _KEY_COUNTS[key] = torch.full((batch,), keys, dtype=torch.int32).to(device)
+    return counts
+
+
 def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_offset, softcap=0.0,
                   alibi_slopes=None, config=None, cu_seqlens_q=None, dropout_seed=None,
                   block_table=None, descales=None) -> bool:
@@ -593,7 +614,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                                                 gluon_forward._sm_count(q.device))
                     and gluon_forward.plain_plan(q, k, v, causal) is not None):
                 from .decode import decode_attention
-                lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+                lengths = key_counts(q.shape[0], k.shape[1], q.device)
                 return decode_attention(q, k, v, lengths, softmax_scale=softmax_scale, window_left=-1,
                                         window_right=0 if causal else -1)
             result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal)
