@@ -567,10 +567,13 @@ def test_plain_calls_with_few_query_tiles_split_the_keys(batch, seqlen_q, heads,
     assert split_keys_wanted(batch, seqlen_q, heads, seqlen_k, 132) is wanted
 
 
-def test_key_counts_made_once_per_shape_and_fresh_under_capture(monkeypatch):
-    """The split route's per-sequence key counts: the right values, one tensor per (device, batch,
-    keys) reused across calls, and a new one while a CUDA graph is being captured (a captured fill
-    has not run when capture ends)."""
+def test_key_counts_made_once_per_shape_and_stream_and_fresh_under_capture(monkeypatch):
+    """The split route's per-sequence key counts: the right values, one tensor per (device, stream,
+    batch, keys) reused across calls (its fill ordered before every read on its stream, no host
+    sync), and a new one while a CUDA graph is being captured (a captured fill has not run when
+    capture ends)."""
+    import types
+
     from flashtile.kernels import forward
     monkeypatch.setattr(forward, "_KEY_COUNTS", {})
     cpu = torch.device("cpu")
@@ -581,7 +584,15 @@ def test_key_counts_made_once_per_shape_and_fresh_under_capture(monkeypatch):
     assert forward.key_counts(3, 1000, cpu).tolist() == [1000] * 3
     cuda = torch.device("cuda", 0)
     made = []
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(torch, "full", lambda *a, **kw: made.append((a, kw)) or object())
-    first, second = forward.key_counts(1, 2048, cuda), forward.key_counts(1, 2048, cuda)
-    assert first is not second and len(made) == 2 and (cuda, 1, 2048) not in forward._KEY_COUNTS
+    stream = types.SimpleNamespace(cuda_stream=1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    first = forward.key_counts(1, 2048, cuda)
+    assert forward.key_counts(1, 2048, cuda) is first and len(made) == 1
+    stream.cuda_stream = 2  # another stream: its own tensor
+    assert forward.key_counts(1, 2048, cuda) is not first and len(made) == 2
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    kept = len(forward._KEY_COUNTS)
+    a, b = forward.key_counts(1, 2048, cuda), forward.key_counts(1, 2048, cuda)
+    assert a is not b and len(made) == 4 and len(forward._KEY_COUNTS) == kept

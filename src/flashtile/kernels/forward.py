@@ -486,24 +486,27 @@ def split_keys_wanted(batch: int, seqlen_q: int, heads: int, seqlen_k: int, sm_c
             and batch * heads * -(-seqlen_q // 128) <= SPLIT_KEYS_MAX_TILES_PER_SM * sm_count)
 
 
-_KEY_COUNTS: dict = {}  # (device, batch, keys) -> the (batch,) int32 tensor of that many keys
+_KEY_COUNTS: dict = {}  # (device, stream, batch, keys) -> the (batch,) int32 tensor of that many keys
 _MAX_KEY_COUNTS = 256
 
 
 def key_counts(batch: int, keys: int, device: torch.device) -> torch.Tensor:
     """A (batch,) int32 tensor of ``keys`` (the decode kernel's per-sequence lengths for a plain
-    call), made once per (device, batch, keys) instead of filled by a kernel each call; the kernels
-    only read it. It is copied from the host once, blocking, so that it holds its values before any
-    stream reads it. Under CUDA-graph capture a fresh one, filled in the graph and not kept (a
-    captured fill has not run when capture ends)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.full((batch,), keys, dtype=torch.int32, device=device)
-    key = (device, batch, keys)
+    call), made once per (device, stream, batch, keys) instead of filled by a kernel each call; the
+    kernels only read it. Kept per stream: its fill precedes every later read on that stream, with
+    no host sync. Under CUDA-graph capture a fresh one, filled in the graph and not kept (a captured
+    fill has not run when capture ends)."""
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((batch,), keys, dtype=torch.int32, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device, stream, batch, keys)
     counts = _KEY_COUNTS.get(key)
     if counts is None:
         if len(_KEY_COUNTS) >= _MAX_KEY_COUNTS:
             _KEY_COUNTS.clear()
-        counts = _KEY_COUNTS[key] = torch.full((batch,), keys, dtype=torch.int32).to(device)
+        counts = _KEY_COUNTS[key] = torch.full((batch,), keys, dtype=torch.int32, device=device)
     return counts
 
 
