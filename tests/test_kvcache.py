@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -596,3 +597,86 @@ def test_key_counts_made_once_per_shape_and_stream_and_fresh_under_capture(monke
     kept = len(forward._KEY_COUNTS)
     a, b = forward.key_counts(1, 2048, cuda), forward.key_counts(1, 2048, cuda)
     assert a is not b and len(made) == 4 and len(forward._KEY_COUNTS) == kept
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty filled with NaN while a test runs flashtile: an output or partial element the
+    kernels leave unwritten then shows up as NaN."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    yield
+    monkeypatch.setattr(torch, "empty", real)
+
+
+def _stream_config():
+    from flashtile.kernels.decode import DecodeConfig
+    return DecodeConfig(32, 4, 1, stream=2)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 50])
+def test_stream_decode_matches_reference(nan_empty, programs):
+    # Ragged lengths (one sequence empty), two query positions, 12/2 heads, a window and softcap:
+    # every program an equal share of all pairs' key tiles, 1 to more programs than tiles.
+    from flashtile.kernels.decode import decode_attention
+    q, k_cache, v_cache, lengths = cache_case(batch=4, seqlen_q=2, heads=12, heads_k=2, capacity=130,
+                                              dtype=BF16)
+    lengths[2] = 0
+    kw = dict(causal=True, window_size=(40, -1), softcap=5.0) if programs == 7 else dict(causal=True)
+    window = kw.get("window_size", (-1, 0))[0]
+    out, lse = decode_attention(q, k_cache, v_cache, lengths, softmax_scale=64 ** -0.5,
+                                window_left=window, window_right=0, softcap=kw.get("softcap", 0.0),
+                                num_splits=programs, config=_stream_config())
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == math.inf)  # no keys: 0 and LSE +inf
+    keep = [0, 1, 3]
+    assert_each_sequence_matches(out[keep], lse[keep], q[keep], k_cache[keep], v_cache[keep],
+                                 lengths[keep], **kw)
+
+
+@pytest.mark.parametrize("page_size", [3, 16])
+def test_stream_decode_paged_alibi_and_leftpad(nan_empty, page_size):
+    from flashtile.bench.decode import paginate
+    from flashtile.kernels.decode import decode_attention
+    q, k_cache, v_cache, lengths = cache_case(head_dim=64, capacity=96)
+    slopes = torch.rand(3, 8)
+    keys, values, table = paginate(k_cache, v_cache, page_size)
+    out, lse = decode_attention(q, keys, values, lengths, softmax_scale=0.125, window_left=-1,
+                                window_right=0, block_table=table, alibi_slopes=slopes, num_splits=4,
+                                config=_stream_config())
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True,
+                                 alibi_slopes=slopes)
+    leftpad = torch.tensor([5, 0, 30], dtype=torch.int32)
+    lengths = torch.tensor([60, 96, 90], dtype=torch.int32)
+    out, lse = decode_attention(q, k_cache, v_cache, lengths, softmax_scale=0.125, window_left=-1,
+                                window_right=0, cache_leftpad=leftpad, num_splits=5,
+                                config=_stream_config())
+    for b in range(3):
+        lo, hi = int(leftpad[b]), int(lengths[b])
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, lo:hi],
+                                 v_cache[b:b + 1, lo:hi], causal=True)
+
+
+def test_stream_plans_are_opt_in_and_keep_the_plans_programs(monkeypatch):
+    # FLASHTILE_DECODE_STREAM=1: the Triton plans as stream-K with the programs their splits make
+    # (equal lengths: the same shares); an explicit num_splits keeps the plain split.
+    import flashtile.kernels.decode as dec
+    assert dec.STREAM_PLANS is (os.environ.get("FLASHTILE_DECODE_STREAM", "0") not in ("", "0"))
+    q, k_cache, v_cache, lengths = cache_case(seqlen_q=2, dtype=BF16)
+    monkeypatch.setattr(dec, "_PLANS", {})
+    monkeypatch.setattr(dec, "STREAM_PLANS", False)
+    plain = dec.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1, window_right=0)
+    monkeypatch.setattr(dec, "_PLANS", {})
+    monkeypatch.setattr(dec, "STREAM_PLANS", True)
+    stream = dec.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1, window_right=0)
+    forced = dec.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1, window_right=0,
+                                num_splits=3)
+    assert plain.stream is None and forced.stream is None and forced.splits == 3
+    assert stream.stream is not None and stream.grid == (3 * 2 * plain.splits, 1, 1)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 return_softmax_lse=True)
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)

@@ -8,6 +8,11 @@ the output directly). Merging inside the split kernel (the last program to finis
 partial) was slower on the H200: its loop over the splits is serial, the combine kernel is not.
 Sequence lengths are read on the device (``cache_seqlens``), never on the host, so a decode step can
 be captured in a CUDA graph and replayed as the lengths grow.
+
+Stream-K (``STREAM_PLANS``, opt-in): the splits above cut every sequence alike, so with lengths that
+differ the programs of the longest sequences set the step's time. Stream-K lays the key tiles of all
+(sequence, KV head) pairs end to end and gives each program an equal share, found on the device
+from the lengths; a share that cuts a pair writes partials, which ``_combine_stream`` merges.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +42,27 @@ def gluon_supported(q, k_cache, v_cache, **kwargs) -> bool:
 
 
 @triton.jit
+def _stream_layout(CacheSeqlens, CacheLeftpad, batch_size, heads_k, seqlen_q, seqlen_k_max,
+                   window_left, window_right, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, LEFTPAD: tl.constexpr,
+                   BLOCK_B: tl.constexpr):
+    """Stream-K decode: the key tiles of every (sequence, KV head) pair laid end to end, pair
+    (b, h) at [ends[b] - n[b] * (heads_k - h), ...). Returns (n, ends, total): n[b] the key tiles
+    sequence b's rows see (as _decode_part counts them), ends[b] the running total of n * heads_k
+    through sequence b, total the sum (lanes past the batch hold n = 0)."""
+    b = tl.arange(0, BLOCK_B)
+    live = b < batch_size
+    seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + b, mask=live, other=0), 0), seqlen_k_max)
+    if LEFTPAD:
+        seqlen_k -= tl.minimum(tl.maximum(tl.load(CacheLeftpad + b, mask=live, other=0), 0), seqlen_k)
+    blk_lo, _, _, blk_hi = key_blocks(0, seqlen_q, seqlen_k, seqlen_k - seqlen_q, window_left,
+                                      window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    n = tl.where(live, blk_hi - blk_lo, 0)
+    ends = tl.cumsum(n * heads_k, 0)
+    return n, ends, tl.sum(n * heads_k, 0)
+
+
+@triton.jit
 def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
                  CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb, stride_dss,
                  stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -43,7 +70,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
                  stride_lrh, stride_btb, stride_ab,
                  seqlen_q, seqlen_k_max, group_size, window_left, window_right, qk_scale, softcap_in,
-                 page_size, num_pages, block_table_width,
+                 page_size, num_pages, block_table_width, batch_size, heads_k,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -52,22 +79,91 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  EMPTY_LSE: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr = 0,
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
                  PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False,
-                 Q_DESCALE: tl.constexpr = False, SEQ_DS: tl.constexpr = False):
-    split = tl.program_id(0)
-    batch = tl.program_id(1)
-    # ROW_BLOCKS: a KV head's group x Sq query rows in blocks of ROWS (chunked prefill has thousands
-    # of them), one program each; decode and speculative steps fit one block.
-    if ROW_BLOCKS:
-        row_blocks = tl.cdiv(group_size * seqlen_q, ROWS)
-        kv_head = tl.program_id(2) // row_blocks
-        row_block = tl.program_id(2) % row_blocks
-    else:
-        kv_head = tl.program_id(2)
-        row_block = 0
-    num_splits = tl.num_programs(0)
+                 Q_DESCALE: tl.constexpr = False, SEQ_DS: tl.constexpr = False,
+                 STREAM: tl.constexpr = False, BLOCK_B: tl.constexpr = 1):
+    """Grid (splits, B, Hk x row blocks): program (split, b, h) takes its split of the key tiles
+    sequence b's rows see in KV head h. STREAM (stream-K): grid (programs,), every program an
+    equal share of all pairs' key tiles laid end to end (``_stream_layout``), as segments of at
+    most one pair each; a segment holding a whole pair writes its output, the others partials at
+    index program + pair, which ``_combine_stream`` merges. Sequences of any lengths then keep
+    every program equally busy (one program per pair waits for the longest sequence)."""
     if PDL:  # launched before the previous kernel ends: touch no memory until it has
         gdc_wait()
         gdc_launch_dependents()  # the merge may launch now and wait for this grid in its turn
+    if STREAM:
+        n, ends, total = _stream_layout(CacheSeqlens, CacheLeftpad, batch_size, heads_k, seqlen_q,
+                                        seqlen_k_max, window_left, window_right, ROWS, BLOCK_N,
+                                        HAS_LEFT, HAS_RIGHT, LEFTPAD, BLOCK_B)
+        program = tl.program_id(0)
+        share = tl.maximum(tl.cdiv(total, tl.num_programs(0)), 1)
+        pos = program * share
+        stop = tl.minimum(pos + share, total)
+        lanes = tl.arange(0, BLOCK_B)
+        while pos < stop:
+            batch = tl.sum((ends <= pos).to(tl.int32), 0)  # the first sequence ending past pos
+            tiles = tl.sum(tl.where(lanes == batch, n, 0), 0)
+            into = pos - (tl.sum(tl.where(lanes == batch, ends, 0), 0) - tiles * heads_k)
+            kv_head = into // tiles
+            first = into - kv_head * tiles
+            count = tl.minimum(tiles - first, stop - pos)
+            _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
+                         CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb,
+                         stride_dss, stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb,
+                         stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_os,
+                         stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
+                         stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh, stride_btb,
+                         stride_ab, seqlen_q, seqlen_k_max, group_size, window_left, window_right,
+                         qk_scale, softcap_in, page_size, num_pages, block_table_width, heads_k,
+                         program + batch * heads_k + kv_head, 1, batch, kv_head, 0, first, count,
+                         ROWS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                         PAGED, BATCH_IDX, LEFTPAD, UPCAST, True, EMPTY_LSE, FP8, WRITE_LSE,
+                         Q_FP16, PAGE_SHIFT, False, Q_DESCALE, SEQ_DS, True)
+            pos += count
+    else:
+        # ROW_BLOCKS: a KV head's group x Sq query rows in blocks of ROWS (chunked prefill has
+        # thousands of them), one program each; decode and speculative steps fit one block.
+        if ROW_BLOCKS:
+            row_blocks = tl.cdiv(group_size * seqlen_q, ROWS)
+            kv_head = tl.program_id(2) // row_blocks
+            row_block = tl.program_id(2) % row_blocks
+        else:
+            kv_head = tl.program_id(2)
+            row_block = 0
+        _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
+                     CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb,
+                     stride_dss, stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb,
+                     stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_os,
+                     stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
+                     stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh, stride_btb,
+                     stride_ab, seqlen_q, seqlen_k_max, group_size, window_left, window_right,
+                     qk_scale, softcap_in, page_size, num_pages, block_table_width, heads_k,
+                     tl.program_id(0), tl.num_programs(0), tl.program_id(1), kv_head, row_block,
+                     0, 0, ROWS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                     ALIBI, PAGED, BATCH_IDX, LEFTPAD, UPCAST, SPLIT, EMPTY_LSE, FP8, WRITE_LSE,
+                     Q_FP16, PAGE_SHIFT, ROW_BLOCKS, Q_DESCALE, SEQ_DS, False)
+
+
+@triton.jit
+def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
+                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb, stride_dss,
+                 stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
+                 stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
+                 stride_lrh, stride_btb, stride_ab,
+                 seqlen_q, seqlen_k_max, group_size, window_left, window_right, qk_scale, softcap_in,
+                 page_size, num_pages, block_table_width, heads_k,
+                 split, num_splits, batch, kv_head, row_block, first, count,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
+                 LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+                 EMPTY_LSE: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
+                 Q_FP16: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                 Q_DESCALE: tl.constexpr, SEQ_DS: tl.constexpr, STREAM: tl.constexpr):
+    """Rows ``row_block`` of (sequence ``batch``, KV head ``kv_head``) against split ``split`` of
+    ``num_splits`` of the key tiles they see, or (STREAM) against tiles [first, first + count) of
+    them, writing partials at index ``split`` or, when that is all of them, the output."""
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
     key_start = seqlen_k * 0
     if LEFTPAD:  # the sequence occupies cache slots [leftpad, cache_seqlens)
@@ -113,9 +209,6 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         else:
             q = q32.to(tl.float16)
         if Q_DESCALE:  # an e4m3 query's descale, (B, Hk) contiguous: this program's factor
-            heads_k = tl.num_programs(2)
-            if ROW_BLOCKS:
-                heads_k = heads_k // row_blocks
             q_scale = q_scale / tl.load(QDescale + batch.to(tl.int64) * heads_k + kv_head)
         if SOFTCAP:
             softcap_in = softcap_in / q_scale
@@ -176,9 +269,13 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     else:
         blk_lo, full_lo, full_hi, blk_hi = key_blocks(0, seqlen_q, seqlen_k, diag_offset, window_left,
                                                       window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    chunk = tl.cdiv(blk_hi - blk_lo, num_splits)
-    s_lo = tl.minimum(blk_lo + split * chunk, blk_hi)
-    s_hi = tl.minimum(s_lo + chunk, blk_hi)
+    if STREAM:
+        s_lo = tl.minimum(blk_lo + first, blk_hi)
+        s_hi = tl.minimum(s_lo + count, blk_hi)
+    else:
+        chunk = tl.cdiv(blk_hi - blk_lo, num_splits)
+        s_lo = tl.minimum(blk_lo + split * chunk, blk_hi)
+        s_hi = tl.minimum(s_lo + chunk, blk_hi)
     full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
 
@@ -208,21 +305,36 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
-    r_ptrs = (Out + batch.to(tl.int64) * stride_rb + qi[:, None].to(tl.int64) * stride_rq
-              + head[:, None].to(tl.int64) * stride_rh + offs_d[None, :])
-    lr_ptrs = Lse + batch.to(tl.int64) * stride_lrb + head.to(tl.int64) * stride_lrh + qi
+    result = Out + batch.to(tl.int64) * stride_rb
+    result_lse = Lse + batch.to(tl.int64) * stride_lrb
     if not SPLIT:  # the whole row in one program: no partials, no merge
-        tl.store(r_ptrs, out.to(Out.dtype.element_ty), mask=q_ok)
-        if WRITE_LSE:
-            tl.store(lr_ptrs, tl.where(seen, lse, EMPTY_LSE), mask=row_ok)
+        _store_rows(result, result_lse, out, lse, seen, qi, head, q_ok, row_ok, stride_rq, stride_rh,
+                    stride_lrh, offs_d, EMPTY_LSE, WRITE_LSE)
+    elif STREAM:  # a segment of the whole pair writes the output (_combine_stream leaves it)
+        if s_hi - s_lo == blk_hi - blk_lo:
+            _store_rows(result, result_lse, out, lse, seen, qi, head, q_ok, row_ok, stride_rq,
+                        stride_rh, stride_lrh, offs_d, EMPTY_LSE, WRITE_LSE)
+        else:
+            _store_rows(OutPart + split.to(tl.int64) * stride_os, LsePart + split.to(tl.int64) * stride_ls,
+                        out, lse, seen, qi, head, q_ok, row_ok, stride_oq, stride_oh, stride_lh, offs_d,
+                        float("-inf"), True)
     else:
         # A split that saw nothing: output 0 and LSE -inf, so the merge gives it no weight.
-        o_ptrs = (OutPart + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob
-                  + qi[:, None].to(tl.int64) * stride_oq + head[:, None].to(tl.int64) * stride_oh
-                  + offs_d[None, :])
-        tl.store(o_ptrs, out, mask=q_ok)
-        tl.store(LsePart + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
-                 + head.to(tl.int64) * stride_lh + qi, tl.where(seen, lse, float("-inf")),
+        _store_rows(OutPart + split.to(tl.int64) * stride_os + batch.to(tl.int64) * stride_ob,
+                    LsePart + split.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb,
+                    out, lse, seen, qi, head, q_ok, row_ok, stride_oq, stride_oh, stride_lh, offs_d,
+                    float("-inf"), True)
+
+
+@triton.jit
+def _store_rows(Out, Lse, out, lse, seen, qi, head, q_ok, row_ok, stride_q, stride_h, stride_lse_h,
+                offs_d, EMPTY_LSE: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """The rows' output (in Out's dtype) and LSE (EMPTY_LSE where a row saw nothing) from the
+    sequence's (or partial's) base pointers."""
+    tl.store(Out + qi[:, None].to(tl.int64) * stride_q + head[:, None].to(tl.int64) * stride_h
+             + offs_d[None, :], out.to(Out.dtype.element_ty), mask=q_ok)
+    if WRITE_LSE:
+        tl.store(Lse + head.to(tl.int64) * stride_lse_h + qi, tl.where(seen, lse, EMPTY_LSE),
                  mask=row_ok)
 
 
@@ -266,6 +378,71 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
     tl.store(Lse + batch.to(tl.int64) * stride_lrb + head.to(tl.int64) * stride_lrh + qi, merged)
 
 
+@triton.jit
+def _combine_stream(OutPart, LsePart, Out, Lse, CacheSeqlens, CacheLeftpad, batch_size, heads_k,
+                    seqlen_q, seqlen_k_max, window_left, window_right, group_size, programs,
+                    stride_os, stride_oq, stride_oh, stride_ls, stride_lh,
+                    stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, LEFTPAD: tl.constexpr, BLOCK_B: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    EMPTY_LSE: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False):
+    """The merge of a stream-K decode (_attn_decode's STREAM): row (qi, head) of sequence batch
+    from the partials of the programs whose shares cut its pair, at index program + pair; a pair
+    inside one program's share has its output written already, one without keys gets 0."""
+    if PDL:
+        gdc_wait()
+    qi = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    n, ends, total = _stream_layout(CacheSeqlens, CacheLeftpad, batch_size, heads_k, seqlen_q,
+                                    seqlen_k_max, window_left, window_right, ROWS, BLOCK_N,
+                                    HAS_LEFT, HAS_RIGHT, LEFTPAD, BLOCK_B)
+    share = tl.maximum(tl.cdiv(total, programs), 1)
+    lanes = tl.arange(0, BLOCK_B)
+    tiles = tl.sum(tl.where(lanes == batch, n, 0), 0)
+    kv_head = head // group_size
+    start = tl.sum(tl.where(lanes == batch, ends, 0), 0) - tiles * (heads_k - kv_head)
+    first = start // share
+    last = (start + tiles - 1) // share
+    d = tl.arange(0, HEAD_DIM_PAD)
+    out_ptrs = (Out + batch.to(tl.int64) * stride_rb + qi.to(tl.int64) * stride_rq
+                + head.to(tl.int64) * stride_rh + d)
+    lse_ptr = Lse + batch.to(tl.int64) * stride_lrb + head.to(tl.int64) * stride_lrh + qi
+    if tiles == 0:
+        tl.store(out_ptrs, tl.zeros([HEAD_DIM_PAD], tl.float32).to(Out.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+        if WRITE_LSE:
+            tl.store(lse_ptr, EMPTY_LSE)
+    elif last > first:
+        pair = batch * heads_k + kv_head
+        m = float("-inf")
+        l_sum = 0.0
+        acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+        for c0 in range(first, last + 1, SPLITS_PAD):
+            c = c0 + tl.arange(0, SPLITS_PAD)
+            ok = c <= last
+            slot = (c + pair).to(tl.int64)
+            o = tl.load(OutPart + slot[:, None] * stride_os + qi.to(tl.int64) * stride_oq
+                        + head.to(tl.int64) * stride_oh + d[None, :],
+                        mask=ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            lse = tl.load(LsePart + slot * stride_ls + head.to(tl.int64) * stride_lh + qi, mask=ok,
+                          other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            rescale = tl.exp(m - m_safe)
+            w = tl.exp(lse - m_safe)
+            l_sum = l_sum * rescale + tl.sum(w, 0)
+            acc = acc * rescale + tl.sum(w[:, None] * o, 0)
+            m = m_new
+        seen = l_sum > 0
+        out = acc / tl.where(seen, l_sum, 1.0)
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+        if WRITE_LSE:
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            tl.store(lse_ptr, tl.where(seen, m_safe + tl.log(tl.where(seen, l_sum, 1.0)), EMPTY_LSE))
+
+
 def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, empty_lse: float = -math.inf, pdl: bool = False) -> None:
     """Merge (splits, B, Sq, H, D) partial outputs by their LSEs (splits, B, H, Sq) into ``out``
@@ -297,6 +474,34 @@ def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) ->
                 EMPTY_LSE=empty_lse, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
 
 
+@functools.lru_cache(maxsize=1024)
+def _stream_combine_options_cached(items: tuple, head_dim: int, pdl: bool) -> dict:
+    kernel = dict(items)
+    return dict(ROWS=kernel["ROWS"], BLOCK_N=kernel["BLOCK_N"], HAS_LEFT=kernel["HAS_LEFT"],
+                HAS_RIGHT=kernel["HAS_RIGHT"], LEFTPAD=kernel["LEFTPAD"], BLOCK_B=kernel["BLOCK_B"],
+                SPLITS_PAD=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
+                EMPTY_LSE=math.inf, WRITE_LSE=True, PDL=pdl, num_warps=1,
+                **({"launch_pdl": True} if pdl else {}))
+
+
+def _stream_combine_options(kernel: dict, head_dim: int, pdl: bool) -> dict:
+    """_combine_stream's constexprs and launch options for a stream-K decode kernel's (one dict
+    per value, as ``launch`` wants)."""
+    return _stream_combine_options_cached(tuple(sorted(kernel.items())), head_dim, pdl)
+
+
+def _launch_combine_stream(out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad,
+                           scalars: tuple, options: dict) -> None:
+    """``scalars``: (batch, heads_k, seqlen_q, capacity, window_left, window_right, group,
+    programs)."""
+    batch, seqlen_q, heads, _ = out.shape
+    launch(_combine_stream, (seqlen_q, heads, batch),
+           (out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad),
+           (*scalars, out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
+            lse_partial.stride(0), lse_partial.stride(1), *out.stride()[:3], *lse.stride()[:2]),
+           options)
+
+
 def _launch_combine(out_partial, lse_partial, out, lse, options: dict) -> None:
     splits, batch, seqlen_q, heads, _ = out_partial.shape
     launch(_combine, (seqlen_q, heads, batch), (out_partial, lse_partial, out, lse),
@@ -323,6 +528,11 @@ class DecodeConfig:
     # e4m3 caches: the query as two e4m3 terms and S by e4m3 dots on K as loaded (FP8 4/5 of the
     # inner loop) instead of K widened to fp16
     fp8_split_q: bool = False
+    # Stream-K (_attn_decode's STREAM, merged by _combine_stream): every program an equal share of
+    # all pairs' key tiles laid end to end. 1: as many programs as the split heuristic makes (pairs
+    # x splits: with equal lengths the very same shares); 2: programs_per_sm programs per SM;
+    # either way num_splits > 0 gives the program count.
+    stream: int = 0
 
 
 def decode_config(paged: bool, device: torch.device, programs: int = 1,
@@ -527,6 +737,15 @@ def _sm_count(device: torch.device) -> int:
 # call of every layer. transformers' growing cache changes the capacity at each step, hence the bound.
 _PLANS: dict = {}
 _MAX_PLANS = 1024
+# 16-bit caches: the Triton kernel's plans as stream-K (DecodeConfig.stream 1), opted into with
+# FLASHTILE_DECODE_STREAM=1. Against the plans as shipped in one run (stream-decode-h200-20261201-b,
+# us per layer; ragged: lengths drawn from [1, capacity]): B16 32/8 16k/64k 186.6 -> 148.9 / 811.7
+# -> 569.9, B64 32/8 16k 605.4 -> 529.0, B16 12/2 32k 119.7 -> 82.5, B64 12/2 32k 453.9 -> 267.5,
+# but B4 32/8 32k 81.5 -> 88.1; equal lengths 1-5% slower (B16 32/8 4k 67.3 -> 70.4: the merge
+# launch the unsplit plans do not have). Off by default: bench decode times equal lengths, where
+# its points against cuDNN sit within 1% of parity. (Programs by the SM count instead, 2 or 4 per
+# SM: 4-11% slower with equal lengths, -sms and the same runs.)
+STREAM_PLANS = os.environ.get("FLASHTILE_DECODE_STREAM", "0") not in ("", "0")
 # Eager calls with at most this many K+V bytes per (sequence, KV head) run unsplit, in one launch.
 EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
@@ -575,7 +794,17 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     heads_k_blocks = heads_k * -(-rows // tile_rows)
     cfg = config or decode_config(paged, device, batch * heads_k_blocks, fp8_cache, capacity, head_dim,
                                   rows)
-    if one_launch:
+    if config is None and STREAM_PLANS and not fp8_cache and num_splits == 0:
+        cfg = dataclasses.replace(cfg, stream=1)
+    stream = bool(cfg.stream) and not one_launch and rows <= tile_rows
+    if stream:  # splits: the programs, each a share of every pair's tiles
+        if num_splits > 0:
+            splits = num_splits
+        elif cfg.stream == 2:
+            splits = _sm_count(device) * cfg.programs_per_sm
+        else:
+            splits = batch * heads_k * split_heuristic(batch, heads_k_blocks, capacity, device, cfg)
+    elif one_launch:
         splits = 1
     else:
         splits = num_splits if num_splits > 0 else split_heuristic(batch, heads_k_blocks, capacity,
@@ -600,14 +829,18 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         PAGED=paged_mode, PAGE_SHIFT=page_shift, BATCH_IDX=has_batch_idx,
         LEFTPAD=has_leftpad, UPCAST=upcast, SPLIT=splits > 1, EMPTY_LSE=math.inf, PDL=pdl,
         FP8=_fp8_cache_mode(device, cfg.fp8_split_q) if fp8_cache else 0,
-        WRITE_LSE=write_lse or splits > 1,
+        WRITE_LSE=write_lse or splits > 1 or stream,
         Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
         Q_DESCALE=q_descale, SEQ_DS=fp8_cache and seq_descales,
+        STREAM=stream, BLOCK_B=_next_power_of_2(batch) if stream else 1,
         num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
-    merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
+    if stream:
+        merge = _stream_combine_options(kernel, head_dim, pdl)
+    else:
+        merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
     return splits, upcast, kernel, merge, None
 
 
@@ -938,6 +1171,9 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     device: torch.device
     gluon: tuple | None = None  # (variant, softmax_scale, causal) of the Gluon kernel, or None
     prefill: tuple | None = None  # (softmax_scale, causal) of the Gluon prefill forward, or None
+    # stream-K (_attn_decode's STREAM): _combine_stream's scalars (its tensors are the call's),
+    # else None; ``splits`` counts the programs then, partials (programs + B x Hk, Sq, H, D)
+    stream: tuple | None = None
 
 
 def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -1002,13 +1238,21 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     else:
         qk_scale, softcap_in = softmax_scale * LOG2E, 1.0
     write_lse = need_lse or splits > 1
+    stream = kernel_options["STREAM"]
     # Strides of the contiguous tensors run_decode allocates: out (B, Sq, H, D), lse (B, H, Sq),
-    # partials (splits, B, Sq, H, D) and (splits, B, H, Sq).
+    # partials (splits, B, Sq, H, D) and (splits, B, H, Sq); stream-K's (slots, Sq, H, D) and
+    # (slots, H, Sq), read with a batch stride of 0 (the slot says the pair).
     row = seqlen_q * heads * head_dim
     out_strides = (row, heads * head_dim, head_dim)
     lse_strides = (heads * seqlen_q, seqlen_q) if write_lse else (0, 0)
-    part_strides = (batch * row, row, heads * head_dim, head_dim) if splits > 1 else (0, 0, 0, 0)
-    lse_part_strides = (batch * heads * seqlen_q, heads * seqlen_q, seqlen_q) if splits > 1 else (0, 0, 0)
+    if stream:
+        part_strides = (row, 0, heads * head_dim, head_dim)
+        lse_part_strides = (heads * seqlen_q, 0, seqlen_q)
+    elif splits > 1:
+        part_strides = (batch * row, row, heads * head_dim, head_dim)
+        lse_part_strides = (batch * heads * seqlen_q, heads * seqlen_q, seqlen_q)
+    else:
+        part_strides, lse_part_strides = (0, 0, 0, 0), (0, 0, 0)
     scalars = (
         *(k_descale.stride() if k_descale is not None else (0, 0, 0)), *q.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *part_strides, *lse_part_strides, *out_strides,
@@ -1016,7 +1260,13 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         seqlen_q, capacity, heads // heads_k, max(window_left, 0), max(window_right, 0), qk_scale,
         softcap_in, k_cache.shape[1] if paged else 1, k_cache.shape[0] if paged else 1,
-        block_table.shape[1] if paged else 0)
+        block_table.shape[1] if paged else 0, batch, heads_k)
+    if stream:
+        merge_scalars = (batch, heads_k, seqlen_q, capacity, max(window_left, 0),
+                         max(window_right, 0), heads // heads_k, splits)
+        return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
+                              (batch, seqlen_q, heads, head_dim), (batch, heads, seqlen_q),
+                              (splits, 1, 1), out_dtype(q.dtype), device, stream=merge_scalars)
     return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                           (batch, seqlen_q, heads, head_dim),
                           (batch, heads, seqlen_q) if write_lse else None,
@@ -1064,7 +1314,13 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
                                                         device=p.device)
     if out.numel() == 0:
         return out.to(p.dtype), lse
-    if p.splits > 1:
+    if p.stream is not None:  # a slot per program and pair: program + pair (see _attn_decode)
+        batch, seqlen_q, heads, head_dim = p.out_shape
+        slots = p.splits + batch * p.stream[1]
+        out_partial = torch.empty(slots, seqlen_q, heads, head_dim, dtype=torch.float32,
+                                  device=p.device)
+        lse_partial = torch.empty(slots, heads, seqlen_q, dtype=torch.float32, device=p.device)
+    elif p.splits > 1:
         out_partial = torch.empty(p.splits, *p.out_shape, dtype=torch.float32, device=p.device)
         lse_partial = torch.empty(p.splits, *p.lse_shape, dtype=torch.float32, device=p.device)
     else:
@@ -1073,7 +1329,10 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
                cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale,
                v_descale, q_descale)
     launch(_attn_decode, p.grid, tensors, p.scalars, p.kernel_options)
-    if p.splits > 1:
+    if p.stream is not None:
+        _launch_combine_stream(out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad,
+                               p.stream, p.combine_options)
+    elif p.splits > 1:
         _launch_combine(out_partial, lse_partial, out, lse, p.combine_options)
     return (out.to(p.dtype) if p.upcast else out), lse
 

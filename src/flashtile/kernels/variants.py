@@ -156,7 +156,8 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
-        elif name in ("OutPart", "LsePart") or (fn.__name__ == "_combine" and name == "Lse"):
+        elif name in ("OutPart", "LsePart") or (fn.__name__ in ("_combine", "_combine_stream")
+                                                and name == "Lse"):
             signature[name] = "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _FP32_POINTERS:
@@ -237,7 +238,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
     and writing the output directly (one split; its LSE on the paged variants only, as a call
     without return_softmax_lse), the combine kernel that merges partials, and the split kernel with
     128-row tiles."""
-    from .decode import _attn_decode, _combine
+    from .decode import _attn_decode, _combine, _combine_stream
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
@@ -245,7 +246,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
               "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
               "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
-              "Q_DESCALE": False, "SEQ_DS": False}
+              "Q_DESCALE": False, "SEQ_DS": False, "STREAM": False, "BLOCK_B": 1}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
@@ -282,6 +283,15 @@ def compile_decode(variant: Variant, arch: int) -> list:
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1),
+            # stream-K: each program a share of every pair's key tiles (batches up to 64), its merge
+            _compile(_attn_decode, {**decode, **split_pages, "BLOCK_N": 64, "SPLIT": True,
+                                    "WRITE_LSE": True, "STREAM": True, "BLOCK_B": 64},
+                     variant, arch, 4, 4, cache),
+            _compile(_combine_stream, {k: decode[k] for k in ("HAS_LEFT", "HAS_RIGHT", "LEFTPAD")}
+                     | {"ROWS": 16, "BLOCK_N": 64, "BLOCK_B": 64, "SPLITS_PAD": 16,
+                        "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
+                        "EMPTY_LSE": float("inf"), "WRITE_LSE": True, "PDL": arch >= 90},
+                     variant, arch, 1, 1),
             # more than 64 query rows a KV head (decode._wide_rows_config): 128-row tiles, 8 warps,
             # blocks of them (chunked prefill)
             _compile(_attn_decode, {**decode, **split_pages, "ROWS": 128, "ROW_BLOCKS": True, "SPLIT": True,
