@@ -677,6 +677,11 @@ def test_stream_plans_are_opt_in_and_keep_the_plans_programs(monkeypatch):
                                 num_splits=3)
     assert plain.stream is None and forced.stream is None and forced.splits == 3
     assert stream.stream is not None and stream.grid == (3 * 2 * plain.splits, 1, 1)
+    monkeypatch.setattr(dec, "_PLANS", {})
+    monkeypatch.setattr(dec, "STREAM_MAX_BATCH", 2)  # each program holds all the lengths: capped
+    capped = dec.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1, window_right=0)
+    assert capped.stream is None and capped.grid == plain.grid
+    monkeypatch.setattr(dec, "_PLANS", {})
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                  return_softmax_lse=True)
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)

@@ -746,6 +746,7 @@ _MAX_PLANS = 1024
 # its points against cuDNN sit within 1% of parity. (Programs by the SM count instead, 2 or 4 per
 # SM: 4-11% slower with equal lengths, -sms and the same runs.)
 STREAM_PLANS = os.environ.get("FLASHTILE_DECODE_STREAM", "0") not in ("", "0")
+STREAM_MAX_BATCH = 1024
 # Eager calls with at most this many K+V bytes per (sequence, KV head) run unsplit, in one launch.
 EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
@@ -796,7 +797,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
                                   rows)
     if config is None and STREAM_PLANS and not fp8_cache and num_splits == 0:
         cfg = dataclasses.replace(cfg, stream=1)
-    stream = bool(cfg.stream) and not one_launch and rows <= tile_rows
+    # (every stream-K program holds a vector of all the lengths: up to STREAM_MAX_BATCH of them)
+    stream = bool(cfg.stream) and not one_launch and rows <= tile_rows and batch <= STREAM_MAX_BATCH
     if stream:  # splits: the programs, each a share of every pair's tiles
         if num_splits > 0:
             splits = num_splits
