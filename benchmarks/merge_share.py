@@ -1,7 +1,7 @@
 """What the split-KV merge costs a decode step: each point's shipped call (split kernel + merge)
-against the same split kernel with the merge launch skipped (wrong output, timing only), and
-optionally the shipped call with the in-kernel merge forced off or on, in alternating rounds, each a
-CUDA graph over L layers with their own caches (>= 1 GiB, as ``bench decode``).
+against the same split kernel with the merge launch skipped (wrong output, timing only), in
+balanced rounds (bench.common.time_in_rounds), each a CUDA graph over L layers with their own caches
+(>= 1 GiB, as ``bench decode``). (merge-share-h200-20261201 was timed in plain alternating rounds.)
 
     PYTHONPATH=src python benchmarks/merge_share.py --out $OUT [--points B,H,Hk,ctx,page;...]
 
@@ -17,11 +17,11 @@ import statistics
 
 import torch
 
-from flashtile.bench.decode import LayerCaches, Point, build_replay, ceiling_rate, layers_for, \
-    measure_ceiling, shuffled_block_table
+from flashtile.bench.common import time_in_rounds
+from flashtile.bench.decode import LayerCaches, Point, build_replay, ceiling_rate, gpu_timer, \
+    layers_for, measure_ceiling, shuffled_block_table
 from flashtile.kernels import decode as dec
 
-import triton
 
 POINTS = "1,32,8,16384,0;1,32,8,32768,0;1,32,8,65536,0;1,32,8,131072,0;1,32,8,16384,16;" \
          "1,32,8,32768,16;1,12,2,32768,0;1,12,2,131072,0"
@@ -61,7 +61,6 @@ def main() -> int:
         variants = {"shipped": (call, None)}
         if prepared.splits > 1:
             variants["no merge launch"] = (call, "skip")
-        times = {name: [] for name in variants}
         replays = {}
         original = dec._launch_combine
         for name, (fn, patch) in variants.items():
@@ -72,11 +71,10 @@ def main() -> int:
                 replays[name] = build_replay(fn, layers, device)
             finally:
                 dec._launch_combine = original
-        names = list(variants)
-        for r in range(args.rounds):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                ms = triton.testing.do_bench(replays[name], warmup=25, rep=150, return_mode="median")
-                times[name].append(ms * 1e3 / layers)
+        times, errors = time_in_rounds({name: lambda r=replays[name]: gpu_timer(r) * 1e3 / layers
+                                        for name in variants}, args.rounds)
+        if errors:
+            raise next(iter(errors.values()))
         row = {"batch": batch, "heads": heads, "heads_k": heads_k, "context": context, "page": page,
                "splits": prepared.splits, "layers": layers, "bytes_per_layer": nbytes,
                "us": {n: statistics.median(t) for n, t in times.items()}, "rounds": times}

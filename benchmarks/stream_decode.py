@@ -5,8 +5,9 @@ on caches of equal and of ragged lengths.
 
 ``ragged`` 1: sequence lengths drawn uniformly from [1, ctx] (fixed seed), the capacity ctx. Each
 point: a float64 check of every config's output on the point's first layer (rows of up to four
-sequences), then CUDA graphs over >= 1 GiB of layers timed in alternating rounds; GB/s counts the
-K/V bytes the lengths cover. Writes stream-decode.json under --out and prints a table.
+sequences), then CUDA graphs over >= 1 GiB of layers timed in balanced rounds
+(bench.common.time_in_rounds; the stream-decode-h200-20261201* runs alternated the order plainly);
+GB/s counts the K/V bytes the lengths cover. Writes stream-decode.json under --out and prints a table.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import os
 import statistics
 
 import torch
-import triton
 
-from flashtile.bench.decode import LayerCaches, Point, build_replay, ceiling_rate, layers_for, \
-    measure_ceiling
+from flashtile.bench.common import time_in_rounds
+from flashtile.bench.decode import LayerCaches, Point, build_replay, ceiling_rate, gpu_timer, \
+    layers_for, measure_ceiling
 from flashtile.kernels import decode as dec
 
 POINTS = ("16,32,8,4096,0;16,32,8,16384,0;16,32,8,131072,0;64,12,2,16384,0;16,32,8,16384,1;"
@@ -62,19 +63,15 @@ def graph_replays_follow_lengths(device, batch=16, heads=32, heads_k=8, capacity
     scale = 128 ** -0.5
     dec.STREAM_PLANS = True
     dec._PLANS.clear()
+    captured = {}
+
+    def step(_layer):  # the captured call's output stays where the graph writes it
+        captured["out"] = dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
+                                               window_right=0, need_lse=False)[0]
     try:
-        def step():
-            return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
-                                        window_right=0, need_lse=False)[0]
-        step()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        step(0)
+        replay = build_replay(step, 1, device)
+        out = captured["out"]
     finally:
         dec.STREAM_PLANS = False
         dec._PLANS.clear()
@@ -85,7 +82,7 @@ def graph_replays_follow_lengths(device, batch=16, heads=32, heads_k=8, capacity
         new[trial % batch] = 0
         lengths.copy_(new.to(device))
         out.fill_(float("nan"))
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         order = torch.argsort(new, descending=True)[:4]  # the longest rows (and a zero below)
         rows = torch.cat([order, torch.tensor([trial % batch])]).to(device)
@@ -167,11 +164,10 @@ def main() -> int:
                 dec.STREAM_PLANS = False
                 dec._PLANS.clear()
         names = list(variants)
-        times = {n: [] for n in names}
-        for r in range(args.rounds):
-            for n in (names if r % 2 == 0 else names[::-1]):
-                ms = triton.testing.do_bench(replays[n], warmup=25, rep=150, return_mode="median")
-                times[n].append(ms * 1e3 / layers)
+        times, errors = time_in_rounds({n: lambda r=replays[n]: gpu_timer(r) * 1e3 / layers
+                                        for n in names}, args.rounds)
+        if errors:
+            raise next(iter(errors.values()))
         med = {n: statistics.median(t) for n, t in times.items()}
         row = {"batch": batch, "heads": heads, "heads_k": heads_k, "context": context,
                "ragged": bool(ragged), "lengths_sum": int(lengths.sum()), "bytes_per_layer": nbytes,

@@ -741,7 +741,7 @@ _MAX_PLANS = 1024
 # FLASHTILE_DECODE_STREAM=1. Against the plans as shipped in one run (stream-decode-h200-20261201-b,
 # us per layer; ragged: lengths drawn from [1, capacity]): B16 32/8 16k/64k 186.6 -> 148.9 / 811.7
 # -> 569.9, B64 32/8 16k 605.4 -> 529.0, B16 12/2 32k 119.7 -> 82.5, B64 12/2 32k 453.9 -> 267.5,
-# but B4 32/8 32k 81.5 -> 88.1; equal lengths 1-5% slower (B16 32/8 4k 67.3 -> 70.4: the merge
+# but B4 32/8 32k 81.5 -> 88.1 and ragged B16 32/8 4k 60.1 -> 75.7 (-c); equal lengths 1-5% slower (B16 32/8 4k 67.3 -> 70.4: the merge
 # launch the unsplit plans do not have). Off by default: bench decode times equal lengths, where
 # its points against cuDNN sit within 1% of parity. (Programs by the SM count instead, 2 or 4 per
 # SM: 4-11% slower with equal lengths, -sms and the same runs.)
