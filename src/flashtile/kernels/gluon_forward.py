@@ -174,11 +174,6 @@ class GluonVariant:
     # this many keys, each at its own page (any page size that is a multiple of it); 0: a tile
     # is one box (contiguous caches, pages of whole tiles).
     page_rows: int = 0
-    # e4m3 with P through shared memory: each tile's row sums of P come from one more wgmma, P
-    # against a shared tile of e4m3 ones, issued behind P V, instead of ~130 FADDs and shuffles
-    # per thread and tile on the softmax's path. The output is then divided by the sum of the
-    # e4m3-rounded P that multiplied V (and the LSE holds that sum).
-    tensor_rowsum: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -195,8 +190,6 @@ class GluonVariant:
             raise ValueError("seqused_k: 16-bit caches only")
         if self.page_rows and (not self.seqused_k or self.page_rows % 8 or self.block_n % self.page_rows):
             raise ValueError("page_rows: with seqused_k, a multiple of 8 dividing the key tile")
-        if self.tensor_rowsum and (not self.fp8 or self.p_in_registers):
-            raise ValueError("tensor_rowsum: e4m3 with P through shared memory")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -240,8 +233,6 @@ class GluonVariant:
             sched += "-seqk"
         if self.page_rows:
             sched += f"-pr{self.page_rows}"
-        if self.tensor_rowsum:
-            sched += "-trs"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -447,9 +438,6 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                                          prefetch_q=False)]
                   # the d128 and d256 defaults without the lazy rescale (before 2026-11-30's A/B)
                   + [dataclasses.replace(default_variant(d, "bf16", c), lazy_rescale=False, max_stack=8)
-                     for d in (128, 256) for c in (False, True)]
-                  # the e4m3 defaults with P's row sums by a wgmma against ones
-                  + [dataclasses.replace(default_variant(d, "fp8", c), tensor_rowsum=True)
                      for d in (128, 256) for c in (False, True)]
                   # the d128 e4m3 defaults with MUFU alone and with the other measured share on the FMA
                   # pipe (exp2_poly 1 / 2)
@@ -773,8 +761,7 @@ if _GLUON:
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
                       MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
-                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      ROWSUM: gl.constexpr = False):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
@@ -785,7 +772,6 @@ if _GLUON:
         than RESCALE_THRESHOLD (p stays below 2^RESCALE_THRESHOLD); alpha is exactly 1 where it
         did not move. A decision per row needs no exchange between the warps here, on the
         softmax's path; the caller asks once per tile whether any row moved.
-        ROWSUM: l_i is left as it is (the caller sums P by a wgmma, see _rowsum_mma).
         """
         if MASKED:
             keys = n0 + cols
@@ -801,10 +787,7 @@ if _GLUON:
             # One FMA per score (LLVM left this one as a multiply and a subtract).
             shift = gl.expand_dims(gl.log2(v_rel) - m_new, 1)
             p = _exp2(gl.fma(s, qk_scale, shift), 0 if MASKED else EXP_POLY)
-            if ROWSUM:
-                l_new = l_i
-            else:
-                l_new = l_i * alpha + gl.sum(p, 1) * (1.0 / v_rel)
+            l_new = l_i * alpha + gl.sum(p, 1) * (1.0 / v_rel)
         else:
             p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), 0 if MASKED else EXP_POLY)
             l_new = l_i * alpha + gl.sum(p, 1)
@@ -859,13 +842,6 @@ if _GLUON:
         return o
 
     @gluon.jit
-    def _rowsum_mma(p_tile, ones_smem, l_acc):
-        """Issue the row sums of a staged e4m3 P tile as P against a (keys, R) tile of ones: an
-        async wgmma of R = 8 columns, each column the same sums."""
-        return warpgroup_mma(p_tile, ones_smem.permute((1, 0)), gl.zeros_like(l_acc), use_acc=False,
-                             is_async=True)
-
-    @gluon.jit
     def _p_operand(p_op, p_bufs, j, WG: gl.constexpr, FP8: gl.constexpr):
         """The A operand holding P of key tile j (see _stage_p)."""
         if FP8 == 1 or FP8 == 3:
@@ -893,18 +869,15 @@ if _GLUON:
     @gluon.jit
     def _kv_iteration(j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty,
                       v_empty, turn_bars, k_desc, v_desc, batch, kv_head, num_tiles,
-                      o, p_op, m_i, l_i, v_rel_prev, zero_s, rows_pos, cols, seqlen_k, qk_scale,
-                      k_scales, v_scales, scale_shift_k, ones_smem,
+                      o, p_op, m_i, l_i, zero_s, rows_pos, cols, seqlen_k, qk_scale,
+                      k_scales, v_scales, scale_shift_k,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0,
-                      ROWSUM: gl.constexpr = False):
+                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
-        of S_j while the second runs, then O rescaled to the new running max. Returns (O, P_j's
-        operand, m, l, V's relative descale of tile j). ROWSUM: l is (ROWS, 8), P_{j-1}'s row sums
-        by a third wgmma behind P V (``v_rel_prev``: the descale P_{j-1} carries)."""
+        of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
         HEAD_DIM: gl.constexpr = q_tile.shape[1]
         ring = ring0 + j
@@ -920,14 +893,10 @@ if _GLUON:
         v_tile = _v_operand(v_bufs, prev, BLOCK_N, HEAD_DIM, FP8)
         p_prev = _p_operand(p_op, p_bufs, j - 1, WG, FP8)
         o_tok = warpgroup_mma(p_prev, v_tile, o, is_async=True)
-        if ROWSUM:
-            r_tok = _rowsum_mma(p_prev, ones_smem, l_i)
         _pass_turn(turn_bars, WG, PINGPONG)
-        # The oldest group (S_j) is done; P V keeps running through the softmax.
+        # The older of the two groups (S_j) is done; P V keeps running through the softmax.
         if Q_REGS > 0:
             s, _, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile, q_lo))
-        elif ROWSUM:
-            s, _, _ = warpgroup_mma_wait(2, deps=(s_tok, q_tile, k_tile))
         else:
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
         if not JOINT:
@@ -937,21 +906,15 @@ if _GLUON:
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
                                            tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY,
-                                           EXP_POLY, ROWSUM)
+                                           EXP_POLY)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
-            if ROWSUM:
-                o, r, _, _ = warpgroup_mma_wait(0, deps=(o_tok, r_tok, p_prev, v_tile))
-            else:
-                o = _pv_wait(o_tok, p_prev, v_tile, FP8)
+            o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
         else:
             p_next = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, j, WG, FP8)
             if LAZY:  # whether any row's reference moved: warps exchange it while P V still runs
                 rescale = gl.min(alpha, 0) < 1.0
-            if ROWSUM:
-                o, r, _, _ = warpgroup_mma_wait(0, deps=(o_tok, r_tok, p_prev, v_tile))
-            else:
-                o = _pv_wait(o_tok, p_prev, v_tile, FP8)
+            o = _pv_wait(o_tok, p_prev, v_tile, FP8)
         mbarrier.arrive(v_empty.index(prev))
         if LOADS:
             _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
@@ -961,11 +924,7 @@ if _GLUON:
                 o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         else:
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        if ROWSUM:
-            l_layout: gl.constexpr = l_i.type.layout
-            l_i = (l_i + r * (1.0 / v_rel_prev)) * gl.expand_dims(
-                gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
-        return o, p_next, m_i, l_i, v_rel
+        return o, p_next, m_i, l_i
 
     @gluon.jit
     def _attend_block(q_desc, k_desc, v_desc, o_desc, q_smem, o_smem, p_bufs, q_bar, q_phase, k_bufs,
@@ -980,8 +939,7 @@ if _GLUON:
                       Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
                       P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
-                      ZERO_TAIL: gl.constexpr = False, SeqlensK=None, ones_smem=None,
-                      ROWSUM: gl.constexpr = False):
+                      ZERO_TAIL: gl.constexpr = False, SeqlensK=None):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -993,8 +951,7 @@ if _GLUON:
         ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys.
         ``ZERO_TAIL``: V rows past ``seqlen_k`` in the last key tile are zeroed before P V (keys
         from a cache whose slots past the sequence hold anything); the count is read again from
-        ``SeqlensK`` there rather than kept in a register through the loop. ``ROWSUM``: P's row
-        sums by wgmmas against ``ones_smem`` (see GluonVariant.tensor_rowsum)."""
+        ``SeqlensK`` there rather than kept in a register through the loop."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * NUM_WARPS
         INSTR_K: gl.constexpr = 32 if FP8 else 16
@@ -1031,10 +988,7 @@ if _GLUON:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         m_i = gl.full([ROWS], -1.0e30, gl.float32, row_layout)
-        if ROWSUM:  # every column the same sums: the narrowest wgmma (8 columns)
-            l_i = gl.zeros([ROWS, 8], gl.float32, _wgmma_layout(NUM_WARPS, 8, INSTR_K))
-        else:
-            l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
         # Key tile 0 on its own (it has no P V to overlap with); always masked, which also makes
@@ -1056,7 +1010,7 @@ if _GLUON:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES,
                              ring0 + STAGES, BLOCK_N, STAGES, STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, tile_scale,
-                                           v_rel, True, CAUSAL, FP8, False, 0, ROWSUM)
+                                           v_rel, True, CAUSAL, FP8)
         if FP8 == 1 or FP8 == 3:  # p_op only rides along (P is in p_bufs)
             p_op = gl.zeros([ROWS], gl.float32, row_layout)
         else:
@@ -1076,19 +1030,19 @@ if _GLUON:
                 num_full = live * num_full
         # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
         for j in range(1, num_full):
-            o, p_op, m_i, l_i, v_rel = _kv_iteration(
+            o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, v_rel,
-                zero_s, rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k,
-                ones_smem, BLOCK_N, STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY,
-                EXP_POLY, P_PACK, q_lo, Q_REGS, ROWSUM)
+                turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
+                rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
+                STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
+                q_lo, Q_REGS)
         for j in range(gl.maximum(num_full, 1), num_tiles):
-            o, p_op, m_i, l_i, v_rel = _kv_iteration(
+            o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
-                turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, v_rel,
-                zero_s, rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k,
-                ones_smem, BLOCK_N, STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY,
-                EXP_POLY, P_PACK, q_lo, Q_REGS, ROWSUM)
+                turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
+                rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
+                STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
+                q_lo, Q_REGS)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -1102,14 +1056,8 @@ if _GLUON:
         v_tile = _v_operand(v_bufs, slot, BLOCK_N, HEAD_DIM, FP8)
         p_last = _p_operand(p_op, p_bufs, num_tiles - 1, WG, FP8)
         o_tok = warpgroup_mma(p_last, v_tile, o, is_async=True)
-        if ROWSUM:
-            r_tok = _rowsum_mma(p_last, ones_smem, l_i)
         _pass_turn(turn_bars, WG, PINGPONG)
-        if ROWSUM:
-            o, r, _, _ = warpgroup_mma_wait(0, deps=(o_tok, r_tok, p_last, v_tile))
-            l_i = gl.convert_layout(gl.max(l_i + r * (1.0 / v_rel), 1), row_layout)
-        else:
-            o = _pv_wait(o_tok, p_last, v_tile, FP8)
+        o = _pv_wait(o_tok, p_last, v_tile, FP8)
         mbarrier.arrive(v_empty.index(slot))
         if OWN_RANGE:
             # The block's tiles past these rows' diagonal: release each once it has landed (its
@@ -1163,8 +1111,7 @@ if _GLUON:
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
-                  Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                  ROWSUM: gl.constexpr = False):
+                  Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1175,7 +1122,7 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, ones_smem) = shared
+         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
@@ -1216,7 +1163,7 @@ if _GLUON:
                           num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                           scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
                           CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                          EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK, ones_smem, ROWSUM)
+                          EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK)
             ring += num_tiles
             event += num_tiles + 1
         if Q_BUFS == 2:
@@ -1242,7 +1189,7 @@ if _GLUON:
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                        PAGE_ROWS: gl.constexpr = 0, ROWSUM: gl.constexpr = False):
+                        PAGE_ROWS: gl.constexpr = 0):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1281,14 +1228,6 @@ if _GLUON:
                                                p_layout)
         else:  # never used
             p_smem = q_smem
-        if ROWSUM:  # e4m3 ones, K-major (keys contiguous) as a wgmma B operand wants them
-            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
-            ones = gl.full([8, BLOCK_N], 1.0, gl.float32,
-                           gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0]))
-            ones_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], ones_layout, ones.to(dtype))
-            fence_async_shared()
-        else:  # never used
-            ones_smem = q_smem
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS * Q_BUFS, 1],
                                            mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -1308,7 +1247,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK, ones_smem)
+                  head_group, SeqlensK)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1320,13 +1259,13 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, ROWSUM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, ROWSUM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, ROWSUM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt,
@@ -1341,10 +1280,10 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, ROWSUM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, ROWSUM)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt,
@@ -1354,7 +1293,7 @@ if _GLUON:
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
                       False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
-                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, ROWSUM)
+                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1399,8 +1338,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "OWN_RANGE": (2 if variant.skip_empty_rows else 1) if variant.own_range else 0,
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
-            "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
-            "ROWSUM": variant.tensor_rowsum}
+            "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
