@@ -1,5 +1,6 @@
 """Stream-K decode (every program an equal share of all pairs' key tiles) against the shipped plans,
-on caches of equal and of ragged lengths.
+on caches of equal and of ragged lengths: the opt-in (FLASHTILE_DECODE_STREAM=1, decode.STREAM_CONFIG;
+until 2026-12-01's -c run it was the plans' own program counts, "the plan's programs") and CONFIGS.
 
     PYTHONPATH=src python benchmarks/stream_decode.py --out $OUT [--points B,H,Hk,ctx,ragged;...]
 
@@ -29,7 +30,6 @@ POINTS = ("16,32,8,4096,0;16,32,8,16384,0;16,32,8,131072,0;64,12,2,16384,0;16,32
           "16,32,8,65536,1;64,32,8,16384,1;16,12,2,32768,1;4,32,8,32768,1")
 CONFIGS = {
     "stream n64 s3 x2": dec.DecodeConfig(64, 4, 3, waves=1, pdl=True, stream=2, programs_per_sm=2),
-    "stream n32 w2 s3 x4": dec.DecodeConfig(32, 2, 3, waves=1, pdl=True, stream=2, programs_per_sm=4),
 }
 
 
@@ -113,7 +113,7 @@ def main() -> int:
         k = torch.randn(5, 300, 2, 128, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         lengths = torch.tensor([0, 1, 77, 300, 190], dtype=torch.int32, device=device)
-        for name, cfg in CONFIGS.items():
+        for name, cfg in {"opt-in": dec.STREAM_CONFIG, **CONFIGS}.items():
             for programs in (0, 3, 40):
                 out = dec.decode_attention(q, k, v, lengths, softmax_scale=128 ** -0.5, window_left=-1,
                                            window_right=0, num_splits=programs, config=cfg)[0]
@@ -147,12 +147,12 @@ def main() -> int:
                                             window_right=0, config=cfg, need_lse=False)[0]
             return call
 
-        variants = {"shipped": call_with(None), "stream, the plan's programs": "plans",
+        variants = {"shipped": call_with(None), "stream (opt-in)": "plans",
                     **{n: call_with(c) for n, c in CONFIGS.items()}}
         k0, v0 = caches.nhd(0)
         checks, replays = {}, {}
         for n, fn in variants.items():
-            plans = fn == "plans"  # the shipped plans with DecodeConfig.stream 1
+            plans = fn == "plans"  # what FLASHTILE_DECODE_STREAM=1 runs
             if plans:
                 fn = variants[n] = call_with(None)
             dec.STREAM_PLANS = plans

@@ -661,9 +661,10 @@ def test_stream_decode_paged_alibi_and_leftpad(nan_empty, page_size):
                                  v_cache[b:b + 1, lo:hi], causal=True)
 
 
-def test_stream_plans_are_opt_in_and_keep_the_plans_programs(monkeypatch):
-    # FLASHTILE_DECODE_STREAM=1: the Triton plans as stream-K with the programs their splits make
-    # (equal lengths: the same shares); an explicit num_splits keeps the plain split.
+def test_stream_plans_are_opt_in_and_run_stream_config(monkeypatch):
+    # FLASHTILE_DECODE_STREAM=1: the Triton kernel's calls as stream-K in STREAM_CONFIG's programs
+    # (programs_per_sm per SM; the CPU device counts 4 SMs); an explicit num_splits keeps the plain
+    # split, and calls stream-K cannot take keep the plain plan's config.
     import flashtile.kernels.decode as dec
     assert dec.STREAM_PLANS is (os.environ.get("FLASHTILE_DECODE_STREAM", "0") not in ("", "0"))
     q, k_cache, v_cache, lengths = cache_case(seqlen_q=2, dtype=BF16)
@@ -676,11 +677,13 @@ def test_stream_plans_are_opt_in_and_keep_the_plans_programs(monkeypatch):
     forced = dec.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1, window_right=0,
                                 num_splits=3)
     assert plain.stream is None and forced.stream is None and forced.splits == 3
-    assert stream.stream is not None and stream.grid == (3 * 2 * plain.splits, 1, 1)
+    assert stream.stream is not None
+    assert stream.grid == (dec._sm_count(q.device) * dec.STREAM_CONFIG.programs_per_sm, 1, 1)
+    assert stream.kernel_options["BLOCK_N"] == dec.STREAM_CONFIG.block_n
     monkeypatch.setattr(dec, "_PLANS", {})
     monkeypatch.setattr(dec, "STREAM_MAX_BATCH", 2)  # each program holds all the lengths: capped
     capped = dec.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1, window_right=0)
-    assert capped.stream is None and capped.grid == plain.grid
+    assert capped.stream is None and capped.grid == plain.grid and capped.kernel_options == plain.kernel_options
     monkeypatch.setattr(dec, "_PLANS", {})
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                  return_softmax_lse=True)

@@ -737,14 +737,17 @@ def _sm_count(device: torch.device) -> int:
 # call of every layer. transformers' growing cache changes the capacity at each step, hence the bound.
 _PLANS: dict = {}
 _MAX_PLANS = 1024
-# 16-bit caches: the Triton kernel's plans as stream-K (DecodeConfig.stream 1), opted into with
-# FLASHTILE_DECODE_STREAM=1. Against the plans as shipped in one run (stream-decode-h200-20261201-b,
-# us per layer; ragged: lengths drawn from [1, capacity]): B16 32/8 16k/64k 186.6 -> 148.9 / 811.7
-# -> 569.9, B64 32/8 16k 605.4 -> 529.0, B16 12/2 32k 119.7 -> 82.5, B64 12/2 32k 453.9 -> 267.5,
-# but B4 32/8 32k 81.5 -> 88.1 and ragged B16 32/8 4k 60.1 -> 75.7 (-c); equal lengths 1-5% slower (B16 32/8 4k 67.3 -> 70.4: the merge
-# launch the unsplit plans do not have). Off by default: bench decode times equal lengths, where
-# its points against cuDNN sit within 1% of parity. (Programs by the SM count instead, 2 or 4 per
-# SM: 4-11% slower with equal lengths, -sms and the same runs.)
+# 16-bit caches: the Triton kernel's calls as stream-K, opted into with FLASHTILE_DECODE_STREAM=1:
+# four 32-key 2-warp programs per SM (STREAM_CONFIG). Against the plans as shipped, us per layer,
+# ragged lengths drawn from [1, capacity] (stream-decode-h200-20261201-d): B16 32/8 4k/16k/64k
+# 60.7 -> 50.5 / 187.7 -> 132.5 / 812.3 -> 546.2, B64 12/2 4k 60.0 -> 45.4, B64 32/8 16k 607.7 ->
+# 539.4, B16 12/2 32k 119.9 -> 82.0, B64 12/2 32k 456.8 -> 259.6, B4 32/8 32k 81.9 -> 77.2
+# (1.06-1.76x). The plan's own program count (pairs x splits, the opt-in before: -b, -c) lost at
+# two of them (B16 32/8 4k 0.79x, B4 32/8 32k 0.93x: its shares cut nearly every short pair). With
+# equal lengths STREAM_CONFIG is 4-11% slower than the shipped plans (-d; the plan's count 1-5%).
+# Off by default: bench decode times equal lengths, where its points against cuDNN sit within 1%
+# of parity.
+STREAM_CONFIG = DecodeConfig(32, 2, 3, waves=1, pdl=True, stream=2, programs_per_sm=4)
 STREAM_PLANS = os.environ.get("FLASHTILE_DECODE_STREAM", "0") not in ("", "0")
 STREAM_MAX_BATCH = 1024
 # Eager calls with at most this many K+V bytes per (sequence, KV head) run unsplit, in one launch.
@@ -795,10 +798,11 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     heads_k_blocks = heads_k * -(-rows // tile_rows)
     cfg = config or decode_config(paged, device, batch * heads_k_blocks, fp8_cache, capacity, head_dim,
                                   rows)
-    if config is None and STREAM_PLANS and not fp8_cache and num_splits == 0:
-        cfg = dataclasses.replace(cfg, stream=1)
     # (every stream-K program holds a vector of all the lengths: up to STREAM_MAX_BATCH of them)
-    stream = bool(cfg.stream) and not one_launch and rows <= tile_rows and batch <= STREAM_MAX_BATCH
+    stream_ok = not one_launch and rows <= tile_rows and batch <= STREAM_MAX_BATCH
+    if config is None and STREAM_PLANS and not fp8_cache and num_splits == 0 and stream_ok:
+        cfg = dataclasses.replace(STREAM_CONFIG, page_prefetch=cfg.page_prefetch)
+    stream = bool(cfg.stream) and stream_ok
     if stream:  # splits: the programs, each a share of every pair's tiles
         if num_splits > 0:
             splits = num_splits
