@@ -2,13 +2,15 @@
 on caches of equal and of ragged lengths: the opt-in (FLASHTILE_DECODE_STREAM=1, decode.STREAM_CONFIG;
 until 2026-12-01's -c run it was the plans' own program counts, "the plan's programs") and CONFIGS.
 
-    PYTHONPATH=src python benchmarks/stream_decode.py --out $OUT [--points B,H,Hk,ctx,ragged;...]
+    PYTHONPATH=src python benchmarks/stream_decode.py --out $OUT [--points B,H,Hk,ctx,ragged;...] [--page-size N]
 
 ``ragged`` 1: sequence lengths drawn uniformly from [1, ctx] (fixed seed), the capacity ctx. Each
 point: a float64 check of every config's output on the point's first layer (rows of up to four
 sequences), then CUDA graphs over >= 1 GiB of layers timed in balanced rounds
 (bench.common.time_in_rounds; the stream-decode-h200-20261201* runs alternated the order plainly);
-GB/s counts the K/V bytes the lengths cover. Writes stream-decode.json under --out and prints a table.
+GB/s counts the K/V bytes the lengths cover. ``--page-size N``: the caches as page pools of N keys
+read through a shuffled block table (bench.decode's, shared by the layers as in vLLM). Writes
+stream-decode.json under --out and prints a table.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from flashtile.bench.common import time_in_rounds
 from flashtile.bench.decode import LayerCaches, Point, build_replay, ceiling_rate, gpu_timer, \
-    layers_for, measure_ceiling
+    layers_for, measure_ceiling, read_tokens, shuffled_block_table
 from flashtile.kernels import decode as dec
 
 POINTS = ("16,32,8,4096,0;16,32,8,16384,0;16,32,8,131072,0;64,12,2,16384,0;16,32,8,16384,1;"
@@ -102,6 +104,7 @@ def main() -> int:
     parser.add_argument("--out", default=".")
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--page-size", type=int, default=0, help="page pools of this many keys (0: contiguous)")
     parser.add_argument("--small", action="store_true",
                         help="only small cases, no timing (for compute-sanitizer)")
     args = parser.parse_args()
@@ -140,16 +143,26 @@ def main() -> int:
         nbytes = int(lengths.sum()) * heads_k * 128 * 2 * 2
         scale = 128 ** -0.5
 
+        page = args.page_size
+        table = (shuffled_block_table(batch, context // page, device, torch.Generator().manual_seed(context))
+                 if page else None)
+
         def call_with(cfg):
             def call(layer):
-                k, v = caches.nhd(layer)
+                k, v = caches.pools(layer, page) if page else caches.nhd(layer)
                 return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
-                                            window_right=0, config=cfg, need_lse=False)[0]
+                                            window_right=0, config=cfg, need_lse=False,
+                                            block_table=table)[0]
             return call
 
         variants = {"shipped": call_with(None), "stream (opt-in)": "plans",
                     **{n: call_with(c) for n, c in CONFIGS.items()}}
-        k0, v0 = caches.nhd(0)
+        if page:  # the checked sequences' keys in order, gathered through the table
+            pools = caches.pools(0, page)
+            k0, v0 = (torch.stack([read_tokens(pool, table, b, 0, context) for b in range(min(4, batch))])
+                      for pool in pools)
+        else:
+            k0, v0 = caches.nhd(0)
         checks, replays = {}, {}
         for n, fn in variants.items():
             plans = fn == "plans"  # what FLASHTILE_DECODE_STREAM=1 runs
@@ -170,11 +183,12 @@ def main() -> int:
             raise next(iter(errors.values()))
         med = {n: statistics.median(t) for n, t in times.items()}
         row = {"batch": batch, "heads": heads, "heads_k": heads_k, "context": context,
-               "ragged": bool(ragged), "lengths_sum": int(lengths.sum()), "bytes_per_layer": nbytes,
+               "ragged": bool(ragged), "page_size": page, "lengths_sum": int(lengths.sum()), "bytes_per_layer": nbytes,
                "layers": layers, "us": med, "rounds": times, "check_ratio": checks,
-               "plan": dec.describe_plan(q, k0, v0)}
+               "plan": dec.describe_plan(q, *(caches.pools(0, page) if page else (k0, v0)), table)}
         results.append(row)
-        print(f"B{batch} {heads}/{heads_k} {context} {'ragged' if ragged else 'equal'} "
+        print(f"B{batch} {heads}/{heads_k} {context} {'ragged' if ragged else 'equal'}"
+              f"{f' page {page}' if page else ''} "
               f"({row['plan']}):", flush=True)
         for n in names:
             gbps = nbytes / med[n] / 1e3
