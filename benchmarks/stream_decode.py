@@ -105,6 +105,8 @@ def main() -> int:
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=0, help="page pools of this many keys (0: contiguous)")
+    parser.add_argument("--splits", default="", help="comma-separated num_splits to time the shipped "
+                        "dispatch with as well (e.g. 2,4)")
     parser.add_argument("--small", action="store_true",
                         help="only small cases, no timing (for compute-sanitizer)")
     args = parser.parse_args()
@@ -147,16 +149,17 @@ def main() -> int:
         table = (shuffled_block_table(batch, context // page, device, torch.Generator().manual_seed(context))
                  if page else None)
 
-        def call_with(cfg):
+        def call_with(cfg, splits=0):
             def call(layer):
                 k, v = caches.pools(layer, page) if page else caches.nhd(layer)
                 return dec.decode_attention(q, k, v, lengths, softmax_scale=scale, window_left=-1,
                                             window_right=0, config=cfg, need_lse=False,
-                                            block_table=table)[0]
+                                            block_table=table, num_splits=splits)[0]
             return call
 
         variants = {"shipped": call_with(None), "stream (opt-in)": "plans",
-                    **{n: call_with(c) for n, c in CONFIGS.items()}}
+                    **{n: call_with(c) for n, c in CONFIGS.items()},
+                    **{f"num_splits={n}": call_with(None, int(n)) for n in filter(None, args.splits.split(","))}}
         if page:  # the checked sequences' keys in order, gathered through the table
             pools = caches.pools(0, page)
             k0, v0 = (torch.stack([read_tokens(pool, table, b, 0, context) for b in range(min(4, batch))])

@@ -72,6 +72,25 @@ def test_gluon_plan_keeps_asked_splits(monkeypatch):
     assert plan[0] == 1 and plan[4].dtype == "fp16" and plan[4].causal and plan[4].batch_idx
 
 
+def test_stream_opt_in_splits_gluon_plans(monkeypatch):
+    # FLASHTILE_DECODE_STREAM=1 (lengths that differ): the Gluon kernel's 16-bit plans cut every
+    # pair into at least STREAM_GLUON_SPLITS; plans with more, asked counts, one launch and e4m3
+    # caches stay as they are.
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def splits(batch, heads_k, capacity, asked=0, one_launch=False, fp8=False):
+        return decode._gluon_plan(batch, heads_k, 128, torch.bfloat16, cpu, capacity, asked, 16, True,
+                                  False, one_launch, fp8, 4)[0]
+
+    plain = [splits(16, 8, 16384), splits(64, 8, 16384), splits(1, 8, 32768), splits(64, 2, 8192, fp8=True)]
+    assert plain[:3] == [1, 1, 16]
+    monkeypatch.setattr(decode, "STREAM_PLANS", True)
+    assert splits(16, 8, 16384) == splits(64, 8, 16384) == decode.STREAM_GLUON_SPLITS
+    assert splits(1, 8, 32768) == 16 and splits(64, 2, 8192, fp8=True) == plain[3]
+    assert splits(16, 8, 16384, asked=2) == 2 and splits(16, 8, 16384, one_launch=True) == 1
+
+
 def test_cpu_calls_keep_the_portable_kernel():
     q, k, v = _paged()
     table = torch.arange(10, dtype=torch.int32).view(2, 5)

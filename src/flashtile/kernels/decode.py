@@ -749,6 +749,13 @@ _MAX_PLANS = 1024
 # of parity.
 STREAM_CONFIG = DecodeConfig(32, 2, 3, waves=1, pdl=True, stream=2, programs_per_sm=4)
 STREAM_PLANS = os.environ.get("FLASHTILE_DECODE_STREAM", "0") not in ("", "0")
+# ... and the 16-bit calls the Gluon kernel takes (page pools up to a few hundred pairs on sm_90),
+# which have no stream-K form: at least this many splits, so that a long sequence's keys are cut
+# over several programs. Page 16, ragged lengths, against the plans' own 1 split
+# (stream-decode-paged16-h200-20261201-b): B16 32/8 4k/16k 1.02/1.14x, B64 32/8 16k 1.13x, B64
+# 12/2 32k 1.15x (8 splits 0.87/1.14/1.13/1.18x); B16 12/2 and B4 32/8 32k plan 4 already. With
+# it (-c): ragged 1.00-1.15x, equal lengths 0.89-1.00x (B16 32/8 4k 0.89x).
+STREAM_GLUON_SPLITS = 4
 STREAM_MAX_BATCH = 1024
 # Eager calls with at most this many K+V bytes per (sequence, KV head) run unsplit, in one launch.
 EAGER_ONE_LAUNCH_BYTES = 512 * 1024
@@ -1062,6 +1069,8 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         most = max(1, min(128, base.programs_per_sm * sms // pairs))
         splits = split_heuristic(batch, heads_k, capacity, device,
                                  dataclasses.replace(base, max_splits=most))
+        if STREAM_PLANS and not fp8:  # the opt-in for lengths that differ (see STREAM_GLUON_SPLITS)
+            splits = max(splits, STREAM_GLUON_SPLITS)
     # V^T in registers: three CTAs per SM at 80 registers, four at 64 (rows <= 8 only: 16 spill)
     v_regs = fp8 and E4M3_V_REGS and rows <= (8 if base.programs_per_sm == 4 else 16) \
         and base.programs_per_sm >= 3
