@@ -151,10 +151,6 @@ class GluonVariant:
     # most key tiles skip the O *= alpha pass; exact, because the final division by the running
     # sum (kept against the same reference) cancels it, and P stays below 2^RESCALE_THRESHOLD.
     lazy_rescale: bool = False
-    # 2 ("-lazyw"): the same reference rule, with the O *= alpha pass skipped per warp: a warp whose
-    # 16 rows all kept their reference (vote.any over its lanes) branches past its multiplies; no
-    # exchange between the warps and no barrier, so it also fits schedules without ping-pong.
-    # (1 is the warpgroup-wide decision above.)
     # FlashAttention-4's exponential on the FMA pipe: of every 8 exponentials a thread computes on
     # an unmasked key tile, this many come from a cubic polynomial (2^n * p(f), n = round(x)) instead
     # of MUFU.EX2, whose 16 results per clock per SM bound the softmax when the tensor cores are
@@ -184,7 +180,7 @@ class GluonVariant:
             raise ValueError("snake order needs persistent CTAs")
         if self.own_range and (self.pingpong or not self.causal or not self.warp_specialize):
             raise ValueError("own key ranges need causal consumers without ping-pong")
-        if self.lazy_rescale == 1 and self.fp8:
+        if self.lazy_rescale and self.fp8:
             # e4m3 would hold P <= 2^8, but the e4m3 kernels ran 4-15% slower with it at d128 causal
             # and d256 (gluon-ab-lazy-fp8-h200-20261130.json), so they keep the plain rescale.
             raise ValueError("the lazy rescale is for 16-bit inputs")
@@ -226,7 +222,7 @@ class GluonVariant:
         if self.warp_specialize and self.consumers != 2:
             sched += f"-c{self.consumers}"
         if self.lazy_rescale:
-            sched += "-lazyw" if self.lazy_rescale == 2 else "-lazy"
+            sched += "-lazy"
         if self.exp2_poly:
             sched += f"-poly{self.exp2_poly}"
         if not self.p_pack_asm and not self.fp8:
@@ -447,12 +443,6 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # pipe (exp2_poly 1 / 2)
                   + [dataclasses.replace(default_variant(128, "fp8", c), exp2_poly=k)
                      for c in (False, True) for k in (0, 3 - default_variant(128, "fp8", c).exp2_poly)]
-                  # e4m3 d128 with the lazy rescale decided per warp (measured, not dispatched)
-                  + [dataclasses.replace(default_variant(128, "fp8", c), lazy_rescale=2)
-                     for c in (False, True)]
-                  + [dataclasses.replace(default_variant(d, "bf16", c), lazy_rescale=2,
-                                         max_stack=max(8, default_variant(d, "bf16", c).max_stack))
-                     for d in (64, 128, 256) for c in (False, True)]
                   # 16-bit P converted by Triton (a PRMT per pair), the defaults before 2026-11-30
                   + [dataclasses.replace(default_variant(d, "bf16", c), p_pack_asm=False)
                      for d in (64, 128, 256) for c in (False, True)]
@@ -768,41 +758,6 @@ if _GLUON:
             return gl.inline_asm_elementwise(_exp2_asm(POLY), "=f," * 8 + "f," * 7 + "f", [x],
                                              dtype=gl.float32, is_pure=True, pack=8)
 
-    # Per warp: any of the thread's two rows moved (alpha < 1), voted over the warp's lanes; the
-    # same 0/1 flag in every lane of a warp.
-    _WARP_MOVED_ASM = gl.constexpr("{ .reg .pred p, q; setp.lt.f32 p, $2, 0f3F800000; "
-                                   "setp.lt.f32 q, $3, 0f3F800000; or.pred p, p, q; "
-                                   "vote.sync.any.pred p, p, 0xffffffff; "
-                                   "selp.f32 $0, 0f3F800000, 0f00000000, p; mov.f32 $1, $0; }")
-    _WARP_RESCALE_PACK = gl.constexpr(16)
-
-    @gluon.constexpr_function
-    def _warp_rescale_asm(pack):
-        """O *= alpha over ``pack`` accumulator registers ($0.. tied to $pack..), alphas at
-        $2pack.., skipped by the whole warp when its flag ($3pack) is 0."""
-        lines = ["{", ".reg .pred p;", f"setp.ne.f32 p, ${3 * pack}, 0f00000000;", "@!p bra.uni SKIP;"]
-        lines += [f"mul.f32 ${i}, ${pack + i}, ${2 * pack + i};" for i in range(pack)]
-        lines += ["SKIP:", "}"]
-        return "\n".join(lines)
-
-    @gluon.constexpr_function
-    def _warp_rescale_constraints(pack):
-        return ",".join(["=f"] * pack + [str(i) for i in range(pack)] + ["f"] * (2 * pack))
-
-    @gluon.jit
-    def _warp_rescale(o, alpha):
-        """O *= alpha (lazy rescale, per warp): alpha is exactly 1 on rows whose reference did not
-        move, so a warp where none moved skips its multiplies; the branch is warp-uniform."""
-        o_layout: gl.constexpr = o.type.layout
-        a = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-        moved = gl.inline_asm_elementwise(_WARP_MOVED_ASM, "=f,=f,f,f", [a], dtype=gl.float32,
-                                          is_pure=True, pack=2)
-        a2, _ = gl.broadcast(gl.expand_dims(a, 1), o)
-        m2, _ = gl.broadcast(gl.expand_dims(moved, 1), o)
-        return gl.inline_asm_elementwise(_warp_rescale_asm(_WARP_RESCALE_PACK),
-                                         _warp_rescale_constraints(_WARP_RESCALE_PACK), [o, a2, m2],
-                                         dtype=gl.float32, is_pure=True, pack=_WARP_RESCALE_PACK)
-
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
                       MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
@@ -957,16 +912,14 @@ if _GLUON:
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
         else:
             p_next = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, j, WG, FP8)
-            if LAZY == 1:  # whether any row's reference moved: warps exchange it while P V still runs
+            if LAZY:  # whether any row's reference moved: warps exchange it while P V still runs
                 rescale = gl.min(alpha, 0) < 1.0
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
         mbarrier.arrive(v_empty.index(prev))
         if LOADS:
             _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
                              ring - 1 + STAGES, BLOCK_N, STAGES, j - 1 + STAGES < num_tiles, FP8)
-        if LAZY == 2:
-            o = _warp_rescale(o, alpha)
-        elif LAZY:
+        if LAZY:
             if rescale:
                 o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         else:
