@@ -190,11 +190,9 @@ class GluonVariant:
             raise ValueError("seqused_k: 16-bit caches only")
         if self.page_rows and (not self.seqused_k or self.page_rows % 8 or self.block_n % self.page_rows):
             raise ValueError("page_rows: with seqused_k, a multiple of 8 dividing the key tile")
-        if self.q_regs and not (self.fp8 and self.q_regs == self.head_dim) \
-                and (self.fp8 or 2 * self.q_regs != self.head_dim):
-            # Gluon's tile extents are powers of two: the two halves of the head dim (e4m3: all of
-            # Q, 64 bytes a thread)
-            raise ValueError("q_regs: half the head dim (16-bit) or all of it (e4m3)")
+        if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
+            # Gluon's tile extents are powers of two: the two halves of the head dim
+            raise ValueError("q_regs: half the head dim, 16-bit inputs")
 
     @property
     def block_m(self) -> int:
@@ -445,9 +443,6 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # pipe (exp2_poly 1 / 2)
                   + [dataclasses.replace(default_variant(128, "fp8", c), exp2_poly=k)
                      for c in (False, True) for k in (0, 3 - default_variant(128, "fp8", c).exp2_poly)]
-                  # e4m3 d128 with all of Q in registers as the A operand of S = Q K^T
-                  + [dataclasses.replace(default_variant(128, "fp8", c), q_regs=128)
-                     for c in (False, True)]
                   # 16-bit P converted by Triton (a PRMT per pair), the defaults before 2026-11-30
                   + [dataclasses.replace(default_variant(d, "bf16", c), p_pack_asm=False)
                      for d in (64, 128, 256) for c in (False, True)]
@@ -860,10 +855,8 @@ if _GLUON:
         """Issue S = Q K^T: one wgmma from shared memory, or (Q_REGS > 0) the first Q_REGS columns
         from the register operand ``q_lo`` and the rest from shared memory, as two wgmmas that the
         caller waits for as one (both precede the P V it issues next)."""
-        HEAD_DIM: gl.constexpr = q_tile.shape[1]
-        if Q_REGS == HEAD_DIM:
-            tok = warpgroup_mma(q_lo, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        elif Q_REGS > 0:
+        if Q_REGS > 0:
+            HEAD_DIM: gl.constexpr = q_tile.shape[1]
             tok = warpgroup_mma(q_lo, k_tile.slice(0, Q_REGS, dim=1).permute((1, 0)), zero_s,
                                 use_acc=False, is_async=True)
             tok = warpgroup_mma(q_tile.slice(Q_REGS, HEAD_DIM - Q_REGS, dim=1),
@@ -902,7 +895,7 @@ if _GLUON:
         o_tok = warpgroup_mma(p_prev, v_tile, o, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         # The older of the two groups (S_j) is done; P V keeps running through the softmax.
-        if Q_REGS > 0 and not FP8:  # (e4m3 Q in registers: 8-bit, see _pv_wait; live throughout)
+        if Q_REGS > 0:
             s, _, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile, q_lo))
         else:
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
@@ -985,11 +978,8 @@ if _GLUON:
         q_tile = q_smem.reshape([ROWS, HEAD_DIM])
         if Q_REGS > 0:  # Q's first Q_REGS columns as a register operand, loaded once per block
             q_reg_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout,
-                                                             k_width=K_WIDTH)
-            if Q_REGS == HEAD_DIM:
-                q_lo = q_tile.load(q_reg_layout)
-            else:
-                q_lo = q_tile.slice(0, Q_REGS, dim=1).load(q_reg_layout)
+                                                             k_width=2)
+            q_lo = q_tile.slice(0, Q_REGS, dim=1).load(q_reg_layout)
         else:
             q_lo = q_tile
 
@@ -1010,7 +1000,7 @@ if _GLUON:
         k_tile = k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM])
         s_tok = _scores_mma(q_tile, q_lo, k_tile, zero_s, Q_REGS)
         _pass_turn(turn_bars, WG, PINGPONG)
-        if Q_REGS > 0 and not FP8:
+        if Q_REGS > 0:
             s, _, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile, q_lo))
         else:
             s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_tile, k_tile))
