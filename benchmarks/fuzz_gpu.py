@@ -1,0 +1,254 @@
+"""Random calls of the public API on the GPU against the float64 reference: the kernels the CPU tests
+cannot run (the Gluon forward, backward and decode, the GPU plans and key steps) under random
+shapes and options.
+
+    PYTHONPATH=src python benchmarks/fuzz_gpu.py --out $OUT [--seed S] [--seconds T] [--family F]
+
+Families: ``prefill`` (flash_attn_func forward, and backward on half the cases), ``varlen``
+(flash_attn_varlen_func), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
+page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48). Every case uses the test
+suite's accuracy rule (tests/helpers.py: output within 2x the error of textbook attention in the
+input dtype, gradients 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
+``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes
+$OUT/fuzz-gpu-<seed>.json with every failing case's parameters; exit status 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from helpers import (assert_grads_match_reference, assert_matches_reference,  # noqa: E402
+                     rotary_reference)
+
+import flashtile  # noqa: E402
+
+DEV = "cuda"
+SCALE = 1.0  # length bounds times this (--scale: a small smoke run through the interpreter)
+HEAD_DIMS = (40, 64, 80, 96, 111, 128, 192, 256)
+
+
+def _n(bound: int) -> int:
+    return max(1, int(bound * SCALE))
+
+
+def _mask_options(rng, causal_p=0.5):
+    kw = {}
+    if rng.random() < causal_p:
+        kw["causal"] = True
+    if rng.random() < 0.15:
+        kw["window_size"] = (rng.randint(0, _n(300)), rng.choice([-1, rng.randint(0, _n(300))]))
+    if rng.random() < 0.15:
+        kw["softcap"] = rng.choice([5.0, 30.0])
+    return kw
+
+
+def prefill_case(rng):
+    b, hk = rng.randint(1, 3), rng.choice([1, 2, 4])
+    h = hk * rng.choice([1, 2, 4])
+    sq, sk = rng.randint(1, _n(2500)), rng.randint(1, _n(2500))
+    if rng.random() < 0.4:
+        sk = sq
+    d = rng.choice(HEAD_DIMS)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    kw = _mask_options(rng)
+    if rng.random() < 0.1:
+        kw["alibi_slopes"] = torch.rand(b, h, device=DEV) if rng.random() < 0.5 else torch.rand(h, device=DEV)
+    backward = rng.random() < 0.5
+    params = dict(family="prefill", b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, dtype=str(dtype), backward=backward,
+                  **{k: (v if not torch.is_tensor(v) else list(v.shape)) for k, v in kw.items()})
+
+    def run():
+        q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
+        k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
+        v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
+        qq, kk, vv = (t.clone().requires_grad_(backward) for t in (q, k, v))
+        out, lse, _ = flashtile.flash_attn_func(qq, kk, vv, return_attn_probs=True, **kw)
+        assert_matches_reference(out.detach(), lse.detach(), q, k, v, **kw)
+        if backward:
+            dout = torch.randn_like(out)
+            out.backward(dout)
+            assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **kw)
+    return params, run
+
+
+def varlen_case(rng):
+    n = rng.randint(1, 5)
+    hk = rng.choice([1, 2])
+    h = hk * rng.choice([1, 3, 4])
+    d = rng.choice(HEAD_DIMS)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    lens_q = [rng.randint(0 if rng.random() < 0.1 else 1, _n(1200)) for _ in range(n)]
+    lens_q[0] = max(lens_q[0], 1)
+    lens_k = [rng.randint(1, _n(1200)) if rng.random() < 0.5 else lq for lq in lens_q]
+    kw = _mask_options(rng)
+    params = dict(family="varlen", h=h, hk=hk, d=d, dtype=str(dtype), lens_q=lens_q, lens_k=lens_k, **kw)
+
+    def run():
+        q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
+        k = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
+        v = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
+        cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).to(torch.int32)
+        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                       return_attn_probs=True, **kw)
+        for i in range(n):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            if qs.stop == qs.start:
+                continue
+            assert_matches_reference(out[None, qs], lse[None, :, qs], q[None, qs], k[None, ks], v[None, ks],
+                                     **kw)
+    return params, run
+
+
+def _paged(k_cache, v_cache, page_size):
+    """The contiguous cache's rows on a shuffled page pool (spare pages of noise), and the table."""
+    batch, capacity = k_cache.shape[:2]
+    per_seq = -(-capacity // page_size)
+    pages = batch * per_seq + 3
+    order = torch.randperm(pages, device=DEV)[:batch * per_seq].view(batch, per_seq)
+    k_pool = torch.randn(pages, page_size, *k_cache.shape[2:], device=DEV, dtype=k_cache.dtype)
+    v_pool = torch.randn_like(k_pool)
+    k_view = k_pool.new_zeros(batch, per_seq * page_size, *k_cache.shape[2:])
+    k_view[:, :capacity] = k_cache
+    v_view = torch.zeros_like(k_view)
+    v_view[:, :capacity] = v_cache
+    k_pool[order.flatten()] = k_view.view(batch * per_seq, page_size, *k_cache.shape[2:])
+    v_pool[order.flatten()] = v_view.view(batch * per_seq, page_size, *k_cache.shape[2:])
+    return k_pool, v_pool, order.to(torch.int32)
+
+
+def _gather(pool, table, capacity):
+    batch, per_seq = table.shape
+    return pool[table.long().flatten()].view(batch, per_seq * pool.shape[1], *pool.shape[2:])[:, :capacity]
+
+
+def kvcache_case(rng):
+    b = rng.choice([1, 2, 3, 5, 8, 16])
+    hk = rng.choice([1, 2, 8])
+    h = hk * rng.choice([1, 4, 6])
+    sq = rng.choice([1, 1, 1, 2, 4, 8, rng.randint(1, 48)])
+    d = rng.choice([64, 128, 128, 128, 96, 256])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    capacity = rng.choice([rng.randint(sq + 8, sq + 8 + _n(600)), rng.randint(sq + 8 + _n(600), sq + 8 + _n(6000))])
+    page = rng.choice([None, None, 1, 3, 8, 16, 16, 64, 256])
+    new = rng.choice([0, 0, sq])
+    kw = _mask_options(rng, causal_p=0.7 if sq > 1 else 0.3)
+    splits = rng.choice([0, 0, 0, 1, 3])
+    leftpad = page is None and rng.random() < 0.2
+    batch_idx = page is None and rng.random() < 0.2
+    rotary = rng.random() < 0.2 and new > 0
+    rotary_dim = rng.choice([d // 2, d]) if rotary else 0
+    rotary_dim -= rotary_dim % 16
+    rotary = rotary and rotary_dim > 0
+    interleaved = rng.random() < 0.5
+    params = dict(family="kvcache", b=b, h=h, hk=hk, sq=sq, d=d, dtype=str(dtype), capacity=capacity,
+                  page=page, new=new, splits=splits, leftpad=leftpad, batch_idx=batch_idx,
+                  rotary_dim=rotary_dim if rotary else 0, interleaved=interleaved, **kw)
+
+    def run():
+        rows = b + 2 if batch_idx else b
+        q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
+        k_cache = torch.randn(rows, capacity, hk, d, device=DEV, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        lengths = torch.randint(0, capacity - new + 1, (b,), device=DEV, dtype=torch.int32)
+        if rng.random() < 0.3:
+            lengths[rng.randrange(b)] = capacity - new
+        starts = torch.zeros(b, device=DEV, dtype=torch.int32)
+        extra = {}
+        if leftpad:
+            starts = (torch.rand(b, device=DEV) * (lengths.float() + 1)).long().clamp(max=lengths).to(torch.int32)
+            extra["cache_leftpad"] = starts
+        cache_rows = torch.arange(b, device=DEV, dtype=torch.int32)
+        if batch_idx:
+            cache_rows = torch.randperm(rows, device=DEV)[:b].to(torch.int32)
+            extra["cache_batch_idx"] = cache_rows
+        if new:
+            extra["k"] = torch.randn(b, new, hk, d, device=DEV, dtype=dtype)
+            extra["v"] = torch.randn(b, new, hk, d, device=DEV, dtype=dtype)
+        if rotary:
+            angles = torch.rand(capacity + sq, rotary_dim // 2, device=DEV) * 6
+            extra.update(rotary_cos=torch.cos(angles).to(dtype), rotary_sin=torch.sin(angles).to(dtype),
+                         rotary_interleaved=interleaved)
+        if page:
+            k_in, v_in, table = _paged(k_cache, v_cache, page)
+            extra["block_table"] = table
+        else:
+            k_in, v_in = k_cache, v_cache
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_in, v_in, cache_seqlens=lengths, num_splits=splits,
+                                                     return_softmax_lse=True, **extra, **kw)
+        if page:  # what the pages hold now, appends included
+            k_cache = _gather(k_in, table, capacity)
+            v_cache = _gather(v_in, table, capacity)
+        for i in range(b):
+            row, start, n = int(cache_rows[i]), int(starts[i]), int(lengths[i]) + new
+            qi = q[i:i + 1]
+            if rotary:
+                pos = torch.arange(sq, device=DEV) + (n - new - start)
+                q_pos = pos if kw.get("causal") or "window_size" in kw else torch.full_like(pos, n - new - start)
+                qi = rotary_reference(qi, extra["rotary_cos"], extra["rotary_sin"], q_pos[None], interleaved)
+            assert_matches_reference(out[i:i + 1], lse[i:i + 1], qi, k_cache[row:row + 1, start:n],
+                                     v_cache[row:row + 1, start:n], **kw)
+    return params, run
+
+
+FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seconds", type=float, default=240.0)
+    ap.add_argument("--scale", type=float, default=1.0, help="length bounds times this")
+    ap.add_argument("--device", default="cuda", help="cpu: through the Triton interpreter (smoke run)")
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES),
+                    help="families to draw from (default: all)")
+    args = ap.parse_args(argv)
+    global DEV, SCALE
+    DEV, SCALE = args.device, args.scale
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    families = args.family or sorted(FAMILIES)
+    t0 = time.time()
+    cases, failures = [], []
+    while time.time() - t0 < args.seconds:
+        params, run = FAMILIES[rng.choice(families)](rng)
+        start = time.time()
+        try:
+            run()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            state = "ok"
+        except Exception as exc:  # record and go on: the point is to find every failing kind
+            state = f"{type(exc).__name__}: {str(exc)[:300]}"
+            failures.append(dict(params, error=state, trace=traceback.format_exc()[-1500:]))
+            print("FAIL", params, state, flush=True)
+        cases.append(dict(params, state=state, seconds=round(time.time() - start, 2)))
+    stream = os.environ.get("FLASHTILE_DECODE_STREAM", "0")
+    result = dict(seed=args.seed, families=families, stream_opt_in=stream, device=torch.cuda.get_device_name() if DEV == "cuda" else DEV,
+                  cases=len(cases), failures=failures, all_cases=cases, seconds=round(time.time() - t0, 1))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"fuzz-gpu-{args.seed}{'-stream' if stream not in ('', '0') else ''}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    by_family = {}
+    for c in cases:
+        ok, n = by_family.get(c["family"], (0, 0))
+        by_family[c["family"]] = (ok + (c["state"] == "ok"), n + 1)
+    print(f"seed {args.seed} (stream opt-in {stream}): {len(cases)} cases in {result['seconds']} s, "
+          f"{len(failures)} failed; " + ", ".join(f"{k} {ok}/{n} ok" for k, (ok, n) in sorted(by_family.items())))
+    print(f"wrote {path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
