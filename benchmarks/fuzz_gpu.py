@@ -6,7 +6,8 @@ shapes and options.
 
 Families: ``prefill`` (flash_attn_func forward, and backward on half the cases), ``varlen``
 (flash_attn_varlen_func), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
-page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48). Every case uses the test
+page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on
+e4m3 caches with per-key descales, paged ones included, appends quantized in place). Every case uses the test
 suite's accuracy rule (tests/helpers.py: output within 2x the error of textbook attention in the
 input dtype, gradients 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
 ``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes
@@ -200,7 +201,91 @@ def kvcache_case(rng):
     return params, run
 
 
-FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case}
+def _pool(x, order, page_size, fill):
+    """Rows (B, S, ...) of ``x`` scattered over a pool of pages (``order`` (B, pages) the table),
+    spare pages and the slots past S filled with ``fill``."""
+    batch, capacity = x.shape[:2]
+    per_seq = order.shape[1]
+    pool = torch.full((int(order.max()) + 4, page_size, *x.shape[2:]), fill, device=DEV, dtype=x.dtype)
+    view = torch.full((batch, per_seq * page_size, *x.shape[2:]), fill, device=DEV, dtype=x.dtype)
+    view[:, :capacity] = x
+    pool[order.long().flatten()] = view.view(batch * per_seq, page_size, *x.shape[2:])
+    return pool
+
+
+def e4m3_cache_call(q, k8, v8, kd, vd, page, describe=False, **kw):
+    """flash_attn_with_kvcache on an e4m3 cache (B, S, Hk, D) with per-key descales (B, S, Hk),
+    contiguous or (``page``) as a shuffled pool of such pages, the descales through the same table
+    (NaN in every slot past the cache: never read). Returns (out, the cache's dequantized K and V
+    after the call (appends included) as (B, S, Hk, D) float32, and with ``describe`` the plan
+    decode.describe_plan reports)."""
+    from flashtile.kernels.decode import describe_plan
+    capacity = k8.shape[1]
+    if page:
+        per_seq = -(-capacity // page)
+        order = torch.randperm(k8.shape[0] * per_seq + 3, device=DEV)[:k8.shape[0] * per_seq]
+        order = order.view(k8.shape[0], per_seq).to(torch.int32)
+        k_in, v_in = (_pool(x.view(torch.uint8), order, page, 0).view(torch.float8_e4m3fn) for x in (k8, v8))
+        kd_in, vd_in = (_pool(x, order, page, float("nan")) for x in (kd, vd))
+        kw["block_table"] = order
+    else:
+        k_in, v_in, kd_in, vd_in = k8, v8, kd, vd
+    plan = describe_plan(q, k_in, v_in, block_table=kw.get("block_table"), causal=kw.get("causal", False),
+                         in_graph=False) if describe else None
+    out = flashtile.flash_attn_with_kvcache(q, k_in, v_in, k_descale=kd_in, v_descale=vd_in, **kw)
+    if page:
+        k8, v8 = (_gather(x.view(torch.uint8), order, capacity).view(torch.float8_e4m3fn) for x in (k_in, v_in))
+        kd, vd = (_gather(x, order, capacity) for x in (kd_in, vd_in))
+    else:
+        k8, v8, kd, vd = k_in, v_in, kd_in, vd_in
+    return out, k8.float() * kd[..., None], v8.float() * vd[..., None], plan
+
+
+def kvcache_fp8_case(rng):
+    """An e4m3 cache with per-key descales (fp8.quantize_per_key), contiguous or paged (descales
+    through the same table, NaN in every slot past the cache), appends of bf16 keys quantized in place;
+    the reference is float64 attention on the dequantized cache after the call, the budget 2x the same
+    attention in the query's dtype (tests/test_fp8.py's rule)."""
+    from flashtile import fp8
+    b = rng.choice([1, 2, 4, 16])
+    hk = rng.choice([1, 2, 8])
+    h = hk * rng.choice([1, 4, 6])
+    sq = rng.choice([1, 1, 2, 4, rng.randint(1, 32)])
+    d = rng.choice([64, 128, 128, 256])
+    capacity = rng.choice([rng.randint(sq + 8, sq + 8 + _n(600)), rng.randint(sq + 8 + _n(600), sq + 8 + _n(8000))])
+    page = rng.choice([None, None, 1, 8, 16, 64, 256])
+    new = rng.choice([0, 0, sq])
+    causal = rng.random() < (0.7 if sq > 1 else 0.3)
+    softcap = rng.choice([0.0, 0.0, 0.0, 20.0])
+    splits = rng.choice([0, 0, 1, 3])
+    params = dict(family="kvcache-fp8", b=b, h=h, hk=hk, sq=sq, d=d, capacity=capacity, page=page, new=new,
+                  causal=causal, softcap=softcap, splits=splits)
+
+    def run():
+        q = torch.randn(b, sq, h, d, device=DEV, dtype=torch.bfloat16)
+        (k8, kd), (v8, vd) = (fp8.quantize_per_key(torch.randn(b, capacity, hk, d, device=DEV) * scale)
+                              for scale in (3.0, 1.0))
+        lengths = torch.randint(0, capacity - new + 1, (b,), device=DEV, dtype=torch.int32)
+        extra = dict(cache_seqlens=lengths, causal=causal, softcap=softcap, num_splits=splits)
+        if new:
+            extra["k"] = torch.randn(b, new, hk, d, device=DEV, dtype=torch.bfloat16) * 3
+            extra["v"] = torch.randn(b, new, hk, d, device=DEV, dtype=torch.bfloat16)
+        out, k_deq, v_deq, _ = e4m3_cache_call(q, k8, v8, kd, vd, page, **extra)
+        assert torch.isfinite(out).all(), "non-finite output"
+        from flashtile.reference import attention as textbook
+        for i in range(b):
+            n = int(lengths[i]) + new
+            args = (q[i:i + 1].double(), k_deq[i:i + 1, :n].double(), v_deq[i:i + 1, :n].double())
+            ref, _ = textbook(*args, causal=causal, softcap=softcap)
+            low, _ = textbook(*(t.to(q.dtype) for t in args), causal=causal, softcap=softcap)
+            err = (out[i:i + 1].double() - ref).abs().max().item()
+            budget = 2 * (low.double() - ref).abs().max().item() + 1e-6
+            assert err <= budget, f"sequence {i}: max error {err:.3g} > 2x textbook bf16 error ({budget:.3g})"
+    return params, run
+
+
+FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case,
+            "kvcache-fp8": kvcache_fp8_case}
 
 
 def main(argv=None) -> int:

@@ -386,6 +386,18 @@ def test_paged_plans(h200_plans):
     assert decode.decode_config(True, dev, 512, fp8_cache=True).block_n == 128
 
 
+def test_wide_rows_plans_on_e4m3_pages_past_head_dim_128_take_64_key_steps(h200_plans):
+    # 32-key steps gave wrong outputs there on the H200 (fuzz-e4m3-wide-h200-20261201.log); other
+    # caches past head dim 128 keep 32-key steps, head dims up to 128 their 64-key plan.
+    decode, dev = h200_plans
+    for head_dim in (192, 256):
+        pages = decode.decode_config(True, dev, 64, fp8_cache=True, head_dim=head_dim, rows=80)
+        assert (pages.block_n, pages.num_warps, pages.num_stages, pages.fp8_split_q) == (64, 8, 2, True)
+        assert decode.decode_config(False, dev, 64, fp8_cache=True, head_dim=head_dim, rows=80).block_n == 32
+        assert decode.decode_config(True, dev, 64, head_dim=head_dim, rows=80).block_n == 32
+    assert decode.decode_config(True, dev, 64, fp8_cache=True, head_dim=128, rows=80).block_n == 64
+
+
 @pytest.fixture
 def small_row_blocks(monkeypatch):
     """The Triton decode kernel with tiles of at most 16 query rows, so that small cases take

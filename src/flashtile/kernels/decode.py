@@ -638,11 +638,21 @@ def _wide_rows_config(paged: bool, head_dim: int, fp8_cache: bool = False) -> De
     274.9 -> 37.7/62.9/114.4/215.4/229.3.
     With two waves, 1024-key splits, 2 or 4 stages or 128-key steps it was slower at one point or
     more (-wide-b). Head dims over 128 (not measured): 32-key steps and 2 stages, so that Q and the
-    K/V stages fit in shared memory."""
+    K/V stages fit in shared memory; e4m3 page pools 64-key steps (WIDE_E4M3_PAGED_BLOCK_N)."""
     split_q = fp8_cache and FP8_SPLIT_Q_WIDE
     if head_dim <= 128:
         return DecodeConfig(64, 8, 3, waves=1, min_split_keys=256, pdl=not paged, fp8_split_q=split_q)
-    return DecodeConfig(32, 8, 2, waves=1, min_split_keys=256, pdl=not paged, fp8_split_q=split_q)
+    block_n = WIDE_E4M3_PAGED_BLOCK_N if fp8_cache and paged else 32
+    return DecodeConfig(block_n, 8, 2, waves=1, min_split_keys=256, pdl=not paged, fp8_split_q=split_q)
+
+
+# e4m3 page pools, head dims over 128, more than 64 query rows a KV head: 64-key steps. With 32-key
+# steps the H200 gave wrong outputs (40-54x the error budget on every row, pages of 1 and 16, head
+# dims 192 and 256, 4 or 8 warps, 1 or 2 stages, K widened or not; contiguous caches and head dim
+# 128 right; the interpreter right with the same plan): found by benchmarks/fuzz_gpu.py
+# (fuzz-gpu-h200-20261201-seed4-fp8.json), isolated in fuzz-e4m3-wide-h200-20261201.log (64-key
+# steps right there), not understood; benchmarks/wide_rows_check.py re-runs the cases.
+WIDE_E4M3_PAGED_BLOCK_N = 64
 
 
 # e4m3 caches past 64 query rows a KV head (_wide_rows_config): the query as two e4m3 terms and S by
