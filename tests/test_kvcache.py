@@ -270,7 +270,8 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
             assert paged.fp8_split_q == (stages == 1) == (paged.num_stages == 1)
             assert not decode.decode_config(False, dev, pairs, False, rows=rows).fp8_split_q
     # ... past 64 rows 128-row tiles on 8 warps, 64-key steps, 3 stages, one wave (32-key steps and
-    # 2 stages over head dim 128), any cache; PDL on contiguous caches only
+    # 2 stages over head dim 128, but 64-key steps on e4m3 pages), any cache; PDL on contiguous caches
+    # only
     for paged in (False, True):
         for fp8_cache in (False, True):
             for pairs in (2, 32, 128, 512):
@@ -278,7 +279,7 @@ def test_pairs_near_the_sm_count_run_unsplit(h200_plans, monkeypatch):
                 assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.waves, cfg.min_split_keys,
                         cfg.pdl, cfg.fp8_split_q) == (64, 8, 3, 1, 256, not paged, fp8_cache)
             cfg = decode.decode_config(paged, dev, 2, fp8_cache, head_dim=256, rows=96)
-            assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (32, 8, 2)
+            assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (64 if paged and fp8_cache else 32, 8, 2)
 
     def tile_rows(heads, heads_k, seqlen_q, paged=False, fp8_cache=False):
         plan = decode._plan(16, seqlen_q, heads, heads_k, 128, torch.bfloat16, dev, paged, 16384, 0,
