@@ -647,7 +647,7 @@ def _wide_rows_config(paged: bool, head_dim: int, fp8_cache: bool = False) -> De
 
 
 # e4m3 page pools, head dims over 128, more than 64 query rows a KV head: 64-key steps. With 32-key
-# steps the H200 gave wrong outputs (40-54x the error budget on every row, pages of 1 and 16, head
+# steps the H200 gave wrong outputs (29-54x the error budget on every row, pages of 1 and 16, head
 # dims 192 and 256, 4 or 8 warps, 1 or 2 stages, K widened or not; contiguous caches and head dim
 # 128 right; the interpreter right with the same plan): found by benchmarks/fuzz_gpu.py
 # (fuzz-gpu-h200-20261201-seed4-fp8.json), isolated in fuzz-e4m3-wide-h200-20261201.log (64-key
