@@ -229,7 +229,9 @@ def decode_variants() -> list[Variant]:
            Variant(256, "bf16", has_left=True, has_right=True, softcap=True, alibi=True, kind="decode"),
            Variant(80, "fp16", has_right=True, paged=True, kind="decode"),
            Variant(128, "bf16", has_right=True, kind="decode", fp8_cache=True),
-           Variant(128, "bf16", has_right=True, paged=True, kind="decode", fp8_cache=True)]
+           Variant(128, "bf16", has_right=True, paged=True, kind="decode", fp8_cache=True),
+           # e4m3 pools past head dim 128: the wide-rows plan's 64-key steps (decode.WIDE_E4M3_PAGED_BLOCK_N)
+           Variant(256, "bf16", has_right=True, paged=True, kind="decode", fp8_cache=True)]
     return out
 
 
@@ -238,7 +240,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
     and writing the output directly (one split; its LSE on the paged variants only, as a call
     without return_softmax_lse), the combine kernel that merges partials, and the split kernel with
     128-row tiles."""
-    from .decode import _attn_decode, _combine, _combine_stream
+    from .decode import _attn_decode, _combine, _combine_stream, _wide_rows_config
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
@@ -262,6 +264,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
     # 256-key pages (one entry per tile).
     split_pages = {"PAGE_SHIFT": 4} if variant.paged else {}
     whole_pages = {"PAGED": 3, "PAGE_SHIFT": 8} if variant.paged else {}
+    wide = _wide_rows_config(variant.paged, variant.head_dim, variant.fp8_cache)
     fp8_query = []
     if variant.fp8_cache:  # FlashAttention-3's FP8 call: an e4m3 query with its (B, Hk) descales
         fp8_query = [_compile(_attn_decode, {**decode, **split_pages, **split_tiles, "SPLIT": True,
@@ -292,15 +295,14 @@ def compile_decode(variant: Variant, arch: int) -> list:
                         "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
                         "EMPTY_LSE": float("inf"), "WRITE_LSE": True, "PDL": arch >= 90},
                      variant, arch, 1, 1),
-            # more than 64 query rows a KV head (decode._wide_rows_config): 128-row tiles, 8 warps,
-            # blocks of them (chunked prefill)
+            # more than 64 query rows a KV head (decode._wide_rows_config's plan): 128-row tiles, 8
+            # warps, blocks of them (chunked prefill)
             _compile(_attn_decode, {**decode, **split_pages, "ROWS": 128, "ROW_BLOCKS": True, "SPLIT": True,
                                     "WRITE_LSE": True,
                                     # e4m3: the query's two e4m3 terms (decode.FP8_SPLIT_Q_WIDE)
-                                    **({"FP8": 4} if variant.fp8_cache and arch >= 89 else {}),
-                                    "BLOCK_N": 64 if variant.head_dim <= 128 else 32,
-                                    "PDL": arch >= 90 and not variant.paged},
-                     variant, arch, 8, 3 if variant.head_dim <= 128 else 2, cache)]
+                                    **({"FP8": 4} if wide.fp8_split_q and arch >= 89 else {}),
+                                    "BLOCK_N": wide.block_n, "PDL": arch >= 90 and wide.pdl},
+                     variant, arch, wide.num_warps, wide.num_stages, cache)]
 
 
 def rotary_variants() -> list[Variant]:
