@@ -213,10 +213,10 @@ def _pool(x, order, page_size, fill):
     return pool
 
 
-def e4m3_cache_call(q, k8, v8, kd, vd, page, describe=False, **kw):
+def e4m3_cache_call(q, k8, v8, kd, vd, page, describe=False, fill=float("nan"), **kw):
     """flash_attn_with_kvcache on an e4m3 cache (B, S, Hk, D) with per-key descales (B, S, Hk),
     contiguous or (``page``) as a shuffled pool of such pages, the descales through the same table
-    (NaN in every slot past the cache: never read). Returns (out, the cache's dequantized K and V
+    (``fill``, NaN, in every slot past the cache: never read). Returns (out, the cache's dequantized K and V
     after the call (appends included) as (B, S, Hk, D) float32, and with ``describe`` the plan
     decode.describe_plan reports)."""
     from flashtile.kernels.decode import describe_plan
@@ -226,7 +226,7 @@ def e4m3_cache_call(q, k8, v8, kd, vd, page, describe=False, **kw):
         order = torch.randperm(k8.shape[0] * per_seq + 3, device=DEV)[:k8.shape[0] * per_seq]
         order = order.view(k8.shape[0], per_seq).to(torch.int32)
         k_in, v_in = (_pool(x.view(torch.uint8), order, page, 0).view(torch.float8_e4m3fn) for x in (k8, v8))
-        kd_in, vd_in = (_pool(x, order, page, float("nan")) for x in (kd, vd))
+        kd_in, vd_in = (_pool(x, order, page, fill) for x in (kd, vd))
         kw["block_table"] = order
     else:
         k_in, v_in, kd_in, vd_in = k8, v8, kd, vd
