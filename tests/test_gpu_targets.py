@@ -1,4 +1,6 @@
-"""Every shipped kernel variant compiles to a cubin for sm_90 (H100/H200) and sm_80 (A100), no GPU needed.
+"""Every shipped kernel variant compiles to a cubin for sm_90 (H100/H200) and sm_80 (A100) within the
+shared memory a CTA may have there, no GPU needed; so do the decode kernels of every plan the decode
+planner picks over a grid of calls.
 
 The interpreter cannot catch lowering errors (tl.dot shapes, layouts, shared memory over the limit), so
 the real compiler runs here, in a subprocess without TRITON_INTERPRET.
@@ -22,6 +24,20 @@ def test_variants_compile(arch, shard):
         env=env, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.splitlines()
     assert lines, proc.stderr[-2000:]
+    failed = [line for line in lines if "FAILED" in line]
+    assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]
+    assert all(": ok," in line for line in lines)
+
+
+@pytest.mark.parametrize("shard", range(2))
+@pytest.mark.parametrize("arch", [90, 80])
+def test_decode_plans_compile_within_shared_memory(arch, shard):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashtile.kernels.variants", "--decode-plans", "--arch", str(arch),
+         "--shard", f"{shard}/2"], env=env, capture_output=True, text=True, timeout=900)
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= 10, proc.stderr[-2000:]
     failed = [line for line in lines if "FAILED" in line]
     assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]
     assert all(": ok," in line for line in lines)

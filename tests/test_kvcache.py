@@ -399,6 +399,25 @@ def test_wide_rows_plans_on_e4m3_pages_past_head_dim_128_take_64_key_steps(h200_
     assert decode.decode_config(True, dev, 64, fp8_cache=True, head_dim=128, rows=80).block_n == 64
 
 
+def test_16bit_plans_past_head_dim_128_with_17_to_64_rows_fit_in_shared_memory(h200_plans, monkeypatch):
+    # 64-row tiles at head dim 256: 128-key steps with 2 stages (pages, pairs under the SM count)
+    # and 64-key steps with 4 stages (long caches, pairs near the SM count) took 288-289 KB of the
+    # 227 KB a CTA may have (fuzz-gpu-h200-20261202-seed5.json); 32-key steps with 4 stages take 160.
+    decode, dev = h200_plans
+    for paged, pairs, capacity in ((True, 64, 4096), (False, 8, 131072), (False, 128, 4096)):
+        for head_dim in (192, 256):
+            cfg = decode.decode_config(paged, dev, pairs, capacity=capacity, head_dim=head_dim, rows=24)
+            assert (cfg.block_n, cfg.num_warps, cfg.num_stages) == (32, 4, 4)
+        # up to 16 rows (16-row tiles) and at head dim 128 the plans stay
+        assert decode.decode_config(paged, dev, pairs, capacity=capacity, head_dim=256, rows=16).block_n > 32
+        assert decode.decode_config(paged, dev, pairs, capacity=capacity, head_dim=128, rows=24).block_n > 32
+    # off sm_90 (an A100's 163 KB): 32-key steps, 3 stages once the tiles hold 64 rows or more
+    monkeypatch.setattr(decode, "_arch", lambda index: 80)
+    cfg = decode.decode_config(True, dev, 64, head_dim=256, rows=40)
+    assert (cfg.block_n, cfg.num_stages) == (32, 3)
+    assert decode.decode_config(True, dev, 64, head_dim=256, rows=32).block_n == 128
+
+
 @pytest.fixture
 def small_row_blocks(monkeypatch):
     """The Triton decode kernel with tiles of at most 16 query rows, so that small cases take

@@ -553,6 +553,18 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
     hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
     if hopper and rows > EIGHT_WARP_MIN_ROWS:
         return _wide_rows_config(paged, head_dim, fp8_cache)
+    if hopper and head_dim > 128 and not fp8_cache and rows > TWO_WARP_MAX_ROWS:
+        # 16-bit, head dims over 128, 17-64 query rows (64-row tiles, tile_rows_for): of the plans
+        # below only 32-key steps with 4 stages fit in shared memory (160 KB at head dim 256;
+        # 128-key steps with 2 stages need 289 KB, 64-key steps with 4 stages 288 KB, over the
+        # 227 KB an sm_90 CTA may have: found by benchmarks/fuzz_gpu.py, fuzz-gpu-h200-20261202-
+        # seed5.json). Not timed against anything else.
+        return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256 if paged else 128, pdl=not paged)
+    if not hopper and head_dim > 128 and not fp8_cache and rows > 32:
+        # The same off sm_90 (tiles of 64 or 128 rows; an A100 CTA may have 163 KB): 32-key steps,
+        # 3 stages, 136 KB at 128 rows and head dim 256, where the plans below need 172-224 KB
+        # (compiled for sm_80 by `python -m flashtile.kernels.variants --decode-plans`; not timed).
+        return DecodeConfig(32, 4, 3, waves=2, min_split_keys=256 if paged else 128)
     if paged:  # PDL measured 6% slower here
         if programs < sms:
             # e4m3 pages of 33-64 query rows a KV head on sm_90: one stage, as the contiguous plan
@@ -647,11 +659,15 @@ def _wide_rows_config(paged: bool, head_dim: int, fp8_cache: bool = False) -> De
 
 
 # e4m3 page pools, head dims over 128, more than 64 query rows a KV head: 64-key steps. With 32-key
-# steps the H200 gave wrong outputs (29-54x the error budget on every row, pages of 1 and 16, head
-# dims 192 and 256, 4 or 8 warps, 1 or 2 stages, K widened or not; contiguous caches and head dim
-# 128 right; the interpreter right with the same plan): found by benchmarks/fuzz_gpu.py
-# (fuzz-gpu-h200-20261201-seed4-fp8.json), isolated in fuzz-e4m3-wide-h200-20261201.log (64-key
-# steps right there), not understood; benchmarks/wide_rows_check.py re-runs the cases.
+# steps the H200 gave wrong outputs (29-54x the error budget on every row): found by
+# benchmarks/fuzz_gpu.py (fuzz-gpu-h200-20261201-seed4-fp8.json), isolated in
+# fuzz-e4m3-wide-h200-20261201.log and wide-rows-check-h200-20261202.log. Any e4m3 page pool read in
+# 32-key steps by tiles of 64 rows or more goes wrong on the H200 (head dim 128 too, pages of 1/16/
+# 64, 1 or 2 stages, page numbers loaded ahead or not, V widened by PTX or by Triton, S by e4m3 dots
+# or on widened K), and reads the pool's pages outside the block table (their NaN descales give NaN
+# outputs); 16-row tiles, 64-key steps, contiguous caches, 16-bit pools and the interpreter are
+# right, memcheck is clean. No shipped plan takes 32-key steps on e4m3 pools (the GPU plans above
+# take 64 or 128; the interpreter's 32 are right); not understood.
 WIDE_E4M3_PAGED_BLOCK_N = 64
 
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from .forward import config_for_arch, head_dim_padded
 
 _DTYPE_NAMES = {"fp16": "*fp16", "bf16": "*bf16", "fp8": "*fp8e4nv"}
+# The most shared memory one CTA may have (cudaDevAttrMaxSharedMemoryPerBlockOptin): triton.compile
+# does not check it; the launch fails with OutOfResources on the GPU.
+SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}
 _FP32_POINTERS = ("Lse", "Alibi", "Delta", "dLse")
 _FLOATS = ("qk_scale", "softcap_in", "softmax_scale", "dropout_p")
 
@@ -240,7 +243,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
     and writing the output directly (one split; its LSE on the paged variants only, as a call
     without return_softmax_lse), the combine kernel that merges partials, and the split kernel with
     128-row tiles."""
-    from .decode import _attn_decode, _combine, _combine_stream, _wide_rows_config
+    from .decode import STREAM_CONFIG, _attn_decode, _combine, _combine_stream, _wide_rows_config
 
     flags = {k: v for k, v in _flags(variant).items() if k not in ("VARLEN", "DROPOUT")}
     # cache_batch_idx and cache_leftpad ride along on the contiguous variants
@@ -286,10 +289,11 @@ def compile_decode(variant: Variant, arch: int) -> list:
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1),
-            # stream-K: each program a share of every pair's key tiles (batches up to 64), its merge
-            _compile(_attn_decode, {**decode, **split_pages, "BLOCK_N": 64, "SPLIT": True,
+            # stream-K (decode.STREAM_CONFIG): each program a share of every pair's key tiles
+            # (batches up to 64), its merge
+            _compile(_attn_decode, {**decode, **split_pages, "BLOCK_N": STREAM_CONFIG.block_n, "SPLIT": True,
                                     "WRITE_LSE": True, "STREAM": True, "BLOCK_B": 64},
-                     variant, arch, 4, 4, cache),
+                     variant, arch, STREAM_CONFIG.num_warps, STREAM_CONFIG.num_stages, cache),
             _compile(_combine_stream, {k: decode[k] for k in ("HAS_LEFT", "HAS_RIGHT", "LEFTPAD")}
                      | {"ROWS": 16, "BLOCK_N": 64, "BLOCK_B": 64, "SPLITS_PAD": 16,
                         "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
@@ -303,6 +307,59 @@ def compile_decode(variant: Variant, arch: int) -> list:
                                     **({"FP8": 4} if wide.fp8_split_q and arch >= 89 else {}),
                                     "BLOCK_N": wide.block_n, "PDL": arch >= 90 and wide.pdl},
                      variant, arch, wide.num_warps, wide.num_stages, cache)]
+
+
+# decode_plan_kernels' grid: the calls whose plans it collects
+_PLAN_GRID = dict(batch=(1, 4, 16, 64, 128), heads=((32, 8), (48, 8), (12, 2), (8, 8)), seqlen_q=(1, 4, 8, 16, 40),
+                  head_dim=(64, 128, 256), page=(0, 1, 16, 256), fp8_cache=(False, True),
+                  capacity=(1024, 131072), one_launch=(False, True))
+# the constexprs and options that size the decode kernel's shared memory (PAGED: whether, not how)
+_PLAN_SHAPE = ("BLOCK_N", "HEAD_DIM_PAD", "ROWS", "num_stages", "num_warps", "FP8", "PAGED", "STREAM")
+
+
+def decode_plan_kernels(arch: int, sms: int = 132) -> list[tuple[str, dict]]:
+    """The Triton decode kernels decode.decode_config's plans launch on an sm_<arch> GPU of ``sms``
+    SMs over a grid of calls (batch, heads, query length, head dim 64/128/256, contiguous or pages of
+    1/16/256, 16-bit or e4m3 caches, short or long caches, eager or captured, with and without the
+    stream-K opt-in): one (the call, the constexprs with num_warps/num_stages) per distinct
+    shared-memory shape, from decode._plan as a call would run it (the Gluon kernel left out)."""
+    import itertools
+    from unittest import mock
+
+    import torch
+
+    from . import decode
+    g = _PLAN_GRID
+    found: dict = {}
+    with mock.patch.object(decode, "_arch", lambda index: arch), \
+            mock.patch.object(decode, "_sm_count", lambda device: sms), \
+            mock.patch.object(decode, "interpreting", lambda: False), \
+            mock.patch.object(decode, "STREAM_PLANS", False):
+        for stream, b, (h, hk), sq, d, page, fp8, cap, one in itertools.product((False, True), *g.values()):
+            decode.STREAM_PLANS = stream  # (FLASHTILE_DECODE_STREAM=1's opt-in plans too)
+            if fp8 and arch < 89:
+                continue
+            kernel = decode._plan(b, sq, h, hk, d, torch.bfloat16, torch.device("cuda", 0), bool(page), cap, 0,
+                                  None, False, False, False, False, False, False, fp8, one, False,
+                                  page or 1, gluon_ok=False, causal=True)[2]
+            key = tuple(bool(kernel[k]) if k == "PAGED" else kernel[k] for k in _PLAN_SHAPE)
+            call = f"B{b} {h}/{hk} Sq{sq} d{d} {'page ' + str(page) if page else 'contiguous'}" \
+                   f"{' e4m3' if fp8 else ''} {cap} keys{' eager' if one else ''}{' stream-K' if stream else ''}"
+            found.setdefault(key, (call, dict(kernel)))
+    return list(found.values())
+
+
+def compile_decode_plan(kernel: dict, arch: int):
+    """Compile one of decode_plan_kernels' kernels for sm_<arch>."""
+    from .decode import _attn_decode
+
+    values = dict(kernel)
+    warps, stages = values.pop("num_warps"), values.pop("num_stages")
+    values.pop("launch_pdl", None)
+    variant = Variant(values["HEAD_DIM"], "bf16", kind="decode", paged=values["PAGED"] > 0,
+                      fp8_cache=values["FP8"] > 0)
+    cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if values["FP8"] else None
+    return _compile(_attn_decode, values, variant, arch, warps, stages, cache)
 
 
 def rotary_variants() -> list[Variant]:
@@ -369,10 +426,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arch", type=int, action="append", help="e.g. 90 or 80 (repeatable)")
     parser.add_argument("--shard", default="0/1", help="K/N: compile every N-th variant from K")
+    parser.add_argument("--decode-plans", action="store_true",
+                        help="the decode kernels of decode_config's plans over a grid of calls instead")
     args = parser.parse_args(argv)
     shard, shards = (int(x) for x in args.shard.split("/"))
     failed = 0
     for arch in args.arch or [90, 80]:
+        limit = SHARED_MEMORY_LIMIT.get(arch)
+        if args.decode_plans:
+            for call, kernel in decode_plan_kernels(arch)[shard::shards]:
+                shape = {k: kernel[k] for k in _PLAN_SHAPE}
+                try:
+                    shared = compile_decode_plan(kernel, arch).metadata.shared
+                    state = "ok" if limit is None or shared <= limit else f"FAILED shared memory over {limit} B"
+                except Exception as exc:
+                    shared, state = "-", f"FAILED {type(exc).__name__}: {exc}"
+                failed += state != "ok"
+                print(f"sm_{arch} decode plan of {call} {shape}: {state}, shared memory {shared} B")
+            continue
         for variant in all_variants()[shard::shards]:
             if (variant.kind == "fp8" or variant.fp8_cache) and arch < 89:  # e4m3 needs sm_89+
                 continue
@@ -388,6 +459,11 @@ def main(argv=None) -> int:
                 else:
                     kernels = compile_decode(variant, arch)
                 shared = ", ".join(str(k.metadata.shared) for k in kernels)
+                over = [k.metadata.shared for k in kernels if limit and k.metadata.shared > limit]
+                if over:
+                    failed += 1
+                    print(f"sm_{arch} {variant.name}: FAILED shared memory {shared} B, over {limit} B")
+                    continue
                 print(f"sm_{arch} {variant.name}: ok, shared memory {shared} B")
             except Exception as exc:  # report every failing variant, not only the first
                 failed += 1
