@@ -562,7 +562,7 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
         return DecodeConfig(32, 4, 4, waves=2, min_split_keys=256 if paged else 128, pdl=not paged)
     if not hopper and head_dim > 128 and not fp8_cache and rows > 32:
         # The same off sm_90 (tiles of 64 or 128 rows; an A100 CTA may have 163 KB): 32-key steps,
-        # 3 stages, 136 KB at 128 rows and head dim 256, where the plans below need 172-224 KB
+        # 3 stages, 136 KB at 128 rows and head dim 256, where the plans below need 168-224 KB
         # (compiled for sm_80 by `python -m flashtile.kernels.variants --decode-plans`; not timed).
         return DecodeConfig(32, 4, 3, waves=2, min_split_keys=256 if paged else 128)
     if paged:  # PDL measured 6% slower here
