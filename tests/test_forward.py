@@ -197,3 +197,12 @@ def test_only_plain_calls_take_the_cached_gluon_plan(monkeypatch):
     attention_forward(q[:, :30], k, v, softmax_scale=0.125, window_left=-1, window_right=0,
                       diag_offset=0)  # top-left causal with Sq != Sk: not flash_attn's mask
     assert seen == [True, False]
+
+
+def test_tiles_past_head_dim_128_fit_gpus_with_99_kb_of_shared_memory():
+    # 64 x 64 tiles took 104 KB at head dim 256 on sm_89 (L4, L40S, RTX 40), where a CTA may have 99 KB
+    from flashtile.kernels.forward import TileConfig, config_for_arch
+    for arch in (86, 89, 120):
+        assert config_for_arch(256, arch) == TileConfig(64, 32, 4, 2)
+        assert config_for_arch(128, arch) == config_for_arch(128, 80)
+    assert config_for_arch(256, 80) == TileConfig(64, 64, 4, 2)

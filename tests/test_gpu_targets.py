@@ -1,6 +1,7 @@
-"""Every shipped kernel variant compiles to a cubin for sm_90 (H100/H200) and sm_80 (A100) within the
-shared memory a CTA may have there, no GPU needed; so do the decode kernels of every plan the decode
-planner picks over a grid of calls.
+"""Every shipped kernel variant compiles to a cubin for sm_90 (H100/H200), sm_80 (A100) and sm_89 (L4,
+L40S, RTX 40: 99 KB of shared memory a CTA, as sm_86 and sm_120) within the shared memory a CTA may
+have there, no GPU needed; so do the decode kernels of every plan the decode planner picks over a
+grid of calls.
 
 The interpreter cannot catch lowering errors (tl.dot shapes, layouts, shared memory over the limit), so
 the real compiler runs here, in a subprocess without TRITON_INTERPRET.
@@ -16,7 +17,7 @@ SHARDS = 4
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
-@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("arch", [90, 80, 89])
 def test_variants_compile(arch, shard):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
@@ -30,7 +31,7 @@ def test_variants_compile(arch, shard):
 
 
 @pytest.mark.parametrize("shard", range(2))
-@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("arch", [90, 80, 89])
 def test_decode_plans_compile_within_shared_memory(arch, shard):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(

@@ -418,6 +418,32 @@ def test_16bit_plans_past_head_dim_128_with_17_to_64_rows_fit_in_shared_memory(h
     assert decode.decode_config(True, dev, 64, head_dim=256, rows=32).block_n == 128
 
 
+def test_plans_on_gpus_with_99_kb_of_shared_memory(h200_plans, monkeypatch):
+    # L4, L40S, A10, RTX (sm_86/89/120): e4m3 caches and 16-bit ones past head dim 128 take plans
+    # that fit in 99 KB a CTA (compiled for sm_89: tests/test_gpu_targets.py), tiles of at most 32
+    # rows past head dim 128; 16-bit caches up to head dim 128 keep the other GPUs' plans.
+    decode, dev = h200_plans
+    monkeypatch.setattr(decode, "_arch", lambda index: 89)
+    for paged in (False, True):
+        for pairs in (8, 64, 512):
+            def plan(**kw):
+                cfg = decode.decode_config(paged, dev, pairs, capacity=32768, **kw)
+                return cfg.block_n, cfg.num_warps, cfg.num_stages
+            assert plan(fp8_cache=True, head_dim=128, rows=4) == (64, 4, 3)
+            assert plan(fp8_cache=True, head_dim=128, rows=80) == (64, 4, 3)
+            assert plan(fp8_cache=True, head_dim=256, rows=24) == (64, 4, 2)
+            assert plan(head_dim=256, rows=1) == (32, 4, 3)
+            assert plan(head_dim=192, rows=40) == (32, 4, 3)
+    monkeypatch.setattr(decode, "_arch", lambda index: 80)
+    a100 = decode.decode_config(True, dev, 8, capacity=32768, head_dim=128, rows=4)
+    monkeypatch.setattr(decode, "_arch", lambda index: 89)
+    assert decode.decode_config(True, dev, 8, capacity=32768, head_dim=128, rows=4) == a100
+    assert decode.tile_rows_for(80, False, dev, head_dim=256) == 32
+    assert decode.tile_rows_for(80, False, dev, head_dim=128) == 128
+    monkeypatch.setattr(decode, "_arch", lambda index: 90)
+    assert decode.tile_rows_for(80, False, dev, head_dim=256) == 128
+
+
 @pytest.fixture
 def small_row_blocks(monkeypatch):
     """The Triton decode kernel with tiles of at most 16 query rows, so that small cases take

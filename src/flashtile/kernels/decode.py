@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import key_blocks
-from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting
+from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting, small_shared_memory
 from .launch import launch
 
 
@@ -550,7 +550,18 @@ def decode_config(paged: bool, device: torch.device, programs: int = 1,
     if interpreting() or device.type != "cuda":
         return DecodeConfig(32, 4, 1)
     sms = _sm_count(device)
-    hopper = _arch(device.index if device.index is not None else torch.cuda.current_device()) == 90
+    arch = _arch(device.index if device.index is not None else torch.cuda.current_device())
+    hopper = arch == 90
+    if small_shared_memory(arch) and ((fp8_cache and head_dim > 64) or head_dim > 128):
+        # GPUs with 99 KB a CTA (L4, L40S, A10, RTX), where the plans below need up to 288 KB:
+        # e4m3 caches 64-key steps, 3 stages at head dim 128 (80 KB at 128 rows), 2 past it
+        # (84 KB at 32 rows, the most tile_rows_for gives there); 16-bit caches past head dim 128
+        # 32-key steps, 3 stages (82 KB at 32 rows). Compiled for sm_89 (variants --decode-plans),
+        # not timed: no such GPU here. (e4m3 pools keep off 32-key steps: see WIDE_E4M3_PAGED_BLOCK_N.)
+        if fp8_cache:
+            return DecodeConfig(64, 4, 3 if head_dim <= 128 else 2, waves=2,
+                                min_split_keys=256 if paged else 128)
+        return DecodeConfig(32, 4, 3, waves=2, min_split_keys=256 if paged else 128)
     if hopper and rows > EIGHT_WARP_MIN_ROWS:
         return _wide_rows_config(paged, head_dim, fp8_cache)
     if hopper and head_dim > 128 and not fp8_cache and rows > TWO_WARP_MAX_ROWS:
@@ -708,6 +719,8 @@ EIGHT_WARP_MIN_ROWS = 64
 # The most query rows one program of the Triton kernel holds; a KV head with more (chunked prefill
 # against the cache: Sq x group rows) gets a program per block of them.
 MAX_TILE_ROWS = 128
+# ... and at head dims over 128 on GPUs with 99 KB of shared memory a CTA (forward.small_shared_memory)
+SMALL_SHARED_MEMORY_TILE_ROWS = 32
 MAX_GRID_Z = 65535  # (and grid y)
 
 
@@ -799,13 +812,16 @@ def check_grid(batch: int, seqlen_q: int, heads: int, heads_k: int) -> int:
     return row_blocks
 
 
-def tile_rows_for(rows: int, fp8_cache: bool, device: torch.device) -> int:
+def tile_rows_for(rows: int, fp8_cache: bool, device: torch.device, head_dim: int = 128) -> int:
     """Query rows in one tile of the Triton decode kernel, for ``rows`` query rows a KV head (more
     rows take more programs)."""
     tile_rows = max(16, _next_power_of_2(rows))
-    if rows > 16 and not fp8_cache and device.type == "cuda" and not interpreting() and _arch(
-            device.index if device.index is not None else torch.cuda.current_device()) >= 90:
+    arch = _arch(device.index if device.index is not None else torch.cuda.current_device()) if (
+        device.type == "cuda" and not interpreting()) else 0
+    if rows > 16 and not fp8_cache and arch >= 90:
         tile_rows = max(tile_rows, WIDE_TILE_ROWS)
+    if small_shared_memory(arch) and head_dim > 128:  # see decode_config
+        return min(tile_rows, SMALL_SHARED_MEMORY_TILE_ROWS)
     return min(tile_rows, MAX_TILE_ROWS)
 
 
@@ -826,7 +842,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
                            heads // heads_k * seqlen_q, q_descale, seq_descales)
     rows = heads // heads_k * seqlen_q  # query rows a KV head
-    tile_rows = tile_rows_for(rows, fp8_cache, device)
+    tile_rows = tile_rows_for(rows, fp8_cache, device, head_dim)
     # programs per sequence: KV heads x blocks of rows (see _attn_decode)
     heads_k_blocks = heads_k * -(-rows // tile_rows)
     cfg = config or decode_config(paged, device, batch * heads_k_blocks, fp8_cache, capacity, head_dim,

@@ -68,7 +68,20 @@ def config_for_arch(head_dim: int, arch: int, fp8: bool = False) -> TileConfig:
         return TileConfig(128, 64, 4, 3)
     if d <= 128:
         return TileConfig(128, 64, 8, 2)
+    if small_shared_memory(arch):
+        # 64 x 64 tiles take 104 KB at head dim 256 (compiled for sm_89); 64 x 32 (FlashAttention-2's
+        # choice for these GPUs) fits. Compiled, not timed: no such GPU here.
+        return TileConfig(64, 32, 4, 2)
     return TileConfig(64, 64, 4, 2)
+
+
+# GPUs whose CTAs may have at most 99 KB of shared memory (RTX 30/40/50, A10, A40, L4, L40S), not
+# the 163-227 KB of A100, H100/H200 and B200.
+SMALL_SHARED_MEMORY_ARCHS = (86, 89, 120, 121)
+
+
+def small_shared_memory(arch: int) -> bool:
+    return arch in SMALL_SHARED_MEMORY_ARCHS
 
 
 @functools.lru_cache(maxsize=None)

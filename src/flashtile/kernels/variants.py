@@ -11,12 +11,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from .forward import config_for_arch, head_dim_padded
+from .forward import config_for_arch, head_dim_padded, small_shared_memory
 
 _DTYPE_NAMES = {"fp16": "*fp16", "bf16": "*bf16", "fp8": "*fp8e4nv"}
 # The most shared memory one CTA may have (cudaDevAttrMaxSharedMemoryPerBlockOptin): triton.compile
-# does not check it; the launch fails with OutOfResources on the GPU.
-SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912}
+# does not check it; the launch fails with OutOfResources on the GPU. sm_89 stands for the GPUs of
+# forward.SMALL_SHARED_MEMORY_ARCHS.
+SHARED_MEMORY_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 _FP32_POINTERS = ("Lse", "Alibi", "Delta", "dLse")
 _FLOATS = ("qk_scale", "softcap_in", "softmax_scale", "dropout_p")
 
@@ -446,6 +447,10 @@ def main(argv=None) -> int:
             continue
         for variant in all_variants()[shard::shards]:
             if (variant.kind == "fp8" or variant.fp8_cache) and arch < 89:  # e4m3 needs sm_89+
+                continue
+            if variant.kind == "decode" and small_shared_memory(arch):
+                # compile_decode's set is sm_80/sm_90's; the kernels these GPUs' plans launch are
+                # compiled by --decode-plans
                 continue
             try:
                 if variant.kind == "fwd":
