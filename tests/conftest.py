@@ -23,6 +23,13 @@ def pytest_report_header(config):
     return f"flashtile test seed: FLASHTILE_TEST_SEED={_BASE_SEED}"
 
 
+def pytest_collection_modifyitems(config, items):
+    # The compile checks first (tests/test_gpu_targets.py: minutes each with an empty Triton cache), so
+    # that both xdist workers start on them and the many short tests fill in after; last, one of them
+    # had kept a single worker busy for minutes at the end.
+    items.sort(key=lambda item: item.path.name != "test_gpu_targets.py")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     torch.manual_seed(_BASE_SEED + zlib.crc32(request.node.nodeid.encode()))

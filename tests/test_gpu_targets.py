@@ -21,7 +21,9 @@ SHARDS = 4
 def test_variants_compile(arch, shard):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "flashtile.kernels.variants", "--arch", str(arch), "--shard", f"{shard}/{SHARDS}"],
+        [sys.executable, "-m", "flashtile.kernels.variants", "--arch", str(arch), "--shard", f"{shard}/{SHARDS}",
+         # sm_89 compiles sm_80's tiles: only head dims of 128 and more come near its 99 KB
+         *(["--min-head-dim", "128"] if arch == 89 else [])],
         env=env, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.splitlines()
     assert lines, proc.stderr[-2000:]

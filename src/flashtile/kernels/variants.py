@@ -312,7 +312,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
 
 # decode_plan_kernels' grid: the calls whose plans it collects
 _PLAN_GRID = dict(batch=(1, 4, 16, 64, 128), heads=((32, 8), (48, 8), (12, 2), (8, 8)), seqlen_q=(1, 4, 8, 16, 40),
-                  head_dim=(64, 128, 256), page=(0, 1, 16, 256), fp8_cache=(False, True),
+                  head_dim=(128, 256), page=(0, 1, 16, 256), fp8_cache=(False, True),
                   capacity=(1024, 131072), one_launch=(False, True))
 # the constexprs and options that size the decode kernel's shared memory (PAGED: whether, not how)
 _PLAN_SHAPE = ("BLOCK_N", "HEAD_DIM_PAD", "ROWS", "num_stages", "num_warps", "FP8", "PAGED", "STREAM")
@@ -320,7 +320,7 @@ _PLAN_SHAPE = ("BLOCK_N", "HEAD_DIM_PAD", "ROWS", "num_stages", "num_warps", "FP
 
 def decode_plan_kernels(arch: int, sms: int = 132) -> list[tuple[str, dict]]:
     """The Triton decode kernels decode.decode_config's plans launch on an sm_<arch> GPU of ``sms``
-    SMs over a grid of calls (batch, heads, query length, head dim 64/128/256, contiguous or pages of
+    SMs over a grid of calls (batch, heads, query length, head dim 128/256, contiguous or pages of
     1/16/256, 16-bit or e4m3 caches, short or long caches, eager or captured, with and without the
     stream-K opt-in): one (the call, the constexprs with num_warps/num_stages) per distinct
     shared-memory shape, from decode._plan as a call would run it (the Gluon kernel left out)."""
@@ -429,6 +429,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", default="0/1", help="K/N: compile every N-th variant from K")
     parser.add_argument("--decode-plans", action="store_true",
                         help="the decode kernels of decode_config's plans over a grid of calls instead")
+    parser.add_argument("--min-head-dim", type=int, default=0,
+                        help="only variants of at least this head dim (the ones near a GPU's shared memory)")
     args = parser.parse_args(argv)
     shard, shards = (int(x) for x in args.shard.split("/"))
     failed = 0
@@ -445,7 +447,7 @@ def main(argv=None) -> int:
                 failed += state != "ok"
                 print(f"sm_{arch} decode plan of {call} {shape}: {state}, shared memory {shared} B")
             continue
-        for variant in all_variants()[shard::shards]:
+        for variant in [v for v in all_variants() if v.head_dim >= args.min_head_dim][shard::shards]:
             if (variant.kind == "fp8" or variant.fp8_cache) and arch < 89:  # e4m3 needs sm_89+
                 continue
             if variant.kind == "decode" and small_shared_memory(arch):
