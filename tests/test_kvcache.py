@@ -444,6 +444,35 @@ def test_plans_on_gpus_with_99_kb_of_shared_memory(h200_plans, monkeypatch):
     assert decode.tile_rows_for(80, False, dev, head_dim=256) == 128
 
 
+def test_query_rows_in_32_row_tiles_on_gpus_with_99_kb(monkeypatch):
+    # Past head dim 128 those GPUs' tiles hold at most 32 rows; the grid had counted blocks of
+    # MAX_TILE_ROWS, so 80 rows a KV head ran one program of 32 rows where the kernel wanted three
+    # (two thirds of the rows unwritten, the others under another KV head). Here on the interpreter
+    # by the same planning (decode.small_shared_memory).
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "small_shared_memory", lambda arch: True)
+    decode._PLANS.clear()
+    try:
+        q, k_cache, v_cache, lengths = cache_case(batch=2, seqlen_q=10, heads=16, heads_k=2, head_dim=192,
+                                                  capacity=40, dtype=BF16)
+        prepared = decode.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1,
+                                         window_right=0, num_splits=2)
+        assert prepared.kernel_options["ROWS"] == decode.SMALL_SHARED_MEMORY_TILE_ROWS == 32
+        assert prepared.grid[2] == 2 * 3
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                     num_splits=2, return_softmax_lse=True)
+        assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
+        # and the grid's limit counts those blocks before anything is written (the append here)
+        monkeypatch.setattr(decode, "MAX_GRID_Z", 5)
+        k_new, v_new = torch.randn(2, 10, 2, 192, dtype=BF16), torch.randn(2, 10, 2, 192, dtype=BF16)
+        before = k_cache.clone()
+        with pytest.raises(ValueError, match="too many programs"):
+            flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths - 10)
+        assert torch.equal(k_cache, before)
+    finally:
+        decode._PLANS.clear()
+
+
 @pytest.fixture
 def small_row_blocks(monkeypatch):
     """The Triton decode kernel with tiles of at most 16 query rows, so that small cases take

@@ -760,7 +760,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     if q.shape[2] and k_cache.shape[2] and q.shape[2] % k_cache.shape[2] == 0:
-        decode.check_grid(batch, q.shape[1], q.shape[2], k_cache.shape[2])  # before the append writes
+        # before the append writes; with the tile rows of this GPU and head dim
+        rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
+        decode.check_grid(batch, q.shape[1], q.shape[2], k_cache.shape[2],
+                          decode.tile_rows_for(rows, fp8_cache, q.device, q.shape[-1]))
     if fp8_cache:  # every argument checked: from here on the cache's descales may be written
         if rotary and new_tokens:  # the new keys are rotated before they are quantized
             q, k = rotate_new_keys(q, k, rotary_cos, rotary_sin, lengths, cache_leftpad,

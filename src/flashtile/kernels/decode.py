@@ -800,11 +800,11 @@ STREAM_MAX_BATCH = 1024
 EAGER_ONE_LAUNCH_BYTES = 512 * 1024
 
 
-def check_grid(batch: int, seqlen_q: int, heads: int, heads_k: int) -> int:
-    """Blocks of query rows a KV head gets; a ValueError where they or the batch pass CUDA's limit
-    on the grid axes that hold them (the Triton kernel's tiles hold MAX_TILE_ROWS rows once there
-    are more, the Gluon kernel's take at most 64 in one)."""
-    row_blocks = -(-(heads // heads_k * seqlen_q) // MAX_TILE_ROWS)
+def check_grid(batch: int, seqlen_q: int, heads: int, heads_k: int, tile_rows: int | None = None) -> int:
+    """Blocks of query rows a KV head gets with tiles of ``tile_rows`` (by default the most rows a
+    tile holds: MAX_TILE_ROWS); a ValueError where they or the batch pass CUDA's limit on the grid
+    axes that hold them (the Gluon kernel's tiles take at most 64 rows in one)."""
+    row_blocks = -(-(heads // heads_k * seqlen_q) // (tile_rows or MAX_TILE_ROWS))
     if heads_k * row_blocks > MAX_GRID_Z or batch > MAX_GRID_Z:
         raise ValueError(f"flash_attn_with_kvcache: seqlen_q={seqlen_q} with {heads} query heads or "
                          f"batch={batch} is too many programs for one call ({heads_k} KV heads x "
@@ -1289,7 +1289,9 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                               (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
                               (splits, batch, heads_k), out_dtype(q.dtype), device,
                               (gluon_variant, softmax_scale, causal))
-    row_blocks = check_grid(batch, seqlen_q, heads, heads_k)
+    # the blocks the kernel computes from its tile rows (fewer than MAX_TILE_ROWS past head dim
+    # 128 on GPUs with 99 KB of shared memory)
+    row_blocks = check_grid(batch, seqlen_q, heads, heads_k, kernel_options["ROWS"])
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
