@@ -7,7 +7,9 @@ shapes and options.
 Families: ``prefill`` (flash_attn_func forward, and backward on half the cases), ``varlen``
 (flash_attn_varlen_func), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
 page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on
-e4m3 caches with per-key descales, paged ones included, appends quantized in place). Every case uses the test
+e4m3 caches with per-key descales, paged ones included, appends quantized in place), ``prefill-fp8``
+(the e4m3 forward: flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or
+without the Hadamard rotation; budget in prefill_fp8_case). Every other case uses the test
 suite's accuracy rule (tests/helpers.py: output within 2x the error of textbook attention in the
 input dtype, gradients 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
 ``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes
@@ -284,8 +286,114 @@ def kvcache_fp8_case(rng):
     return params, run
 
 
+def _e4m3_per_head(x, heads_k):
+    """x (B, S, H, D) as e4m3 with one descale per (sequence, KV head), FlashAttention-3's convention,
+    and its dequantized float64 copy."""
+    from flashtile.fp8 import E4M3_MAX
+    grouped = x.float().unflatten(2, (heads_k, -1))
+    descale = (grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-6) / E4M3_MAX).float()
+    x8 = (grouped / descale[:, None, :, None, None]).flatten(2, 3).to(torch.float8_e4m3fn)
+    back = (x8.double().unflatten(2, (heads_k, -1)) * descale[:, None, :, None, None].double()).flatten(2, 3)
+    return x8, descale, back
+
+
+def _portable(call):
+    """call() with the Gluon forward off: the portable Triton e4m3 kernel on the same tensors."""
+    from flashtile.kernels import forward
+    saved = forward.GLUON_ENABLED
+    forward.GLUON_ENABLED = False
+    try:
+        return call()
+    finally:
+        forward.GLUON_ENABLED = saved
+
+
+def _e4m3_p_emulation(dq, dk, dv, **kw):
+    """Float64 attention of the dequantized tensors with each row's probabilities relative to its
+    largest (what the kernels hold, up to the running max) rounded to e4m3 before P V: the size of
+    the error that rounding alone brings."""
+    from flashtile.reference import probabilities
+    p = probabilities(dq.float(), dk.float(), **kw).double()
+    u = p / p.amax(-1, keepdim=True).clamp_min(1e-300)
+    u8 = u.to(torch.float8_e4m3fn).double()
+    vt = dv.transpose(1, 2).repeat_interleave(dq.shape[2] // dv.shape[2], dim=1)
+    return (u8 @ vt / u.sum(-1, keepdim=True).clamp_min(1e-300)).transpose(1, 2)
+
+
+def prefill_fp8_case(rng):
+    """The e4m3 forward: flash_attn_func on e4m3 q, k, v with (B, Hk) descales (masks and softcap as
+    the prefill family draws them), or flashtile.fp8.quantize_qkv's block scales with or without the
+    Hadamard rotation through fp8.attention. Reference: float64 attention of the dequantized tensors;
+    budget gluon_check's: 2x the larger of the portable Triton e4m3 kernel's error on the same tensors
+    (P rounds to e4m3 in both) and the textbook attention's in bf16; the LSE within 2x the portable
+    kernel's LSE error (at least 1e-3); output finite, rows without keys 0."""
+    from flashtile import fp8
+    from flashtile.reference import attention as textbook
+    b, hk = rng.randint(1, 3), rng.choice([1, 2, 4])
+    h = hk * rng.choice([1, 2, 4])
+    sq, sk = rng.randint(1, _n(2500)), rng.randint(1, _n(2500))
+    if rng.random() < 0.4:
+        sk = sq
+    style = rng.choice(["descales", "descales", "blocks"])
+    d = rng.choice([64, 128, 128, 256] if style == "blocks" else [64, 80, 128, 128, 256])
+    hadamard = style == "blocks" and rng.random() < 0.6
+    kw = _mask_options(rng) if style == "descales" else ({"causal": True} if rng.random() < 0.5 else {})
+    outliers = rng.random() < 0.3
+    params = dict(family="prefill-fp8", style=style, b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, hadamard=hadamard,
+                  outliers=outliers, **kw)
+
+    def run():
+        q, k, v = (torch.randn(b, s, n, d, device=DEV, dtype=torch.bfloat16)
+                   for s, n in ((sq, h), (sk, hk), (sk, hk)))
+        if outliers:  # FlashAttention-3's study: N(0, 100) added to 0.1% of the entries
+            for x in (q, k, v):
+                x += torch.randn_like(x) * 10 * (torch.rand_like(x, dtype=torch.float32) < 1e-3)
+        if style == "descales":
+            (q8, qd, dq), (k8, kd, dk), (v8, vd, dv) = (_e4m3_per_head(x, hk) for x in (q, k, v))
+
+            def call():
+                out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                                return_attn_probs=True, **kw)
+                return out[0], out[1]
+            ref_kw = kw
+        else:
+            z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(d, q.device), hadamard=hadamard,
+                                 seed=rng.randrange(1 << 30))
+            dq, dk, dv = (fp8.dequantize(t, s_, blk).double() for t, s_, blk in
+                          ((z.q, z.q_descale, z.block_q), (z.k, z.k_descale, z.block_k),
+                           (z.v, z.v_descale, z.block_k)))
+
+            def call():
+                return fp8.attention(z, causal=bool(kw.get("causal")), return_lse=True)
+            ref_kw = {"causal": bool(kw.get("causal"))}
+        out, lse = call()
+        portable_out, portable_lse = _portable(call)
+        assert torch.isfinite(out).all(), "non-finite output"
+        ref, ref_lse = textbook(dq, dk, dv, **ref_kw)
+        low, _ = textbook(dq.bfloat16(), dk.bfloat16(), dv.bfloat16(), **ref_kw)
+        seen = torch.isfinite(ref_lse)
+        err = (out.double() - ref).abs().max().item()
+        portable_err = (portable_out.double() - ref).abs().max().item()
+        low_err = (low.double() - ref).abs().max().item()
+        # the portable kernel's error, which sets the budget, against what e4m3 P alone explains
+        # (a wrong descale, shared by both kernels, would otherwise raise the budget with the error)
+        emulated_err = (_e4m3_p_emulation(dq, dk, dv, **ref_kw) - ref).abs().max().item()
+        assert portable_err <= 4 * max(emulated_err, low_err) + 1e-6, \
+            f"portable e4m3 error {portable_err:.3g} > 4x that of e4m3 P ({emulated_err:.3g})"
+        budget = 2 * max(portable_err, low_err) + 1e-6
+        assert err <= budget, f"max error {err:.3g} > budget {budget:.3g} (portable e4m3 {portable_err:.3g})"
+        if seen.any():
+            lse_err = (lse.double() - ref_lse)[seen].abs().max().item()
+            portable_lse_err = (portable_lse.double() - ref_lse)[seen].abs().max().item()
+            assert lse_err <= max(2 * portable_lse_err, 1e-3), \
+                f"LSE error {lse_err:.3g} (portable e4m3 {portable_lse_err:.3g})"
+        if not seen.all():  # rows that see no key: output 0
+            assert (out.double().transpose(1, 2)[~seen] == 0).all(), "rows without keys not 0"
+    return params, run
+
+
 FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case,
-            "kvcache-fp8": kvcache_fp8_case}
+            "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case}
 
 
 def main(argv=None) -> int:
