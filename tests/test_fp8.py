@@ -52,6 +52,30 @@ def test_round_trip_within_e4m3_precision(hadamard):
         assert torch.isclose(x8.float().abs().amax(dim=-1).amax(dim=1), torch.tensor(fp8.E4M3_MAX)).any()
 
 
+def test_v_block_descales_are_powers_of_two_so_the_kernels_p_stays_exact():
+    # The e4m3 kernels fold each V block's descale, relative to the largest (times P_SHIFT), into P
+    # before P's cast to e4m3. Powers of two keep P's largest entries (1.0 times that) exact: with
+    # 0.6 the largest rounded to 0.625, and a row ruled by one key of a V block holding an outlier
+    # was off by 4% of that key's value (fuzz-gpu-h200-20261202-seed10-fp8-before.json).
+    from flashtile.kernels.forward import P_SHIFT, fp8_kernel_descales
+    q = torch.randn(2, 64, 4, 64)
+    k = torch.randn(2, 96, 2, 64)
+    v = torch.randn(2, 96, 2, 64) * torch.rand(1, 96, 1, 1) * 5
+    v[0, 40, 1, 7] = 300.0  # an outlier in one block
+    z = fp8.quantize_qkv(q, k, v, block=(32, 16), hadamard=False)
+    mantissa, _ = torch.frexp(z.v_descale)
+    assert (mantissa == 0.5).all()
+    # each block's largest magnitude in (E4M3_MAX / 2, E4M3_MAX] before rounding, [224, 448] after
+    top = z.v.float().abs().unflatten(1, (6, 16)).amax(dim=(2, 4))  # (B, blocks, Hk)
+    assert ((top >= fp8.E4M3_MAX / 2) & (top <= fp8.E4M3_MAX)).all()
+    _, _, v_kernel = fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
+    relative, largest = v_kernel[..., :-1], v_kernel[..., -1:]
+    assert (relative <= P_SHIFT).all() and (relative > 0).all()
+    assert torch.equal(relative.to(torch.float8_e4m3fn).float(), relative)  # 1.0 x relative is exact
+    assert torch.equal(relative * largest, z.v_descale)
+    assert relative[0, 1].min() < P_SHIFT / 16  # the outlier's block is far above the others
+
+
 def test_an_outlier_only_moves_its_own_block_scale():
     k = torch.randn(1, 64, 1, 64)
     spiked = k.clone()

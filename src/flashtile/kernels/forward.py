@@ -259,7 +259,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
         if DROPOUT:  # the normalizer keeps every probability; only the product with V drops some
             keep = dropout_keep(rng_seed, rng_rows[:, None], cols[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
-        if FP8 == 1:  # P in e4m3 too: in [0, 1] times V's relative descale, also in (0, 1]
+        if FP8 == 1:  # P in e4m3 too: in [0, 1] times V's relative descale, in (0, P_SHIFT]
             p = p * v_scale
         if FP8 >= 2:
             # V's descales scale P's columns, relative to the tile's largest so that P stays within
@@ -541,12 +541,19 @@ def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_off
     return gluon_forward.supported(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
+# The e4m3 kernels multiply P (in [0, 1]) by V's relative descale before P's cast to e4m3; times
+# this power of two as well, P lies in (0, 256] (e4m3 holds up to 448) and its small values stay off
+# e4m3's subnormals (below 2^-6, 3 bits down to 1) for 8 more binades.
+P_SHIFT = 256.0
+
+
 def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor):
     """The descales as the e4m3 kernels read them: Q's as given; K's and V's relative to V's
-    largest, each row followed by that largest (the kernels multiply the output by it), both
-    (B, Hk, blocks + 1) in one layout."""
+    largest (times P_SHIFT), each row followed by that largest (over P_SHIFT: the kernels multiply
+    the output by it), both (B, Hk, blocks + 1) in one layout."""
     v_max = v_d.amax(-1, keepdim=True)
-    return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0), torch.cat([v_d / v_max, v_max], -1))
+    return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0),
+            torch.cat([v_d / v_max * P_SHIFT, v_max / P_SHIFT], -1))
 
 
 def gluon_fp8_applies(q, k, v, *, window_left, window_right, diag_offset, scale_blocks, softcap=0.0,

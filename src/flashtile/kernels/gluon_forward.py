@@ -766,7 +766,7 @@ if _GLUON:
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
         visible key so far gets alpha = 1 and p = exp2(-inf) = 0 rather than NaN.
-        FP8: p comes out times V's relative descale ``v_rel`` (in (0, 1], so P still fits e4m3), by
+        FP8: p comes out times V's relative descale ``v_rel`` (in (0, 256], so P still fits e4m3), by
         shifting the exponent; the running sum takes p without it.
         LAZY: each row's m is a reference that moves only when the row's max exceeds it by more
         than RESCALE_THRESHOLD (p stays below 2^RESCALE_THRESHOLD); alpha is exactly 1 where it

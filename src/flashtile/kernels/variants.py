@@ -412,10 +412,11 @@ def compile_fp8(variant: Variant, arch: int) -> list:
                   "FP8": True, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
         return [_compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages,
                          pointer_types={"Out": "*bf16"})]
-    values = {"BLOCK": 128, "HEAD_DIM": d, "LOG2_DIM": d.bit_length() - 1, "ROTATE": True,
-              "QUANTIZE": True}
-    return [_compile(_rotate_quantize, values, variant, arch, 4, 1,
-                     pointer_types={"Signs": "*fp32", "Out": "*fp8e4nv", "Scale": "*fp32"})]
+    values = {"BLOCK": 128, "HEAD_DIM": d, "LOG2_DIM": d.bit_length() - 1, "QUANTIZE": True}
+    # Q and K rotated; V not, with power-of-two descales (quantize_qkv)
+    return [_compile(_rotate_quantize, {**values, "ROTATE": rotate, "POW2_DESCALE": not rotate}, variant, arch,
+                     4, 1, pointer_types={"Signs": "*fp32", "Out": "*fp8e4nv", "Scale": "*fp32"})
+            for rotate in (True, False)]
 
 
 def all_variants() -> list[Variant]:
