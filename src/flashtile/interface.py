@@ -760,10 +760,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, q.shape[2], q.device)
     if q.shape[2] and k_cache.shape[2] and q.shape[2] % k_cache.shape[2] == 0:
-        # before the append writes; with the tile rows of this GPU and head dim
+        # before the append writes; with the tile rows of this GPU and head dim (a decode step's
+        # rows fit in one tile of any of them: not looked up)
         rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
         decode.check_grid(batch, q.shape[1], q.shape[2], k_cache.shape[2],
-                          decode.tile_rows_for(rows, fp8_cache, q.device, q.shape[-1]))
+                          decode.tile_rows_for(rows, fp8_cache, q.device, q.shape[-1])
+                          if rows > decode.SMALL_SHARED_MEMORY_TILE_ROWS else None)
     if fp8_cache:  # every argument checked: from here on the cache's descales may be written
         if rotary and new_tokens:  # the new keys are rotated before they are quantized
             q, k = rotate_new_keys(q, k, rotary_cos, rotary_sin, lengths, cache_leftpad,
