@@ -551,9 +551,8 @@ def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor)
     """The descales as the e4m3 kernels read them: Q's as given; K's and V's relative to V's
     largest (times P_SHIFT), each row followed by that largest (over P_SHIFT: the kernels multiply
     the output by it), both (B, Hk, blocks + 1) in one layout."""
-    v_max = v_d.amax(-1, keepdim=True)
-    return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0),
-            torch.cat([v_d / v_max * P_SHIFT, v_max / P_SHIFT], -1))
+    v_max = v_d.amax(-1, keepdim=True) / P_SHIFT
+    return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0), torch.cat([v_d / v_max, v_max], -1))
 
 
 def gluon_fp8_applies(q, k, v, *, window_left, window_right, diag_offset, scale_blocks, softcap=0.0,
