@@ -4,12 +4,15 @@ shapes and options.
 
     PYTHONPATH=src python benchmarks/fuzz_gpu.py --out $OUT [--seed S] [--seconds T] [--family F]
 
-Families: ``prefill`` (flash_attn_func forward, and backward on half the cases), ``varlen``
-(flash_attn_varlen_func), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
+Families: ``prefill`` (flash_attn_func and its kv/qkv-packed forms, forward, and backward on half
+the cases, some deterministic: run twice, the gradients must match bit for bit), ``varlen``
+(flash_attn_varlen_func: backward on some cases, deterministic ones twice, or keys on page pools of
+any page size through block_table), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
 page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on
 e4m3 caches with per-key descales, paged ones included, appends quantized in place), ``prefill-fp8``
 (the e4m3 forward: flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or
-without the Hadamard rotation; budget in prefill_fp8_case). Every other case uses the test
+without the Hadamard rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences
+through flash_attn_varlen_func with per-sequence descales, the same budget). Every other case uses the test
 suite's accuracy rule (tests/helpers.py: output within 2x the error of textbook attention in the
 input dtype, gradients 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
 ``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes
@@ -54,33 +57,84 @@ def _mask_options(rng, causal_p=0.5):
     return kw
 
 
+def _same_bits(first, second, what):
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"deterministic backward: {name} differs between two runs ({what})"
+
+
 def prefill_case(rng):
     b, hk = rng.randint(1, 3), rng.choice([1, 2, 4])
     h = hk * rng.choice([1, 2, 4])
     sq, sk = rng.randint(1, _n(2500)), rng.randint(1, _n(2500))
     if rng.random() < 0.4:
         sk = sq
+    # the packed entry points: kv (B, Sk, 2, Hk, D), or qkv (B, S, 3, H, D) (needs Sq = Sk, H = Hk)
+    packing = rng.choice(["none"] * 8 + ["kv", "qkv"])
+    if packing == "qkv":
+        sk, hk = sq, h
     d = rng.choice(HEAD_DIMS)
     dtype = rng.choice([torch.bfloat16, torch.float16])
     kw = _mask_options(rng)
     if rng.random() < 0.1:
         kw["alibi_slopes"] = torch.rand(b, h, device=DEV) if rng.random() < 0.5 else torch.rand(h, device=DEV)
     backward = rng.random() < 0.5
+    deterministic = backward and rng.random() < 0.4
     params = dict(family="prefill", b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, dtype=str(dtype), backward=backward,
+                  deterministic=deterministic, packing=packing,
                   **{k: (v if not torch.is_tensor(v) else list(v.shape)) for k, v in kw.items()})
+
+    def call(q, k, v):
+        if packing == "kv":
+            kv = torch.stack((k, v), dim=2).detach().requires_grad_(backward)
+            out = flashtile.flash_attn_kvpacked_func(q, kv, deterministic=deterministic,
+                                                     return_attn_probs=True, **kw)
+            return out, lambda: (q.grad, kv.grad[:, :, 0], kv.grad[:, :, 1])
+        if packing == "qkv":
+            qkv = torch.stack((q, k, v), dim=2).detach().requires_grad_(backward)
+            out = flashtile.flash_attn_qkvpacked_func(qkv, deterministic=deterministic,
+                                                      return_attn_probs=True, **kw)
+            return out, lambda: qkv.grad.unbind(2)
+        out = flashtile.flash_attn_func(q, k, v, deterministic=deterministic, return_attn_probs=True, **kw)
+        return out, lambda: (q.grad, k.grad, v.grad)
 
     def run():
         q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
         k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
         v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
         qq, kk, vv = (t.clone().requires_grad_(backward) for t in (q, k, v))
-        out, lse, _ = flashtile.flash_attn_func(qq, kk, vv, return_attn_probs=True, **kw)
+        (out, lse, _), grads = call(qq, kk, vv)
         assert_matches_reference(out.detach(), lse.detach(), q, k, v, **kw)
         if backward:
             dout = torch.randn_like(out)
             out.backward(dout)
-            assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **kw)
+            first = [g.clone() for g in grads()]
+            assert_grads_match_reference(first, q, k, v, dout, **kw)
+            if deterministic:  # the same call again gives the same bits
+                qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+                (out, _, _), grads = call(qq, kk, vv)
+                out.backward(dout)
+                _same_bits(first, grads(), "flash_attn_func" if packing == "none" else packing)
     return params, run
+
+
+def _varlen_pools(k, v, lens_k, page_size):
+    """Packed keys and values (total_k, Hk, D) as sequences on shuffled pools of ``page_size``-key
+    pages (the slots past each sequence and the spare pages hold noise), and the (B, max_pages)
+    int32 table both pools share."""
+    per_seq = max(-(-n // page_size) for n in lens_k)
+    pages = len(lens_k) * per_seq + 2
+    order = torch.randperm(pages, device=DEV)[:len(lens_k) * per_seq].view(len(lens_k), per_seq)
+    pools = []
+    for x in (k, v):
+        pool = torch.randn(pages, page_size, *x.shape[1:], device=DEV, dtype=x.dtype)
+        start = 0
+        for i, n in enumerate(lens_k):
+            rows = pool[order[i].long()].flatten(0, 1)
+            rows[:n] = x[start:start + n]
+            pool[order[i].long()] = rows.view(per_seq, page_size, *x.shape[1:])
+            start += n
+        pools.append(pool)
+    return pools[0], pools[1], order.to(torch.int32)
 
 
 def varlen_case(rng):
@@ -93,7 +147,12 @@ def varlen_case(rng):
     lens_q[0] = max(lens_q[0], 1)
     lens_k = [rng.randint(1, _n(1200)) if rng.random() < 0.5 else lq for lq in lens_q]
     kw = _mask_options(rng)
-    params = dict(family="varlen", h=h, hk=hk, d=d, dtype=str(dtype), lens_q=lens_q, lens_k=lens_k, **kw)
+    # keys on a page pool through block_table (forward only), or a backward (sometimes deterministic)
+    page = rng.choice([1, 3, 16, 64, 256]) if rng.random() < 0.25 else 0
+    backward = not page and rng.random() < 0.4
+    deterministic = backward and rng.random() < 0.4
+    params = dict(family="varlen", h=h, hk=hk, d=d, dtype=str(dtype), lens_q=lens_q, lens_k=lens_k, page=page,
+                  backward=backward, deterministic=deterministic, **kw)
 
     def run():
         q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
@@ -101,14 +160,40 @@ def varlen_case(rng):
         v = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
         cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).to(torch.int32)
-        out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                       return_attn_probs=True, **kw)
+
+        def call(q_, k_, v_):
+            if page:
+                k_pool, v_pool, table = _varlen_pools(k_, v_, lens_k, page)
+                with torch.no_grad():
+                    return flashtile.flash_attn_varlen_func(q_, k_pool, v_pool, cu_q, cu_k, max(lens_q),
+                                                            max(lens_k), return_attn_probs=True,
+                                                            block_table=table, **kw)
+            return flashtile.flash_attn_varlen_func(q_, k_, v_, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                    deterministic=deterministic, return_attn_probs=True,
+                                                    **kw)
+
+        qq, kk, vv = (t.clone().requires_grad_(backward) for t in (q, k, v))
+        out, lse, _ = call(qq, kk, vv)
+        dout = torch.randn_like(out)
+        if backward:
+            out.backward(dout)
+            first = [qq.grad.clone(), kk.grad.clone(), vv.grad.clone()]
         for i in range(n):
             qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-            if qs.stop == qs.start:
+            if qs.stop == qs.start:  # no queries: its keys get no gradient
+                if backward:
+                    assert (first[1][ks] == 0).all() and (first[2][ks] == 0).all(), "dk/dv of unseen keys"
                 continue
-            assert_matches_reference(out[None, qs], lse[None, :, qs], q[None, qs], k[None, ks], v[None, ks],
-                                     **kw)
+            if backward:  # a sequence's keys get no gradient from other sequences' queries
+                assert_grads_match_reference((first[0][None, qs], first[1][None, ks], first[2][None, ks]),
+                                             q[None, qs], k[None, ks], v[None, ks], dout[None, qs], **kw)
+            assert_matches_reference(out.detach()[None, qs], lse.detach()[None, :, qs], q[None, qs],
+                                     k[None, ks], v[None, ks], **kw)
+        if deterministic:
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            out, _, _ = call(qq, kk, vv)
+            out.backward(dout)
+            _same_bits(first, (qq.grad, kk.grad, vv.grad), "flash_attn_varlen_func")
     return params, run
 
 
@@ -291,7 +376,10 @@ def _e4m3_per_head(x, heads_k):
     and its dequantized float64 copy."""
     from flashtile.fp8 import E4M3_MAX
     grouped = x.float().unflatten(2, (heads_k, -1))
-    descale = (grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-6) / E4M3_MAX).float()
+    if x.shape[1]:
+        descale = (grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-6) / E4M3_MAX).float()
+    else:  # an empty sequence (packed ones may be)
+        descale = torch.ones(x.shape[0], heads_k, device=x.device)
     x8 = (grouped / descale[:, None, :, None, None]).flatten(2, 3).to(torch.float8_e4m3fn)
     back = (x8.double().unflatten(2, (heads_k, -1)) * descale[:, None, :, None, None].double()).flatten(2, 3)
     return x8, descale, back
@@ -320,6 +408,33 @@ def _e4m3_p_emulation(dq, dk, dv, **kw):
     return (u8 @ vt / u.sum(-1, keepdim=True).clamp_min(1e-300)).transpose(1, 2)
 
 
+def _check_e4m3(out, lse, portable_out, portable_lse, dq, dk, dv, ref_kw):
+    """An e4m3 forward's output (1 or B, Sq, H, D) and LSE (B, H, Sq) against float64 attention of
+    the dequantized tensors dq, dk, dv, with prefill_fp8_case's budget."""
+    from flashtile.reference import attention as textbook
+    assert torch.isfinite(out).all(), "non-finite output"
+    ref, ref_lse = textbook(dq, dk, dv, **ref_kw)
+    low, _ = textbook(dq.bfloat16(), dk.bfloat16(), dv.bfloat16(), **ref_kw)
+    seen = torch.isfinite(ref_lse)
+    err = (out.double() - ref).abs().max().item()
+    portable_err = (portable_out.double() - ref).abs().max().item()
+    low_err = (low.double() - ref).abs().max().item()
+    # the portable kernel's error, which sets the budget, against what e4m3 P alone explains
+    # (a wrong descale, shared by both kernels, would otherwise raise the budget with the error)
+    emulated_err = (_e4m3_p_emulation(dq, dk, dv, **ref_kw) - ref).abs().max().item()
+    assert portable_err <= 4 * max(emulated_err, low_err) + 1e-6, \
+        f"portable e4m3 error {portable_err:.3g} > 4x that of e4m3 P ({emulated_err:.3g})"
+    budget = 2 * max(portable_err, low_err) + 1e-6
+    assert err <= budget, f"max error {err:.3g} > budget {budget:.3g} (portable e4m3 {portable_err:.3g})"
+    if seen.any():
+        lse_err = (lse.double() - ref_lse)[seen].abs().max().item()
+        portable_lse_err = (portable_lse.double() - ref_lse)[seen].abs().max().item()
+        assert lse_err <= max(2 * portable_lse_err, 1e-3), \
+            f"LSE error {lse_err:.3g} (portable e4m3 {portable_lse_err:.3g})"
+    if not seen.all():  # rows that see no key: output 0
+        assert (out.double().transpose(1, 2)[~seen] == 0).all(), "rows without keys not 0"
+
+
 def prefill_fp8_case(rng):
     """The e4m3 forward: flash_attn_func on e4m3 q, k, v with (B, Hk) descales (masks and softcap as
     the prefill family draws them), or flashtile.fp8.quantize_qkv's block scales with or without the
@@ -328,7 +443,6 @@ def prefill_fp8_case(rng):
     (P rounds to e4m3 in both) and the textbook attention's in bf16; the LSE within 2x the portable
     kernel's LSE error (at least 1e-3); output finite, rows without keys 0."""
     from flashtile import fp8
-    from flashtile.reference import attention as textbook
     b, hk = rng.randint(1, 3), rng.choice([1, 2, 4])
     h = hk * rng.choice([1, 2, 4])
     sq, sk = rng.randint(1, _n(2500)), rng.randint(1, _n(2500))
@@ -368,32 +482,57 @@ def prefill_fp8_case(rng):
             ref_kw = {"causal": bool(kw.get("causal"))}
         out, lse = call()
         portable_out, portable_lse = _portable(call)
-        assert torch.isfinite(out).all(), "non-finite output"
-        ref, ref_lse = textbook(dq, dk, dv, **ref_kw)
-        low, _ = textbook(dq.bfloat16(), dk.bfloat16(), dv.bfloat16(), **ref_kw)
-        seen = torch.isfinite(ref_lse)
-        err = (out.double() - ref).abs().max().item()
-        portable_err = (portable_out.double() - ref).abs().max().item()
-        low_err = (low.double() - ref).abs().max().item()
-        # the portable kernel's error, which sets the budget, against what e4m3 P alone explains
-        # (a wrong descale, shared by both kernels, would otherwise raise the budget with the error)
-        emulated_err = (_e4m3_p_emulation(dq, dk, dv, **ref_kw) - ref).abs().max().item()
-        assert portable_err <= 4 * max(emulated_err, low_err) + 1e-6, \
-            f"portable e4m3 error {portable_err:.3g} > 4x that of e4m3 P ({emulated_err:.3g})"
-        budget = 2 * max(portable_err, low_err) + 1e-6
-        assert err <= budget, f"max error {err:.3g} > budget {budget:.3g} (portable e4m3 {portable_err:.3g})"
-        if seen.any():
-            lse_err = (lse.double() - ref_lse)[seen].abs().max().item()
-            portable_lse_err = (portable_lse.double() - ref_lse)[seen].abs().max().item()
-            assert lse_err <= max(2 * portable_lse_err, 1e-3), \
-                f"LSE error {lse_err:.3g} (portable e4m3 {portable_lse_err:.3g})"
-        if not seen.all():  # rows that see no key: output 0
-            assert (out.double().transpose(1, 2)[~seen] == 0).all(), "rows without keys not 0"
+        _check_e4m3(out, lse, portable_out, portable_lse, dq, dk, dv, ref_kw)
+    return params, run
+
+
+def varlen_fp8_case(rng):
+    """The e4m3 forward on packed sequences: flash_attn_varlen_func with (B, Hk) descales, one per
+    sequence and KV head, masks and softcap as the prefill family draws them; prefill_fp8_case's
+    budget, sequence by sequence."""
+    n = rng.randint(1, 5)
+    hk = rng.choice([1, 2, 4])
+    h = hk * rng.choice([1, 2, 4])
+    d = rng.choice([64, 80, 128, 128, 256])
+    lens_q = [rng.randint(0 if rng.random() < 0.1 else 1, _n(1500)) for _ in range(n)]
+    lens_q[0] = max(lens_q[0], 1)
+    lens_k = [rng.randint(1, _n(1500)) if rng.random() < 0.5 else max(lq, 1) for lq in lens_q]
+    kw = _mask_options(rng)
+    outliers = rng.random() < 0.3
+    params = dict(family="varlen-fp8", h=h, hk=hk, d=d, lens_q=lens_q, lens_k=lens_k, outliers=outliers, **kw)
+
+    def run():
+        seqs = []
+        for lq, lk in zip(lens_q, lens_k):
+            q, k, v = (torch.randn(1, s, m, d, device=DEV, dtype=torch.bfloat16)
+                       for s, m in ((lq, h), (lk, hk), (lk, hk)))
+            if outliers:
+                for x in (q, k, v):
+                    x += torch.randn_like(x) * 10 * (torch.rand_like(x, dtype=torch.float32) < 1e-3)
+            seqs.append([_e4m3_per_head(x, hk) for x in (q, k, v)])
+        packed = [torch.cat([seq[i][0][0] for seq in seqs]) for i in range(3)]
+        descales = [torch.cat([seq[i][1] for seq in seqs]) for i in range(3)]
+        cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).to(torch.int32)
+
+        def call():
+            out = flashtile.flash_attn_varlen_func(*packed, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                   q_descale=descales[0], k_descale=descales[1],
+                                                   v_descale=descales[2], return_attn_probs=True, **kw)
+            return out[0], out[1]
+        out, lse = call()
+        portable_out, portable_lse = _portable(call)
+        for i, seq in enumerate(seqs):
+            qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
+            if qs.stop > qs.start:
+                _check_e4m3(out[None, qs], lse[None, :, qs], portable_out[None, qs],
+                            portable_lse[None, :, qs], seq[0][2], seq[1][2], seq[2][2], kw)
     return params, run
 
 
 FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case,
-            "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case}
+            "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case,
+            "varlen-fp8": varlen_fp8_case}
 
 
 def main(argv=None) -> int:
