@@ -5,7 +5,8 @@ shapes and options.
     PYTHONPATH=src python benchmarks/fuzz_gpu.py --out $OUT [--seed S] [--seconds T] [--family F]
 
 Families: ``prefill`` (flash_attn_func and its kv/qkv-packed forms, forward, and backward on half
-the cases, some deterministic: run twice, the gradients must match bit for bit), ``varlen``
+the cases, some deterministic: run twice, the gradients must match bit for bit; some with dropout,
+its mask taken from S_dmask), ``varlen``
 (flash_attn_varlen_func: backward on some cases, deterministic ones twice, or keys on page pools of
 any page size through block_table), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
 page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on
@@ -79,22 +80,29 @@ def prefill_case(rng):
         kw["alibi_slopes"] = torch.rand(b, h, device=DEV) if rng.random() < 0.5 else torch.rand(h, device=DEV)
     backward = rng.random() < 0.5
     deterministic = backward and rng.random() < 0.4
+    # dropout: the mask comes back as S_dmask's signs (return_attn_probs), and the reference applies it
+    dropout_p = rng.choice([0.1, 0.3]) if rng.random() < 0.15 else 0.0
+    dropout_seed = rng.randrange(1 << 30)  # the generator's state at each call: reruns draw the same mask
     params = dict(family="prefill", b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, dtype=str(dtype), backward=backward,
-                  deterministic=deterministic, packing=packing,
+                  deterministic=deterministic, packing=packing, dropout_p=dropout_p,
                   **{k: (v if not torch.is_tensor(v) else list(v.shape)) for k, v in kw.items()})
 
     def call(q, k, v):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if DEV == "cuda" else []):
+            torch.manual_seed(dropout_seed)
+            return entry(q, k, v, dropout_p=dropout_p, deterministic=deterministic, return_attn_probs=True,
+                         **kw)
+
+    def entry(q, k, v, **call_kw):
         if packing == "kv":
             kv = torch.stack((k, v), dim=2).detach().requires_grad_(backward)
-            out = flashtile.flash_attn_kvpacked_func(q, kv, deterministic=deterministic,
-                                                     return_attn_probs=True, **kw)
+            out = flashtile.flash_attn_kvpacked_func(q, kv, **call_kw)
             return out, lambda: (q.grad, kv.grad[:, :, 0], kv.grad[:, :, 1])
         if packing == "qkv":
             qkv = torch.stack((q, k, v), dim=2).detach().requires_grad_(backward)
-            out = flashtile.flash_attn_qkvpacked_func(qkv, deterministic=deterministic,
-                                                      return_attn_probs=True, **kw)
+            out = flashtile.flash_attn_qkvpacked_func(qkv, **call_kw)
             return out, lambda: qkv.grad.unbind(2)
-        out = flashtile.flash_attn_func(q, k, v, deterministic=deterministic, return_attn_probs=True, **kw)
+        out = flashtile.flash_attn_func(q, k, v, **call_kw)
         return out, lambda: (q.grad, k.grad, v.grad)
 
     def run():
@@ -102,13 +110,17 @@ def prefill_case(rng):
         k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
         v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
         qq, kk, vv = (t.clone().requires_grad_(backward) for t in (q, k, v))
-        (out, lse, _), grads = call(qq, kk, vv)
-        assert_matches_reference(out.detach(), lse.detach(), q, k, v, **kw)
+        (out, lse, s_dmask), grads = call(qq, kk, vv)
+        ref_kw = kw
+        if dropout_p:
+            assert s_dmask is not None and s_dmask.shape == (b, h, sq, sk), "S_dmask"
+            ref_kw = dict(kw, dropout_p=dropout_p, dropout_mask=~torch.signbit(s_dmask))
+        assert_matches_reference(out.detach(), lse.detach(), q, k, v, **ref_kw)
         if backward:
             dout = torch.randn_like(out)
             out.backward(dout)
             first = [g.clone() for g in grads()]
-            assert_grads_match_reference(first, q, k, v, dout, **kw)
+            assert_grads_match_reference(first, q, k, v, dout, **ref_kw)
             if deterministic:  # the same call again gives the same bits
                 qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
                 (out, _, _), grads = call(qq, kk, vv)
