@@ -6,14 +6,14 @@ shapes and options.
 
 Families: ``prefill`` (flash_attn_func and its kv/qkv-packed forms, forward, and backward on half
 the cases, some deterministic: run twice, the gradients must match bit for bit; some with dropout,
-its mask taken from S_dmask), ``varlen``
-(flash_attn_varlen_func: backward on some cases, deterministic ones twice, or keys on page pools of
-any page size through block_table), ``kvcache`` (flash_attn_with_kvcache on contiguous or paged caches of any
-page size, appends, rotary, leftpad, cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on
-e4m3 caches with per-key descales, paged ones included, appends quantized in place), ``prefill-fp8``
-(the e4m3 forward: flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or
-without the Hadamard rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences
-through flash_attn_varlen_func with per-sequence descales, the same budget). Every other case uses the test
+its mask taken from S_dmask), ``varlen`` (flash_attn_varlen_func: backward on some cases,
+deterministic ones twice, or keys on page pools of any page size through block_table), ``kvcache``
+(flash_attn_with_kvcache on contiguous or paged caches of any page size, appends, rotary, leftpad,
+cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on e4m3 caches with per-key
+descales, paged ones included, appends quantized in place), ``prefill-fp8`` (the e4m3 forward:
+flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or without the Hadamard
+rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences through
+flash_attn_varlen_func with per-sequence descales, the same budget). Every other case uses the test
 suite's accuracy rule (tests/helpers.py: output within 2x the error of textbook attention in the
 input dtype, gradients 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
 ``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes

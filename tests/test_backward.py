@@ -121,8 +121,8 @@ def test_rows_without_keys_have_zero_gradient():
 def test_rows_that_see_one_or_two_keys():
     # Causal Sq 14 against Sk 2: rows see 0, 1 or 2 keys, where dQ is 0 or nearly and FlashAttention's
     # D = rowsum(dO * O), taken from the output rounded to bf16, sets the error (up to ~10x textbook
-    # bf16's; the GPU fuzz's varlen family hit it). The rule's second term is that error exactly:
-    # here the kernel's error must stay within 3x of it on every draw.
+    # bf16's; benchmarks/fuzz_gpu.py's varlen family hit it in a CPU smoke run). The rule's second
+    # term is that error exactly: here the kernel's error must stay within 3x of it on every draw.
     for _ in range(4):
         q, k, v = make_qkv(1, 14, 2, 1, 1, 96, BF16)
         check(q, k, v, causal=True)
