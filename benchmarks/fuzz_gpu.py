@@ -120,7 +120,7 @@ def prefill_case(rng):
             dout = torch.randn_like(out)
             out.backward(dout)
             first = [g.clone() for g in grads()]
-            assert_grads_match_reference(first, q, k, v, dout, **ref_kw)
+            assert_grads_match_reference(first, q, k, v, dout, out=out, **ref_kw)
             if deterministic:  # the same call again gives the same bits
                 qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
                 (out, _, _), grads = call(qq, kk, vv)
@@ -198,7 +198,8 @@ def varlen_case(rng):
                 continue
             if backward:  # a sequence's keys get no gradient from other sequences' queries
                 assert_grads_match_reference((first[0][None, qs], first[1][None, ks], first[2][None, ks]),
-                                             q[None, qs], k[None, ks], v[None, ks], dout[None, qs], **kw)
+                                             q[None, qs], k[None, ks], v[None, ks], dout[None, qs],
+                                             out=out[None, qs], **kw)
             assert_matches_reference(out.detach()[None, qs], lse.detach()[None, :, qs], q[None, qs],
                                      k[None, ks], v[None, ks], **kw)
         if deterministic:

@@ -26,7 +26,7 @@ for case in range(n):
         assert_matches_reference(out.detach(), lse, q, k, v, **kw)
         dout = torch.randn_like(out)
         out.backward(dout)
-        assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **kw)
+        assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, out=out, **kw)
     except Exception as e:
         fails += 1
         print("FAIL", dict(B=B, H=H, Hk=Hk, Sq=Sq, Sk=Sk, d=d, dtype=dtype, **{k2: (v2 if not torch.is_tensor(v2) else tuple(v2.shape)) for k2, v2 in kw.items()}), str(e)[:200], flush=True)

@@ -16,17 +16,17 @@ from helpers import assert_grads_match_reference, make_qkv
 F16, BF16 = torch.float16, torch.bfloat16
 
 
-def api_grads(q, k, v, dout, **kw):
+def api_grads(q, k, v, dout, with_out=False, **kw):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = flashtile.flash_attn_func(q, k, v, **kw)
     out.backward(dout)
-    return q.grad, k.grad, v.grad
+    return ((q.grad, k.grad, v.grad), out) if with_out else (q.grad, k.grad, v.grad)
 
 
 def check(q, k, v, deterministic=False, **kw):
     dout = torch.randn_like(q)
-    grads = api_grads(q, k, v, dout, deterministic=deterministic, **kw)
-    assert_grads_match_reference(grads, q, k, v, dout, **kw)
+    grads, out = api_grads(q, k, v, dout, with_out=True, deterministic=deterministic, **kw)
+    assert_grads_match_reference(grads, q, k, v, dout, out=out, **kw)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
@@ -122,7 +122,7 @@ def test_rows_that_see_one_or_two_keys():
     # Causal Sq 14 against Sk 2: rows see 0, 1 or 2 keys, where dQ is 0 or nearly and FlashAttention's
     # D = rowsum(dO * O), taken from the output rounded to bf16, sets the error (up to ~10x textbook
     # bf16's; benchmarks/fuzz_gpu.py's varlen family hit it in a CPU smoke run). The rule's second
-    # term is that error exactly: here the kernel's error must stay within 3x of it on every draw.
+    # term is 2x that error, computed exactly from the kernel's own output: within it on every draw.
     for _ in range(4):
         q, k, v = make_qkv(1, 14, 2, 1, 1, 96, BF16)
         check(q, k, v, causal=True)

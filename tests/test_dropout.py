@@ -47,7 +47,7 @@ def test_matches_reference_with_the_same_mask(kw, dtype):
     kw.pop("deterministic", None)
     ref_kw = dict(kw, dropout_p=p, dropout_mask=keep)
     assert_matches_reference(out.detach(), None, q, k, v, **ref_kw)
-    assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **ref_kw)
+    assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, out=out, **ref_kw)
 
 
 def test_reproducible_from_torch_manual_seed():
