@@ -187,40 +187,108 @@ def test_flash_attn_func_takes_fp8_with_per_head_descales(causal):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_takes_fp8_with_per_sequence_descales(causal):
-    """flash_attn_varlen_func on e4m3 packed sequences: each sequence against the reference on its own
-    dequantized inputs (descales per sequence and KV head)."""
-    import flashtile
-    from flashtile.reference import attention as textbook
-    lens_q, lens_k = [5, 33, 1, 20], [9, 33, 17, 3]
-    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
-    heads, heads_k, d = 4, 2, 32
-    raw = [torch.randn(sum(lens_q), heads, d) * 2, torch.randn(sum(lens_k), heads_k, d),
-           torch.randn(sum(lens_k), heads_k, d) * 0.5]
+def _quantize_per_sequence(raw, cus, heads_k):
+    """e4m3 packed tensors (total, H, D) with one descale per (sequence, KV head), as
+    FlashAttention-3 takes them: (tensors, descales (B, Hk))."""
     tensors, descales = [], []
-    for x, cu in zip(raw, (cu_q, cu_k, cu_k)):
+    for x, cu in zip(raw, cus):
         grouped = x.unflatten(1, (heads_k, -1))  # (total, Hk, group, D)
-        d_seq = torch.stack([grouped[a:b].abs().amax(dim=(0, 2, 3)) for a, b in zip(cu[:-1], cu[1:])])
+        d_seq = torch.stack([grouped[a:b].abs().amax(dim=(0, 2, 3)) if b > a else
+                             torch.ones(heads_k) for a, b in zip(cu[:-1], cu[1:])])
         d_seq = d_seq.clamp_min(1e-6) / fp8.E4M3_MAX  # (B, Hk)
         rows = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
         tensors.append((grouped / d_seq[rows][:, :, None, None]).flatten(1, 2).to(torch.float8_e4m3fn))
         descales.append(d_seq.float())
-    out, lse, _ = flashtile.flash_attn_varlen_func(
-        *tensors, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, q_descale=descales[0],
-        k_descale=descales[1], v_descale=descales[2], return_attn_probs=True)
-    assert out.dtype == torch.bfloat16 and out.shape == raw[0].shape and lse.shape == (heads, sum(lens_q))
-    for b in range(len(lens_q)):
+    return tensors, descales
+
+
+def _packed_e4m3(lens_q, lens_k, heads, heads_k, d):
+    """Fresh packed sequences quantized per sequence: (cu_q, cu_k, tensors, descales, q's shape)."""
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    raw = [torch.randn(sum(lens_q), heads, d) * 2, torch.randn(sum(lens_k), heads_k, d),
+           torch.randn(sum(lens_k), heads_k, d) * 0.5]
+    tensors, descales = _quantize_per_sequence(raw, (cu_q, cu_k, cu_k), heads_k)
+    return cu_q, cu_k, tensors, descales, raw[0].shape
+
+
+def _check_per_sequence(out, lse, tensors, descales, cu_q, cu_k, heads_k, **kw):
+    """Each packed sequence against the float64 reference on its own dequantized inputs: error
+    within 2x textbook bf16's, LSE within 1e-4 where the row sees a key."""
+    from flashtile.reference import attention as textbook
+    for b in range(len(cu_q) - 1):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if sq.stop == sq.start:
+            continue
         deq = [(t[s].float().unflatten(1, (heads_k, -1)) * dd[b][None, :, None, None]).flatten(1, 2)
                .unsqueeze(0).double() for t, s, dd in zip(tensors, (sq, sk, sk), descales)]
-        ref, ref_lse = textbook(*deq, causal=causal)
-        low, _ = textbook(*(t.to(torch.bfloat16) for t in deq), causal=causal)
+        ref, ref_lse = textbook(*deq, **kw)
+        low, _ = textbook(*(t.to(torch.bfloat16) for t in deq), **kw)
         err = (out[sq].double() - ref[0]).abs().max().item()
         assert err <= 2 * (low.double() - ref).abs().max().item() + 1e-6, f"sequence {b}: {err}"
         seen = torch.isfinite(ref_lse[0])
+        assert torch.isinf(lse[:, sq][~seen]).all() and (out[sq].transpose(0, 1)[~seen] == 0).all()
         torch.testing.assert_close(lse[:, sq].double()[seen], ref_lse[0][seen], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("by_sequence", [True, False], ids=["per-sequence", "block-descale"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_takes_fp8_with_per_sequence_descales(causal, by_sequence, monkeypatch, nan_empty):
+    """flash_attn_varlen_func on e4m3 packed sequences: each sequence against the reference on its own
+    dequantized inputs (descales per sequence and KV head), through the per-sequence kernel and the
+    block-descale one (V^T packed from 16-key boundaries)."""
+    import flashtile
+    from flashtile.kernels import forward
+    monkeypatch.setattr(forward, "VARLEN_FP8_BY_SEQUENCE", by_sequence)
+    lens_q, lens_k, heads, heads_k = [5, 33, 1, 20], [9, 33, 17, 3], 4, 2
+    cu_q, cu_k, tensors, descales, shape = _packed_e4m3(lens_q, lens_k, heads, heads_k, 32)
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        *tensors, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, q_descale=descales[0],
+        k_descale=descales[1], v_descale=descales[2], return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == shape and lse.shape == (heads, sum(lens_q))
+    _check_per_sequence(out, lse, tensors, descales, cu_q, cu_k, heads_k, causal=causal)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(10, 5), softcap=4.0)],
+                         ids=["causal", "window-softcap"])
+def test_varlen_fp8_on_page_pools(page_size, kw, nan_empty):
+    """e4m3 q with e4m3 page pools through block_table (vLLM's FP8 KV cache on FlashAttention-3):
+    per-sequence descales, pages scattered, the pools' unused slots NaN."""
+    import flashtile
+    from test_varlen import paged_copy
+    lens_q, lens_k, heads_k = [3, 40, 1, 0, 7], [70, 40, 130, 5, 0], 2
+    cu_q, cu_k, tensors, descales, shape = _packed_e4m3(lens_q, lens_k, 6, heads_k, 40)
+    k_pool, v_pool, table = paged_copy(tensors[1].float(), tensors[2].float(), cu_k, page_size,
+                                       fill=float("nan"))
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, cu_k,
+        max(lens_q), max(lens_k), block_table=table, q_descale=descales[0], k_descale=descales[1],
+        v_descale=descales[2], return_attn_probs=True, **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == shape
+    _check_per_sequence(out, lse, tensors, descales, cu_q, cu_k, heads_k, **kw)
+
+
+def test_varlen_fp8_page_pools_are_checked():
+    import flashtile
+    from test_varlen import paged_copy
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    q = torch.randn(50, 4, 32).to(torch.float8_e4m3fn)
+    k_pool, v_pool, table = paged_copy(torch.randn(50, 2, 32), torch.randn(50, 2, 32), cu, 8)
+    k_pool, v_pool = k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn)
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=30, max_seqlen_k=30, block_table=table)
+    with pytest.raises(TypeError, match="v must be float8_e4m3fn"):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool.to(torch.bfloat16), **call)
+    with pytest.raises(ValueError, match="block_table entries must be in"):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool, **{**call, "block_table": table + 100})
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool, **{**call, "block_table": table[:1]})
+    with pytest.raises(ValueError, match="holds only"):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool, **{**call, "block_table": table[:, :1]})
+    with pytest.raises(ValueError, match="k_descale must have shape"):
+        flashtile.flash_attn_varlen_func(q, k_pool, v_pool, **call, k_descale=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="head dim"):
+        flashtile.flash_attn_varlen_func(q[..., :16], k_pool, v_pool, **call)
 
 
 def test_fp8_arguments_are_checked():
@@ -768,3 +836,19 @@ def test_fp8_cache_per_sequence_descales_on_pages(layout, fp8_q):
     assert out.dtype == torch.bfloat16
     _check_decode(out, q, k8.float() * kd[:, None, :, None], v8.float() * vd[:, None, :, None],
                   [n + 2 for n in lengths], True, dtype=torch.bfloat16)
+
+
+def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries():
+    from flashtile.kernels.forward import packed_keys_transposed
+    lens = [5, 0, 33, 16, 1]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(lens), 3, 24).to(torch.float8_e4m3fn)
+    t = packed_keys_transposed(x, cu)
+    assert t.shape[0] == 1 and t.shape[2:] == (3, 24) and t.stride(1) == 1 and t.stride(3) % 16 == 0
+    used = torch.zeros(t.shape[1], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        start = (int(cu[b]) + 15) // 16 * 16 + 16 * b
+        assert start % 16 == 0
+        assert torch.equal(t[0, start:start + n].float(), x[cu[b]:cu[b + 1]].float())
+        used[start:start + n] = True
+    assert (t[0, ~used].float() == 0).all()  # the gaps between sequences are zeros

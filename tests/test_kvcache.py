@@ -686,21 +686,6 @@ def test_key_counts_made_once_per_shape_and_stream_and_fresh_under_capture(monke
     assert a is not b and len(made) == 4 and len(forward._KEY_COUNTS) == kept
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty filled with NaN while a test runs flashtile: an output or partial element the
-    kernels leave unwritten then shows up as NaN."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    yield
-    monkeypatch.setattr(torch, "empty", real)
-
-
 def _stream_config():
     from flashtile.kernels.decode import DecodeConfig
     return DecodeConfig(32, 4, 1, stream=2)

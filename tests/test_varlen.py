@@ -118,14 +118,17 @@ def test_varlen_compiles_and_passes_opcheck():
     assert torch.equal(torch.compile(fn, fullgraph=True)(q, k, v), fn(q, k, v))
 
 
-def paged_copy(k, v, cu_k, page_size, spare_pages=3):
-    """The same keys in a page pool with scattered pages, and the block table that finds them."""
+def paged_copy(k, v, cu_k, page_size, spare_pages=3, fill=None):
+    """The same keys in a page pool with scattered pages, and the block table that finds them; the
+    unused slots hold noise, or ``fill``."""
     lengths = (cu_k[1:] - cu_k[:-1]).tolist()
     pages_per_seq = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per_seq) + spare_pages
     order = torch.randperm(num_pages).tolist()
     k_pool = torch.randn(num_pages, page_size, *k.shape[1:], dtype=k.dtype)  # unused slots: noise
     v_pool = torch.randn_like(k_pool)
+    if fill is not None:
+        k_pool.fill_(fill), v_pool.fill_(fill)
     table = torch.zeros(len(lengths), max(max(pages_per_seq), 1), dtype=torch.int32)
     for b, n in enumerate(lengths):
         for j in range(pages_per_seq[b]):

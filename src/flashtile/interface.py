@@ -173,19 +173,24 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, descales, names, packed=None):
+                   return_attn_probs, descales, names, packed=None, block_table=None):
     """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
     ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences, q
-    (total_q, H, D) and k/v (total_k, Hk, D), descales per sequence. For per-block scales (and the
-    Hadamard rotation) use flashtile.fp8.quantize_qkv and flashtile.fp8.attention."""
+    (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
+    page_size, Hk, D); descales per sequence. For per-block scales (and the Hadamard rotation) use
+    flashtile.fp8.quantize_qkv and flashtile.fp8.attention."""
     from .kernels.forward import attention_forward, pick_config
     if packed is None:
         _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
-    else:
+    elif block_table is None:
         for t, n in zip((q, k, v), names):
             _check_tensor(t, n, 3, (torch.float8_e4m3fn,))
         _check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names,
                                 dtypes=(torch.float8_e4m3fn,))
+    else:  # page pools: the table and shapes are checked below, once the batch is known
+        _check_tensor(q, names[0], 3, (torch.float8_e4m3fn,))
+        for t, n in zip((k, v), names[1:]):
+            _check_tensor(t, n, 4, (torch.float8_e4m3fn,))
     if _check_dropout(dropout_p) > 0:
         raise NotImplementedError("flashtile: no dropout with FP8 inputs")
     if q.requires_grad or k.requires_grad or v.requires_grad:
@@ -200,9 +205,19 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         _check_cu_seqlens(cu_k, "cu_seqlens_k", batch, q.device)
         seqlen_q = _check_max_seqlen(max_q, "max_seqlen_q")
         seqlen_k = _check_max_seqlen(max_k, "max_seqlen_k")
-        _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], seqlen_q, seqlen_k)
-        heads, head_dim, heads_k = q.shape[1], q.shape[2], k.shape[1]
+        heads, head_dim = q.shape[1], q.shape[2]
         varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q)
+        if block_table is None:
+            _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], seqlen_q, seqlen_k)
+            heads_k = k.shape[1]
+        else:
+            _check_block_table(block_table, k, v, batch, q.device)
+            _check_attention_inputs(q.unsqueeze(0), k[:1], v[:1], names,  # a page stands for the pool
+                                    dtypes=(torch.float8_e4m3fn,))
+            _check_offsets(cu_q, cu_k, q.shape[0], None, seqlen_q, seqlen_k)
+            _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], seqlen_k)
+            heads_k = k.shape[2]
+            varlen["block_table"] = block_table
     per_head = []
     for d, n in zip(descales, ("q_descale", "k_descale", "v_descale")):
         if d is None:
@@ -394,11 +409,10 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       block_table, deterministic=False, names=("q", "k", "v"),
                       descales=(None, None, None)):
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
-        if block_table is not None:
-            raise NotImplementedError("flashtile: FP8 inputs with block_table are not supported")
         return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, descales, names,
-                              packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                              packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                              block_table=block_table)
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
@@ -454,7 +468,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     of pages block_table[b, 0], block_table[b, 1], ... (forward only).
 
     FP8 (forward only): float8_e4m3fn q, k, v with float32 ``q_descale``/``k_descale``/``v_descale``
-    (B, Hk), one per sequence and KV head (None: 1.0), as in FlashAttention-3; bfloat16 output.
+    (B, Hk), one per sequence and KV head (None: 1.0), as in FlashAttention-3; bfloat16 output. With
+    ``block_table`` the page pools are e4m3 too (vLLM's FP8 KV cache with FlashAttention-3).
     """
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -119,6 +119,26 @@ def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
     return empty_keys_contiguous(x.shape, x.dtype, x.device).copy_(x)
 
 
+def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Packed sequences x (total, H, D) as a (1, width, H, D) view of (H, D, width) storage, keys
+    contiguous (e4m3 V's layout), sequence b from column 16 * ceil(cu_seqlens[b] / 16) + 16 * b: a
+    16-byte boundary, which a tensor descriptor's base needs, and zeros between sequences. The
+    columns are found on the device (no host sync)."""
+    total, heads, head_dim = x.shape
+    batch = cu_seqlens.shape[0] - 1
+    width = -(-total // 16) * 16 + 16 * (batch + 1)
+    out = torch.zeros(heads, head_dim, width, dtype=x.dtype, device=x.device)
+    if total:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        seq = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
+        starts = (cu_seqlens[:-1].long() + 15) // 16 * 16 + 16 * torch.arange(batch, device=x.device)
+        columns = torch.arange(total, device=x.device) - cu_seqlens[:-1].long()[seq] + starts[seq]
+        raw = out.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else out
+        src = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+        raw[:, :, columns] = src.permute(1, 2, 0)
+    return out.permute(2, 0, 1).unsqueeze(0)
+
+
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn,
                     rows_pos, offs_n, offs_d, blk_lo, blk_hi, seqlen_k,
@@ -130,7 +150,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
                     USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, PAGED: tl.constexpr,
                     FP8: tl.constexpr = 0, SCALE_BLOCK_K: tl.constexpr = 1,
-                    PAGE_SHIFT: tl.constexpr = -1):
+                    PAGE_SHIFT: tl.constexpr = -1, Q_TERMS: tl.constexpr = 2):
     """Online softmax over key blocks [blk_lo, blk_hi); ``rows_pos`` = query row + diagonal offset.
 
     ``k_ptrs``/``v_ptrs`` are pointer tiles, or with USE_TMA tensor descriptors bounded to one
@@ -155,7 +175,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
     leading bits) and ``q_lo`` (the rest), and S = q K^T + q_lo K^T runs as e4m3 dots on K as loaded
     (not widened; the tensor cores' own accumulation over the head dim: promoting the sums to fp32
     every 32 products spilled); V widens to fp16 by PTX (4, GPU only) or by Triton (5). ``q_lo`` is
-    unused otherwise.
+    unused otherwise, and with Q_TERMS == 1 (an e4m3 query as given: one term, one dot) too.
     """
     if not USE_TMA and not PAGED:
         start = blk_lo * BLOCK_N
@@ -218,7 +238,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
                 k = k.to(tl.float8e4nv)
         if FP8 >= 4:
             qk = tl.dot(q, tl.trans(k))
-            qk = tl.dot(q_lo, tl.trans(k), qk)
+            if Q_TERMS == 2:
+                qk = tl.dot(q_lo, tl.trans(k), qk)
         else:
             qk = tl.dot(q, tl.trans(k))
         if FP8 >= 2:
@@ -310,8 +331,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
               ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
               USE_TMA: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-              PAGED: tl.constexpr, FP8: tl.constexpr = False, SCALE_BLOCK_Q: tl.constexpr = 1,
+              PAGED: tl.constexpr, FP8: tl.constexpr = 0, SCALE_BLOCK_Q: tl.constexpr = 1,
               SCALE_BLOCK_K: tl.constexpr = 1):
+    """FP8 == 1: e4m3 q, k, v with block descales, V stored transposed (see _attn_fwd_inner).
+    FP8 == 2, 3 or 4 on page pools: e4m3 q, k, v with one descale per (sequence, KV head), the
+    inner loop's e4m3-cache modes with key and page strides 0 for the descales; 2 and 3 widen the
+    query to fp16 (exact), 4 keeps it e4m3 for e4m3 score dots (one term)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -348,7 +373,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
     else:
         k_base = (K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks
                   + kv_head.to(tl.int64) * stride_kh)
-        v_base = (V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs
+        v_start = k_start
+        if FP8 == 1 and VARLEN:  # packed V^T: sequence b from a 16-key boundary (packed_keys_transposed)
+            v_start = (k_start + 15) // 16 * 16 + 16 * batch
+        v_base = (V + batch.to(tl.int64) * stride_vb + v_start.to(tl.int64) * stride_vs
                   + kv_head.to(tl.int64) * stride_vh)
     q_ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     if USE_TMA and not PAGED:
@@ -372,6 +400,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
         q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif FP8 == 2 or FP8 == 3:
+        q = q.to(tl.float16)
 
     alibi_slope, rng_seed = head_terms(Alibi, stride_ab, DropoutSeed, batch, head,
                                        tl.num_programs(1), ALIBI, DROPOUT)
@@ -387,8 +417,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
             qk_scale = qk_scale * q_descale
         k_descale = KDescale + batch.to(tl.int64) * stride_skb + kv_head * stride_skh
         v_descale = VDescale + batch.to(tl.int64) * stride_skb + kv_head * stride_skh
-        # After the relative descales of the key blocks: the largest, applied to the output.
-        v_descale_max = tl.load(v_descale + (seqlen_k + SCALE_BLOCK_K - 1) // SCALE_BLOCK_K)
+        if FP8 == 1:
+            # After the relative descales of the key blocks: the largest, applied to the output.
+            v_descale_max = tl.load(v_descale + (seqlen_k + SCALE_BLOCK_K - 1) // SCALE_BLOCK_K)
 
     # Running-max floor: finite, so a row with no visible key so far keeps exp2(floor - floor) = 1
     # and p = exp2(-inf - floor) = 0 instead of NaN from (-inf) - (-inf).
@@ -402,20 +433,21 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
             blk_lo, full_blk_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in,
             alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
             stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K,
+            Q_TERMS=1)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_lo, full_blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
         stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
+        HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K, Q_TERMS=1)
     # Diagonal / right window edge and the ragged end of the keys.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, q, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d,
         full_blk_hi, blk_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in,
         alibi_slope, rng_seed, rng_rows, dropout_p, block_table_row, page_size, num_pages,
         stride_kb, stride_vb, k_descale, v_descale, 0, 0, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT,
-        HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K)
+        HAS_RIGHT, SOFTCAP, ALIBI, UPCAST, USE_TMA, DROPOUT, PAGED, FP8, SCALE_BLOCK_K, Q_TERMS=1)
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
@@ -423,7 +455,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
     inv_l = 1.0 / l_safe
     if DROPOUT:  # kept probabilities are scaled by 1 / (1 - p)
         inv_l = inv_l / (1.0 - dropout_p)
-    if FP8:
+    if FP8 == 1:
         inv_l = inv_l * v_descale_max
     out = acc * inv_l[:, None]  # acc is 0 on unseen rows
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
@@ -555,6 +587,50 @@ def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor)
     return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0), torch.cat([v_d / v_max, v_max], -1))
 
 
+# e4m3 calls with one descale per (sequence, KV head): flash_attn_varlen_func's, on page pools or
+# contiguous. H200, 8 x 2048 causal, 32/8 heads, d128 (varlen-fp8-modes-h200-20261202.json):
+# contiguous packed sequences took 4.20 ms in the block-descale kernel (FP8 == 1, V^T through
+# pointers: packed sequences start mid-row) against 0.95 ms here (64 x 64 tiles, 4 warps, 3 stages);
+# pages of 16 1.08 ms with 128 x 64 tiles and 8 warps (1.63 ms with the 16-bit tiles, 4 warps).
+# Measurement overrides (None: the choices below): the FP8 constexpr, the tiles, and whether
+# contiguous packed sequences take these modes instead of FP8 == 1.
+SEQUENCE_FP8_MODE: int | None = None
+SEQUENCE_FP8_CONFIG: TileConfig | None = None
+VARLEN_FP8_BY_SEQUENCE = os.environ.get("FLASHTILE_VARLEN_FP8_BY_SEQUENCE", "1") not in ("", "0")
+
+
+def sequence_fp8_config_for_arch(head_dim: int, arch: int, paged: bool) -> TileConfig:
+    """Tiles for the per-sequence e4m3 modes on sm_<arch> (pointer loads, no TMA)."""
+    if 90 <= arch < 120:
+        if head_dim_padded(head_dim) <= 128 and not paged:
+            return TileConfig(64, 64, 4, 3)
+        return TileConfig(128, 64, 8, 2)
+    return config_for_arch(head_dim, arch)
+
+
+def sequence_fp8_config(device: torch.device, head_dim: int, paged: bool) -> TileConfig:
+    if SEQUENCE_FP8_CONFIG is not None:
+        return SEQUENCE_FP8_CONFIG
+    if device.type != "cuda" or interpreting():
+        return pick_config(head_dim, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sequence_fp8_config_for_arch(head_dim, _arch(index), paged)
+
+
+def sequence_fp8_mode(device: torch.device, head_dim: int) -> int:
+    """_attn_fwd's FP8 constexpr for e4m3 q, k, v with one descale per (sequence, KV head) on page
+    pools: 4 (e4m3 score dots, V widened by PTX) where e4m3 tensor cores and conversions exist and
+    the head dim fills an e4m3 dot's 32-deep reduction, 3 (all fp16, V widened by PTX) on those GPUs
+    below it, else 2 (fp16 by Triton's conversions; the interpreter: float32)."""
+    if SEQUENCE_FP8_MODE is not None:
+        return SEQUENCE_FP8_MODE
+    if interpreting() or device.type != "cuda":
+        return 2
+    if _arch(device.index if device.index is not None else torch.cuda.current_device()) < 89:
+        return 2
+    return 4 if head_dim_padded(head_dim) >= 32 else 3
+
+
 def gluon_fp8_applies(q, k, v, *, window_left, window_right, diag_offset, scale_blocks, softcap=0.0,
                       alibi_slopes=None, config=None, cu_seqlens_q=None, softmax_scale=1.0) -> bool:
     """Whether attention_forward hands an e4m3 call (v already keys-contiguous) to the Gluon kernel:
@@ -677,14 +753,27 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         result, grid_rows = (out, lse), seqlen_q
     if grid_rows == 0 or batch == 0 or heads == 0:
         return result
-    cfg = config or pick_config(head_dim, q.device, fp8)
-    if fp8:
-        if paged or dropout_seed is not None:
-            raise NotImplementedError("flashtile: FP8 attention takes no block table and no dropout")
+    # e4m3 with one descale per sequence (varlen, page pools): V as given, not transposed
+    by_sequence = fp8 and (paged or (varlen and VARLEN_FP8_BY_SEQUENCE))
+    if config is not None:
+        cfg = config
+    elif by_sequence:
+        cfg = sequence_fp8_config(q.device, head_dim, paged)
+    else:
+        cfg = pick_config(head_dim, q.device, fp8)
+    fp8_mode = 0
+    if fp8 and dropout_seed is not None:
+        raise NotImplementedError("flashtile: FP8 attention takes no dropout")
+    if by_sequence:
+        fp8_mode = sequence_fp8_mode(q.device, head_dim)
+    elif fp8:
+        fp8_mode = 1
         if scale_blocks[0] % cfg.block_m or scale_blocks[1] % cfg.block_n:
             raise ValueError(f"FP8 scale blocks {scale_blocks} must be multiples of the kernel's tiles "
                              f"({cfg.block_m}, {cfg.block_n}); see flashtile.fp8.kernel_blocks")
-        if v.stride(1) != 1 or v.stride(3) % 16:  # the kernel reads V^T (see _attn_fwd_inner)
+        if varlen:
+            v = packed_keys_transposed(v[0], cu_seqlens_k)
+        elif v.stride(1) != 1 or v.stride(3) % 16:  # the kernel reads V^T (see _attn_fwd_inner)
             v = keys_contiguous(v)
         descales = fp8_kernel_descales(*descales)
         if gluon_fp8_applies(q, k, v, window_left=window_left, window_right=window_right,
@@ -709,10 +798,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     upcast = interpreting() and (q.dtype == torch.bfloat16 or fp8)
     out_buf = torch.empty(out.shape, dtype=torch.float32, device=out.device) if upcast else out
     strides = (q.stride(), k.stride(), v.stride(), out_buf.stride(), lse.stride())
-    # Packed e4m3 V^T starts each sequence mid-row (a 1-byte column offset), which a descriptor base
-    # cannot: FP8 varlen takes the pointer path.
-    use_tma = (cfg.use_tma and not paged and not (fp8 and varlen)
-               and _tma_eligible((q, k, v), strides[:3]))
+    use_tma = cfg.use_tma and not paged and _tma_eligible((q, k, v), strides[:3])
     if varlen:  # one packed "batch": sequences are found through cu_seqlens, not a batch stride
         strides = tuple(st if paged and i in (1, 2) else (0, *st[1:]) for i, st in enumerate(strides))
     # Our allocator only for this launch: the caller's own Triton allocator stays as it was.
@@ -728,7 +814,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                             upcast, use_tma, cu_seqlens_q, cu_seqlens_k,
                             dropout_p if dropout_seed is not None else 0.0, dropout_seed,
                             block_table, k.shape[0] if paged else 1, k.shape[1] if paged else 1,
-                            descales if fp8 else None, scale_blocks)
+                            descales if fp8 else None, scale_blocks, fp8_mode)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -741,11 +827,11 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
                     seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
                     qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
                     cu_seqlens_k, dropout_p, dropout_seed, block_table, num_pages, page_size,
-                    descales=None, scale_blocks=(0, 0)):
+                    descales=None, scale_blocks=(0, 0), fp8_mode=1):
     ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, svd), (sob, sos, soh, _),
      (slb, slh, _)) = strides
     q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
-    fp8 = {} if descales is None else {"FP8": True, "SCALE_BLOCK_Q": scale_blocks[0],
+    fp8 = {} if descales is None else {"FP8": fp8_mode, "SCALE_BLOCK_Q": scale_blocks[0],
                                        "SCALE_BLOCK_K": scale_blocks[1]}
     _attn_fwd[grid](
         q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed, block_table,

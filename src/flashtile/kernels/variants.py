@@ -396,8 +396,12 @@ def fp8_variants() -> list[Variant]:
     quantize = [Variant(d, dtype, kind="fp8") for d in (64, 128, 256) for dtype in ("bf16", "fp16")]
     forward = [Variant(d, "fp8", has_right=causal, tma=True, kind="fp8")
                for d in (64, 128, 256) for causal in (False, True)]
-    return quantize + forward + [Variant(128, "fp8", has_left=True, has_right=True, softcap=True, kind="fp8"),
-                                 Variant(128, "fp8", has_right=True, varlen=True, kind="fp8")]
+    # flash_attn_varlen_func on e4m3 (one descale per sequence), contiguous or on page pools
+    varlen = [Variant(d, "fp8", has_right=True, varlen=True, paged=paged, kind="fp8")
+              for d in (128, 256) for paged in (False, True)]
+    varlen.append(Variant(128, "fp8", has_right=True, varlen=True, tma=True, kind="fp8"))
+    return quantize + forward + varlen + [
+        Variant(128, "fp8", has_left=True, has_right=True, softcap=True, kind="fp8")]
 
 
 def compile_fp8(variant: Variant, arch: int) -> list:
@@ -405,11 +409,18 @@ def compile_fp8(variant: Variant, arch: int) -> list:
 
     d = variant.head_dim
     if variant.dtype == "fp8":  # the forward kernel on e4m3 Q, K, V with per-tile descales
-        from .forward import _attn_fwd
-        cfg = config_for_arch(d, arch, fp8=True)
+        from .forward import _attn_fwd, sequence_fp8_config_for_arch
+        # varlen without TMA: one descale per sequence (forward.sequence_fp8_mode's pick on GPUs
+        # with e4m3 tensor cores); otherwise block descales (FP8 == 1; packed V^T with
+        # FLASHTILE_VARLEN_FP8_BY_SEQUENCE=0)
+        if variant.varlen and not variant.tma:
+            cfg = sequence_fp8_config_for_arch(d, arch, variant.paged)
+            mode = 4 if head_dim_padded(d) >= 32 else 3
+        else:
+            cfg, mode = config_for_arch(d, arch, fp8=True), 1
         values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90,
-                  "FP8": True, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
+                  "FP8": mode, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
         return [_compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages,
                          pointer_types={"Out": "*bf16"})]
     values = {"BLOCK": 128, "HEAD_DIM": d, "LOG2_DIM": d.bit_length() - 1, "QUANTIZE": True}
