@@ -334,9 +334,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
               PAGED: tl.constexpr, FP8: tl.constexpr = 0, SCALE_BLOCK_Q: tl.constexpr = 1,
               SCALE_BLOCK_K: tl.constexpr = 1):
     """FP8 == 1: e4m3 q, k, v with block descales, V stored transposed (see _attn_fwd_inner).
-    FP8 == 2, 3 or 4 on page pools: e4m3 q, k, v with one descale per (sequence, KV head), the
-    inner loop's e4m3-cache modes with key and page strides 0 for the descales; 2 and 3 widen the
-    query to fp16 (exact), 4 keeps it e4m3 for e4m3 score dots (one term)."""
+    FP8 == 2, 3 or 4 (packed sequences, contiguous or on page pools): e4m3 q, k, v with one descale
+    per (sequence, KV head), the inner loop's e4m3-cache modes with key and page strides 0 for the
+    descales; 2 and 3 widen the query to fp16 (exact), 4 keeps it e4m3 for e4m3 score dots (one
+    term)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -618,10 +619,10 @@ def sequence_fp8_config(device: torch.device, head_dim: int, paged: bool) -> Til
 
 
 def sequence_fp8_mode(device: torch.device, head_dim: int) -> int:
-    """_attn_fwd's FP8 constexpr for e4m3 q, k, v with one descale per (sequence, KV head) on page
-    pools: 4 (e4m3 score dots, V widened by PTX) where e4m3 tensor cores and conversions exist and
-    the head dim fills an e4m3 dot's 32-deep reduction, 3 (all fp16, V widened by PTX) on those GPUs
-    below it, else 2 (fp16 by Triton's conversions; the interpreter: float32)."""
+    """_attn_fwd's FP8 constexpr for e4m3 q, k, v with one descale per (sequence, KV head): 4 (e4m3
+    score dots, V widened by PTX) where e4m3 tensor cores and conversions exist and the head dim
+    fills an e4m3 dot's 32-deep reduction, 3 (all fp16, V widened by PTX) on those GPUs below it,
+    else 2 (fp16 by Triton's conversions; the interpreter: float32)."""
     if SEQUENCE_FP8_MODE is not None:
         return SEQUENCE_FP8_MODE
     if interpreting() or device.type != "cuda":
