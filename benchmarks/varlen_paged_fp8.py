@@ -28,6 +28,8 @@ import flashtile
 from flashtile.fp8 import E4M3_MAX
 from flashtile.reference import attention as textbook
 
+import fuzz_gpu  # noqa: E402  (benchmarks/, next to this script: its page pools)
+
 
 DEV = "cuda"
 
@@ -43,28 +45,6 @@ def quantize(x, cu, heads_k):
     x8 = (grouped / d[rows][:, :, None, None]).flatten(1, 2).to(torch.float8_e4m3fn)
     back = (x8.double().unflatten(1, (heads_k, -1)) * d[rows][:, :, None, None].double()).flatten(1, 2)
     return x8, d, back
-
-
-def page_table(lens, page):
-    """A shuffled (B, max_pages) int32 table over a pool with two spare pages, and the pool's size."""
-    per_seq = max(1, max(-(-n // page) for n in lens))
-    count = len(lens) * per_seq + 2
-    return torch.randperm(count, device=DEV)[:len(lens) * per_seq].view(len(lens), per_seq).to(torch.int32), count
-
-
-def on_pages(x, lens, table, count, page):
-    """Packed (total, Hk, D) rows on a pool of ``count`` pages of ``page`` keys through ``table``;
-    the other slots NaN (e4m3: never read) or 0."""
-    raw = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
-    fill = 0x7F if x.dtype == torch.float8_e4m3fn else 0  # e4m3's NaN
-    pool = torch.full((count * page, *x.shape[1:]), fill, device=DEV, dtype=raw.dtype)
-    start = 0
-    for i, n in enumerate(lens):
-        slots = (table[i].long()[:, None] * page + torch.arange(page, device=DEV)).flatten()[:n]
-        pool[slots] = raw[start:start + n]
-        start += n
-    pool = pool.view(count, page, *x.shape[1:])
-    return pool.view(torch.float8_e4m3fn) if x.dtype == torch.float8_e4m3fn else pool
 
 
 def check() -> int:
@@ -83,9 +63,7 @@ def check() -> int:
         paged = {}
         kp, vp = k8, v8  # page 0: the packed tensors themselves
         if page:
-            table, count = page_table(lens_k, page)
-            kp, vp = (on_pages(x, lens_k, table, count, page) for x in (k8, v8))
-            paged["block_table"] = table
+            kp, vp, paged["block_table"] = fuzz_gpu._varlen_pools(k8, v8, lens_k, page)
         worst, worst_lse, ok = 0.0, 0.0, True
         for attempt in range(2):
             out, lse, _ = flashtile.flash_attn_varlen_func(
@@ -147,12 +125,12 @@ def bench(out_dir: str) -> None:
                 q8, k8, v8, cu, cu, mx, mx, causal=True, q_descale=qd, k_descale=kd, v_descale=vd),
         }
         for page in (16, 256):
-            table, count = page_table(lens, page)
-            kp, vp, kp8, vp8 = (on_pages(x, lens, table, count, page) for x in (k, v, k8, v8))
+            kp, vp, table = fuzz_gpu._varlen_pools(k, v, lens, page)
+            kp8, vp8, table8 = fuzz_gpu._varlen_pools(k8, v8, lens, page)
             calls[f"bf16 pages of {page}"] = (lambda kp=kp, vp=vp, table=table: flashtile.flash_attn_varlen_func(
                 q, kp, vp, cu, cu, mx, mx, causal=True, block_table=table))
-            calls[f"e4m3 pages of {page}"] = (lambda kp8=kp8, vp8=vp8, table=table: flashtile.flash_attn_varlen_func(
-                q8, kp8, vp8, cu, cu, mx, mx, causal=True, block_table=table, q_descale=qd, k_descale=kd,
+            calls[f"e4m3 pages of {page}"] = (lambda kp8=kp8, vp8=vp8, table8=table8: flashtile.flash_attn_varlen_func(
+                q8, kp8, vp8, cu, cu, mx, mx, causal=True, block_table=table8, q_descale=qd, k_descale=kd,
                 v_descale=vd))
         if len(set(lens)) == 1:
             b = len(lens)
@@ -195,15 +173,15 @@ def ab(out_dir: str, modes, configs, lens=(2048,) * 8) -> None:
     sequence's output and LSE against float64 (output budget 2x textbook bf16)."""
     from flashtile.kernels import forward
     from flashtile.kernels.forward import TileConfig
+    by_sequence = forward.VARLEN_FP8_BY_SEQUENCE
     heads, heads_k, d, lens = 32, 8, 128, list(lens)
     cu = torch.tensor([0] + lens, device=DEV).cumsum(0).to(torch.int32)
     mx, flops = max(lens), sum(4 * n * n * d * heads / 2 for n in lens)
     x = [torch.randn(sum(lens), h, d, device=DEV) * s_ for h, s_ in ((heads, 2.0), (heads_k, 3.0), (heads_k, 1.0))]
     (q8, qd, dq), (k8, kd, dk), (v8, vd, dv) = (quantize(t, cu, heads_k) for t in x)
-    table, count = page_table(lens, 16)
-    kp8, vp8 = (on_pages(t, lens, table, count, 16) for t in (k8, v8))
+    kp8, vp8, table8 = fuzz_gpu._varlen_pools(k8, v8, lens, 16)
     q16, k16, v16 = (t.bfloat16() for t in x)
-    kp, vp = (on_pages(t, lens, table, count, 16) for t in (k16, v16))
+    kp, vp, table = fuzz_gpu._varlen_pools(k16, v16, lens, 16)
     n0 = lens[0]
     ref, ref_lse = textbook(dq[None, :n0], dk[None, :n0], dv[None, :n0], causal=True)
     low, _ = textbook(dq[None, :n0].bfloat16(), dk[None, :n0].bfloat16(), dv[None, :n0].bfloat16(), causal=True)
@@ -226,9 +204,10 @@ def ab(out_dir: str, modes, configs, lens=(2048,) * 8) -> None:
     record("bf16 pages of 16", lambda: flashtile.flash_attn_varlen_func(q16, kp, vp, cu, cu, mx, mx,
                                                                         block_table=table, **kw))
     ds = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    record("e4m3 contiguous, block-descale kernel", lambda: flashtile.flash_attn_varlen_func(
-        q8, k8, v8, cu, cu, mx, mx, **ds, **kw))
     try:
+        forward.VARLEN_FP8_BY_SEQUENCE = False
+        record("e4m3 contiguous, block-descale kernel", lambda: flashtile.flash_attn_varlen_func(
+            q8, k8, v8, cu, cu, mx, mx, **ds, **kw))
         for mode in modes:
             for cfg in configs:
                 forward.SEQUENCE_FP8_MODE, forward.SEQUENCE_FP8_CONFIG = mode, TileConfig(*cfg)
@@ -240,12 +219,12 @@ def ab(out_dir: str, modes, configs, lens=(2048,) * 8) -> None:
                             record(label, lambda: flashtile.flash_attn_varlen_func(q8, k8, v8, cu, cu, mx, mx, **ds, **kw))
                         else:
                             record(label, lambda: flashtile.flash_attn_varlen_func(
-                                q8, kp8, vp8, cu, cu, mx, mx, block_table=table, **ds, **kw))
+                                q8, kp8, vp8, cu, cu, mx, mx, block_table=table8, **ds, **kw))
                     except Exception as exc:
                         print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     finally:
         forward.SEQUENCE_FP8_MODE = forward.SEQUENCE_FP8_CONFIG = None
-        forward.VARLEN_FP8_BY_SEQUENCE = False
+        forward.VARLEN_FP8_BY_SEQUENCE = by_sequence
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "varlen-fp8-modes.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, lens=lens, heads=heads, heads_k=heads_k,
@@ -264,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: --check through the Triton interpreter")
     args = ap.parse_args(argv)
     global DEV
-    DEV = args.device
+    DEV = fuzz_gpu.DEV = args.device
     failures = check() if args.check else 0
     if args.ab:
         ab(args.out, [int(m) for m in args.modes.split(",")],
