@@ -14,7 +14,8 @@ descales, paged ones included, appends quantized in place), ``prefill-fp8`` (the
 flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or without the Hadamard
 rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences through
 flash_attn_varlen_func with per-sequence descales, keys contiguous or on page pools; the LSE
-by assert_e4m3_lse). Every other case uses the test suite's accuracy rule
+by assert_e4m3_lse; calls the Gluon varlen forward takes, which round P to e4m3, by
+prefill_fp8_case's rule; each varlen case records how many calls took that kernel). Every other case uses the test suite's accuracy rule
 (tests/helpers.py: output within 2x the error of textbook attention in the input dtype, gradients
 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
 ``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes
@@ -171,6 +172,14 @@ def varlen_case(rng):
                   backward=backward, deterministic=deterministic, **kw)
 
     def run():
+        gluon_calls = _gluon_varlen_calls()
+        before = gluon_calls.calls
+        try:
+            _run()
+        finally:  # which kernel the calls took, for the record
+            params["gluon_varlen_calls"] = gluon_calls.calls - before
+
+    def _run():
         q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
         k = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
         v = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
@@ -520,12 +529,29 @@ def assert_e4m3_lse(lse, ref_lse, low_lse, what=""):
         assert err <= budget, f"{what}LSE error {err:.3g} > 2x textbook bf16's ({budget:.3g})"
 
 
+def _gluon_varlen_calls():
+    """A counter of the calls flash_attn_varlen_func hands to the Gluon varlen forward (installed
+    once: gluon_forward.gluon_varlen_forward wrapped)."""
+    from flashtile.kernels import gluon_forward
+    original = gluon_forward.gluon_varlen_forward
+    if not hasattr(original, "calls"):
+        def counted(*args, **kwargs):
+            counted.calls += 1
+            return original(*args, **kwargs)
+        counted.calls = 0
+        gluon_forward.gluon_varlen_forward = counted
+    return gluon_forward.gluon_varlen_forward
+
+
 def varlen_fp8_case(rng):
     """The e4m3 forward on packed sequences: flash_attn_varlen_func with (B, Hk) descales, one per
     sequence and KV head, masks and softcap as the prefill family draws them, keys contiguous or on
-    e4m3 page pools of any page size through block_table (the slots past the sequences NaN). This
-    path keeps P in 16 bits, so the test suite's rule applies sequence by sequence: 2x textbook bf16
-    attention on the dequantized tensors, the LSE by assert_e4m3_lse."""
+    e4m3 page pools of any page size through block_table (the slots past the sequences NaN). The
+    portable kernel's per-sequence path keeps P in 16 bits, so the test suite's rule applies
+    sequence by sequence: 2x textbook bf16 attention on the dequantized tensors, the LSE by
+    assert_e4m3_lse. Calls the Gluon varlen forward takes (sm_90, contiguous keys, d128/d256, full
+    or causal) round P to e4m3 as flash_attn_func's e4m3 call does: prefill_fp8_case's rule then,
+    against flash_attn_func's portable e4m3 kernel on the sequence alone."""
     from flashtile.reference import attention as textbook
     n = rng.randint(1, 5)
     hk = rng.choice([1, 2, 4])
@@ -556,14 +582,23 @@ def varlen_fp8_case(rng):
         k_in, v_in, paged = packed[1], packed[2], {}
         if page:
             k_in, v_in, paged["block_table"] = _varlen_pools(packed[1], packed[2], lens_k, page)
+        gluon_calls = _gluon_varlen_calls()
+        before = gluon_calls.calls
         out, lse, _ = flashtile.flash_attn_varlen_func(
             packed[0], k_in, v_in, cu_q, cu_k, max(lens_q), max(lens_k), q_descale=descales[0],
             k_descale=descales[1], v_descale=descales[2], return_attn_probs=True, **paged, **kw)
+        params["gluon_varlen_calls"] = gluon_calls.calls - before
         assert torch.isfinite(out).all(), "non-finite output"
         from flashtile.kernels import forward
         for i, seq in enumerate(seqs):
             qs = slice(int(cu_q[i]), int(cu_q[i + 1]))
             if qs.stop == qs.start:
+                continue
+            if gluon_calls.calls > before:  # the Gluon varlen forward (e4m3 P)
+                (q8, qd, dq), (k8, kd, dk), (v8, vd, dv) = seq
+                portable, portable_lse, _ = _portable(lambda: flashtile.flash_attn_func(
+                    q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True, **kw))
+                _check_e4m3(out[None, qs], lse[None, :, qs], portable, portable_lse, dq, dk, dv, kw)
                 continue
             if not page and not forward.VARLEN_FP8_BY_SEQUENCE:
                 # the block-descale kernel (FLASHTILE_VARLEN_FP8_BY_SEQUENCE=0) rounds P to e4m3:

@@ -4,6 +4,7 @@ needed), and ``supported`` turns away what the kernel does not handle.
 The compiler runs in a subprocess without TRITON_INTERPRET (conftest sets it for this process).
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from flashtile.kernels import gluon_backward, gluon_decode, gluon_forward
+from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forward
 
 
 @pytest.mark.parametrize("module", ["gluon_forward", "gluon_backward", "gluon_decode"])
@@ -20,7 +21,7 @@ def test_gluon_variants_compile_for_sm90(module):
     (kernels.gluon_decode), within each variant's spill allowance."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", f"flashtile.kernels.{module}"], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1500)
     lines = proc.stdout.splitlines()
     variants = {"gluon_forward": gluon_forward.GLUON_VARIANTS,
                 "gluon_backward": gluon_backward.GLUON_BACKWARD_VARIANTS,
@@ -332,7 +333,10 @@ def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatc
         jit, grid, tensors, scalars, options, descriptors = got
         assert (jit, grid, scalars) == general[:2] + general[3:4]
         assert options is general[4]
-        assert len(tensors) == 6 and all(t.shape == ref_lse.shape for t in tensors)
+        # the lse stands in for every pointer a plain call does not read; Out (read by packed
+        # sequences' last blocks only) is the output
+        assert len(tensors) == 8 and all(t.shape == ref_lse.shape for t in tensors[:7])
+        assert tensors[7].shape == ref_out.shape
         for mine, theirs in zip(descriptors, general[5]):
             assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
                    (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
@@ -452,3 +456,84 @@ def test_page_pools_take_one_box_a_tile_or_the_largest_box_a_page_holds():
         gluon_forward.GluonVariant(128, page_rows=16)  # without seqused_k
     with pytest.raises(ValueError, match="page_rows"):
         gluon_forward.GluonVariant(128, seqused_k=True, page_rows=12)
+
+
+def test_varlen_variants_are_shipped_and_checked():
+    """Every schedule a packed call dispatches compiles in the sm_90 check, without the Q prefetch
+    (a skipped work tile's Q would be loaded); varlen takes no seqused_k and no single-consumer
+    fallback."""
+    names = {v.name for v in gluon_forward.GLUON_VARIANTS}
+    for d in gluon_forward.HEAD_DIMS:
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                for keys in (1, 1 << 20):
+                    variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, dtype, causal, keys))
+                    assert variant.name in names and variant.name.endswith("-varlen")
+                    assert not variant.prefetch_q
+    for d, causal in gluon_forward.FP8_DISPATCH:
+        assert gluon_forward.with_varlen(gluon_forward.default_variant(d, "fp8", causal)).name in names
+    base = gluon_forward.default_variant(128, "bf16", False)
+    for change in (dict(seqused_k=True), dict(warp_specialize=False, pingpong=False, prefetch_q=False),
+                   dict(prefetch_q=True)):
+        with pytest.raises(ValueError, match="varlen"):
+            dataclasses.replace(base, varlen=True, **change)
+
+
+@pytest.mark.parametrize("dtype,d,causal", [(torch.bfloat16, 128, True), (torch.float16, 64, False),
+                                            (torch.float8_e4m3fn, 128, False)])
+def test_varlen_launch_reads_packed_tensors(monkeypatch, dtype, d, causal):
+    """gluon_varlen_forward's launch, checked on the CPU with the GPU parts stubbed: descriptors over
+    the packed tensors as one batch entry (e4m3 V^T keys-contiguous), the offsets and the output
+    as pointers, the LSE (H, total_q) with no batch stride, a grid over the longest sequence."""
+    lens_q, lens_k = [5, 300, 0, 129], [7, 300, 40, 1]
+    cu_q = torch.tensor([0, 5, 305, 305, 434], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 307, 347, 348], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 8, d).to(dtype)
+    k = torch.randn(sum(lens_k), 2, d).to(dtype)
+    v = torch.randn(sum(lens_k), 2, d).to(dtype)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    fp8 = dtype == torch.float8_e4m3fn
+    descales = None
+    if fp8:
+        ones = torch.ones(4, 2, 1)
+        descales = forward.fp8_kernel_descales(torch.ones(4, 8, 1), ones, ones)
+    out, lse = gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.1,
+                                                  causal=causal, descales=descales,
+                                                  scale_blocks=(512, 512) if fp8 else (0, 0))
+    assert out.shape == q.shape and out.dtype == (torch.bfloat16 if fp8 else dtype)
+    assert lse.shape == (8, q.shape[0])
+    (jit, grid, tensors, scalars, options, descriptors), = launches
+    variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, gluon_forward._DTYPES[dtype],
+                                                                      causal, 300))
+    assert options is gluon_forward._launch_options(variant) and options["VARLEN"]
+    blocks = -(-300 // variant.block_m)
+    assert scalars[:8] == (0, q.shape[0], 300, 300, 4, 8, blocks, 4)
+    assert grid == ((min(blocks * 8 * 4, 132) if variant.persistent else blocks * 8 * 4),)
+    assert tensors[4] is cu_k and tensors[6] is cu_q and tensors[7] is out and tensors[0] is lse
+    q_desc, k_desc, v_desc, o_desc = descriptors
+    assert tuple(q_desc.shape) == (1, *q.shape) and tuple(o_desc.shape) == (1, *q.shape)
+    assert tuple(k_desc.shape) == (1, *k.shape)
+    if fp8:  # (1, Hk, D, width), keys contiguous, sequence b from column 16 * ceil(start / 16) + 16 * b
+        assert v_desc.shape[:3] == (1, 2, d) and v_desc.strides[3] == 1 and v_desc.strides[2] % 16 == 0
+        vt = v_desc.base[0].float()
+        for b in range(4):
+            start, end = int(cu_k[b]), int(cu_k[b + 1])
+            column = -(-start // 16) * 16 + 16 * b
+            assert torch.equal(vt[:, :, column:column + end - start], v[start:end].float().permute(1, 2, 0))
+        assert scalars[9:16] == (8, 1, 4, 2, 9, 9, 1)
+    else:
+        assert v_desc.base.data_ptr() == v.data_ptr() and tuple(v_desc.shape) == (1, *v.shape)
+
+
+def test_varlen_route_stays_off_cpu_and_unsupported_calls():
+    from flashtile.kernels import forward as fwd
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    q = torch.randn(30, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(30, 2, 64, dtype=torch.bfloat16)
+    assert not gluon_forward.varlen_supported(q, k, k, cu, cu)
+    kw = dict(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None, out=None,
+              lse=None, config=None, dropout_seed=None, descales=None, scale_blocks=(0, 0))
+    assert fwd._gluon_varlen(q, k, k, cu, cu, 20, 20, **kw) is None

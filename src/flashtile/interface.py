@@ -206,7 +206,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         seqlen_q = _check_max_seqlen(max_q, "max_seqlen_q")
         seqlen_k = _check_max_seqlen(max_k, "max_seqlen_k")
         heads, head_dim = q.shape[1], q.shape[2]
-        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q)
+        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k)
         if block_table is None:
             _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], seqlen_q, seqlen_k)
             heads_k = k.shape[1]

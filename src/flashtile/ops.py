@@ -54,7 +54,7 @@ def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_rig
                              window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                              alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                             dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
                              block_table=block_table)
 
 

@@ -119,24 +119,48 @@ def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
     return empty_keys_contiguous(x.shape, x.dtype, x.device).copy_(x)
 
 
-def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None) -> torch.Tensor:
     """Packed sequences x (total, H, D) as a (1, width, H, D) view of (H, D, width) storage, keys
     contiguous (e4m3 V's layout), sequence b from column 16 * ceil(cu_seqlens[b] / 16) + 16 * b: a
-    16-byte boundary, which a tensor descriptor's base needs, and zeros between sequences. The
-    columns are found on the device (no host sync)."""
+    16-byte boundary, which a tensor descriptor's base and TMA's innermost coordinates need, and
+    zeros between sequences. One pass of _pack_keys_transposed, the sequences' starts read on the
+    device (no host sync); ``max_seqlen`` bounds every sequence's length (None: the total)."""
     total, heads, head_dim = x.shape
     batch = cu_seqlens.shape[0] - 1
     width = -(-total // 16) * 16 + 16 * (batch + 1)
     out = torch.zeros(heads, head_dim, width, dtype=x.dtype, device=x.device)
-    if total:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        seq = torch.repeat_interleave(torch.arange(batch, device=x.device), lengths, output_size=total)
-        starts = (cu_seqlens[:-1].long() + 15) // 16 * 16 + 16 * torch.arange(batch, device=x.device)
-        columns = torch.arange(total, device=x.device) - cu_seqlens[:-1].long()[seq] + starts[seq]
-        raw = out.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else out
-        src = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
-        raw[:, :, columns] = src.permute(1, 2, 0)
+    longest = total if max_seqlen is None else min(max_seqlen, total)
+    if longest > 0 and batch > 0 and heads > 0:
+        raw, raw_out = x, out
+        if x.dtype == torch.float8_e4m3fn:  # bytes moved as bytes (no fp8 conversions)
+            raw, raw_out = x.view(torch.uint8), out.view(torch.uint8)
+        grid = (-(-longest // 64), heads, batch)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _pack_keys_transposed[grid](raw, raw_out, cu_seqlens, raw.stride(0), raw.stride(1),
+                                        raw_out.stride(0), raw_out.stride(1), HEAD_DIM=head_dim,
+                                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=64)
     return out.permute(2, 0, 1).unsqueeze(0)
+
+
+@triton.jit
+def _pack_keys_transposed(X, Out, CuSeqlens, stride_xt, stride_xh, stride_oh, stride_od,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Keys [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq`` and head ``head`` of X (total, H, D) into
+    Out (H, D, width) from column 16 * ceil(start / 16) + 16 * seq (packed_keys_transposed)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start = tl.load(CuSeqlens + seq)
+    length = tl.load(CuSeqlens + seq + 1) - start
+    column = (start + 15) // 16 * 16 + 16 * seq
+    keys = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (keys < length)[:, None] & (dims < HEAD_DIM)[None, :]
+    x = tl.load(X + (start + keys).to(tl.int64)[:, None] * stride_xt + head * stride_xh + dims[None, :],
+                mask=mask)
+    # stored through the transposed tile, so that a thread's neighbours write neighbouring keys
+    tl.store(Out + head.to(tl.int64) * stride_oh + dims[:, None] * stride_od + (column + keys)[None, :],
+             tl.trans(x), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -679,7 +703,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       lse: torch.Tensor | None = None, config: TileConfig | None = None,
                       cu_seqlens_q: torch.Tensor | None = None,
                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
-                      dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+                      max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, descales=None,
                       scale_blocks: tuple[int, int] = (0, 0)):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
@@ -727,6 +751,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
             return gluon_attention_forward(q, k, v, softmax_scale=softmax_scale,
                                            causal=window_right == 0, out=out, lse=lse)
+    if cu_seqlens_q is not None and block_table is None and GLUON_ENABLED and not _INTERPRET:
+        result = _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=softmax_scale,
+                               window_left=window_left, window_right=window_right, softcap=softcap,
+                               alibi_slopes=alibi_slopes, out=out, lse=lse, config=config,
+                               dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks)
+        if result is not None:
+            return result
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     if varlen:
@@ -773,7 +805,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             raise ValueError(f"FP8 scale blocks {scale_blocks} must be multiples of the kernel's tiles "
                              f"({cfg.block_m}, {cfg.block_n}); see flashtile.fp8.kernel_blocks")
         if varlen:
-            v = packed_keys_transposed(v[0], cu_seqlens_k)
+            v = packed_keys_transposed(v[0], cu_seqlens_k, max_seqlen_k or None)
         elif v.stride(1) != 1 or v.stride(3) % 16:  # the kernel reads V^T (see _attn_fwd_inner)
             v = keys_contiguous(v)
         descales = fp8_kernel_descales(*descales)
@@ -822,6 +854,43 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     if upcast:
         out.copy_(out_buf)
     return result
+
+
+# Packed sequences (flash_attn_varlen_func, keys contiguous) run the Gluon forward on sm_90 where it
+# takes the call: 16-bit inputs always; e4m3 ones with VARLEN_FP8_GLUON (env FLASHTILE_VARLEN_FP8_GLUON,
+# default on), which then round P to e4m3 as flash_attn_func's e4m3 call and FlashAttention-3 do,
+# instead of the portable kernel's per-sequence path with 16-bit P (more accurate, slower than bf16).
+VARLEN_FP8_GLUON = os.environ.get("FLASHTILE_VARLEN_FP8_GLUON", "1") not in ("", "0")
+
+
+def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale,
+                  window_left,
+                  window_right, softcap, alibi_slopes, out, lse, config, dropout_seed, descales,
+                  scale_blocks):
+    """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
+    that kernel does not take it (the caller then runs the portable kernel)."""
+    if (not q.is_cuda or config is not None or dropout_seed is not None or softcap
+            or alibi_slopes is not None or window_left >= 0 or window_right > 0 or not softmax_scale > 0):
+        return None
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 and not VARLEN_FP8_GLUON:
+        return None
+    from . import gluon_forward
+    causal = window_right == 0
+    if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
+                                          scale_blocks if fp8 else None):
+        return None
+    if out is not None and not (out.is_contiguous() and gluon_forward._tma_ok(out.unsqueeze(0))):
+        return None
+    if lse is not None and lse.stride(-1) != 1:
+        return None
+    # max_seqlen_k (validated by the caller; 0: not given) picks the d256 schedule and e4m3's V
+    # block count; the kernel reads the lengths from cu_seqlens_k.
+    max_seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
+    return gluon_forward.gluon_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
+        scale_blocks=scale_blocks)
 
 
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,

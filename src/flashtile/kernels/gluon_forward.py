@@ -174,6 +174,12 @@ class GluonVariant:
     # this many keys, each at its own page (any page size that is a multiple of it); 0: a tile
     # is one box (contiguous caches, pages of whole tiles).
     page_rows: int = 0
+    # Packed sequences (flash_attn_varlen_func): q (total_q, H, D), k and v (total_k, Hk, D) read
+    # at each sequence's offsets (cu_seqlens); work tiles past a sequence's rows are skipped, and
+    # the last query block of a sequence stores its rows by pointer, since a TMA box would write
+    # the next sequence's rows too. Keys past a sequence's end (the next sequence's) are masked in
+    # S, so P is exactly 0 there.
+    varlen: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -190,6 +196,9 @@ class GluonVariant:
             raise ValueError("seqused_k: 16-bit caches only")
         if self.page_rows and (not self.seqused_k or self.page_rows % 8 or self.block_n % self.page_rows):
             raise ValueError("page_rows: with seqused_k, a multiple of 8 dividing the key tile")
+        if self.varlen and (self.seqused_k or not self.warp_specialize or self.prefetch_q):
+            # (the Q prefetch would load a skipped work tile's Q; not written)
+            raise ValueError("varlen: warp specialized, without seqused_k or the Q prefetch")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -233,6 +242,8 @@ class GluonVariant:
             sched += "-seqk"
         if self.page_rows:
             sched += f"-pr{self.page_rows}"
+        if self.varlen:
+            sched += "-varlen"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -373,6 +384,17 @@ def with_page_boxes(variant: GluonVariant, rows: int) -> GluonVariant:
     return dataclasses.replace(seqk, page_rows=rows, max_stack=max(seqk.max_stack, 56), **slots)
 
 
+@functools.lru_cache(maxsize=None)
+def with_varlen(variant: GluonVariant) -> GluonVariant:
+    """The schedule of ``variant`` on packed sequences (flash_attn_varlen_func), without the Q
+    prefetch (d128 16-bit non-causal's), which would load the Q of work tiles varlen skips. The
+    offsets, the output pointer and a count of the work tiles run keep a few more registers live:
+    sm_90 compiles (CPU machine) keep 8-48 stack bytes, mostly values the partitions take at their
+    start and the 24-register producer's; d128/d256 16-bit also reload one loop-carried value a
+    key tile in the first consumer (an LDL and a predicated STL)."""
+    return dataclasses.replace(variant, varlen=True, prefetch_q=False, max_stack=max(variant.max_stack, 48))
+
+
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0,
                                own_range=False, prefetch_q=False)
@@ -466,7 +488,12 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [with_page_boxes(dispatch_variant(d, dt, c, n), rows) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
-                     for rows in PAGED_BOX_ROWS if rows < default_variant(d, dt, c).block_n])
+                     for rows in PAGED_BOX_ROWS if rows < default_variant(d, dt, c).block_n]
+                  # packed sequences (flash_attn_varlen_func): every schedule a call may dispatch
+                  + [with_varlen(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
+                     for dt in ("bf16", "fp16") for c in (False, True)
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
+                  + [with_varlen(default_variant(d, "fp8", c)) for d, c in sorted(FP8_DISPATCH)])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -569,6 +596,36 @@ if _GLUON:
             return seqlen_k
 
     @gluon.jit
+    def _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k, SEQUSED_K: gl.constexpr,
+                  VARLEN: gl.constexpr):
+        """(first query row, queries, first key row, keys) of sequence ``batch``: packed sequences
+        (VARLEN) by their offsets, CuSeqlensQ and SeqlensK (cu_seqlens_k then), else the rows of
+        batch entry ``batch`` (_keys_of)."""
+        if VARLEN:
+            q_start = gl.load(CuSeqlensQ + batch)
+            k_start = gl.load(SeqlensK + batch)
+            return (q_start, gl.load(CuSeqlensQ + batch + 1) - q_start, k_start,
+                    gl.load(SeqlensK + batch + 1) - k_start)
+        else:
+            return 0, seqlen_q, 0, _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
+
+    @gluon.jit
+    def _sequence_start(CuSeqlensQ, batch, VARLEN: gl.constexpr):
+        """The first query row of packed sequence ``batch`` (0 without VARLEN)."""
+        if VARLEN:
+            return gl.load(CuSeqlensQ + batch)
+        else:
+            return 0
+
+    @gluon.jit
+    def _batch_coord(batch, VARLEN: gl.constexpr):
+        """The descriptors' batch coordinate: packed sequences are one batch entry."""
+        if VARLEN:
+            return 0
+        else:
+            return batch
+
+    @gluon.jit
     def _zero_v_tail(v_buf, tile, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
         """Key tile ``tile`` reaching past the sequence's keys (a cache's slots hold anything
         there, NaN included): zero those V rows where the P V wgmma reads them, a few rows at a
@@ -615,14 +672,15 @@ if _GLUON:
     @gluon.jit
     def _issue_tile_load(desc, bufs, ready, empty, batch, kv_head, tile, ring,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                         TRANSPOSED: gl.constexpr = False, WAIT: gl.constexpr = True):
-        """_issue_box_load of key tile ``tile`` of (batch, kv_head). ``TRANSPOSED``: the descriptor
-        is over (B, Hk, D, Sk) (e4m3 V^T, keys contiguous)."""
+                         TRANSPOSED: gl.constexpr = False, WAIT: gl.constexpr = True, key0=0):
+        """_issue_box_load of key tile ``tile`` of (batch, kv_head), whose keys start at row
+        ``key0`` (a packed sequence's offset). ``TRANSPOSED``: the descriptor is over (B, Hk, D, Sk)
+        (e4m3 V^T, keys contiguous)."""
         if TRANSPOSED:
-            _issue_box_load(desc, bufs, ready, empty, [batch, kv_head, 0, tile * BLOCK_N], ring,
+            _issue_box_load(desc, bufs, ready, empty, [batch, kv_head, 0, key0 + tile * BLOCK_N], ring,
                             STAGES, pred, WAIT)
         else:
-            _issue_box_load(desc, bufs, ready, empty, [batch, tile * BLOCK_N, kv_head, 0], ring,
+            _issue_box_load(desc, bufs, ready, empty, [batch, key0 + tile * BLOCK_N, kv_head, 0], ring,
                             STAGES, pred, WAIT)
 
     @gluon.jit
@@ -658,10 +716,11 @@ if _GLUON:
     @gluon.jit
     def _producer(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                   seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size, head_group,
-                  SeqlensK, BlockTable, page_size, stride_bt,
+                  SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr,
-                  SEQUSED_K: gl.constexpr = False, PAGE_ROWS: gl.constexpr = 0):
+                  SEQUSED_K: gl.constexpr = False, PAGE_ROWS: gl.constexpr = 0,
+                  VARLEN: gl.constexpr = False):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
         consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
@@ -669,7 +728,8 @@ if _GLUON:
         ``SEQUSED_K`` with ``page_size`` > 0: k/v descriptors are over page pools (num_pages,
         page_size, Hk, D), page_size a multiple of BLOCK_N, and a tile's page is the sequence's
         BlockTable entry (row stride ``stride_bt``); with PAGE_ROWS, page_size a multiple of it
-        and a tile one box of PAGE_ROWS keys per page piece (_issue_page_boxes)."""
+        and a tile one box of PAGE_ROWS keys per page piece (_issue_page_boxes). ``VARLEN``: packed
+        sequences (see _sequence); work tiles past a sequence's queries load nothing."""
         num_bh = num_heads * batch_size
         ring = 0
         for k in range(_work_tile_count(num_m_blocks * num_bh, SNAKE)):
@@ -677,8 +737,17 @@ if _GLUON:
             pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group,
                                               CAUSAL)
             kv_head = head // group_size
-            keys = _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
-            num_tiles, _ = _key_range(pid_m * BLOCK_M, seqlen_q, keys, BLOCK_M, BLOCK_N, CAUSAL)
+            _, queries, key0, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
+                                               SEQUSED_K, VARLEN)
+            num_tiles, _ = _key_range(pid_m * BLOCK_M, queries, keys, BLOCK_M, BLOCK_N, CAUSAL)
+            if VARLEN:
+                num_tiles = num_tiles * (pid_m * BLOCK_M < queries).to(gl.int32)
+            coord = _batch_coord(batch, VARLEN)
+            v_key0 = key0
+            if VARLEN:
+                if FP8:  # packed V^T: sequence b from column 16 * ceil(start / 16) + 16 * b, since
+                    # TMA takes innermost coordinates at 16-byte multiples only (illegal instruction)
+                    v_key0 = (key0 + 15) // 16 * 16 + 16 * batch
             if PAGE_ROWS > 0:
                 pages = _tile_pages(BlockTable, batch, stride_bt, page_size, seqlen_k, 0, BLOCK_N,
                                     PAGE_ROWS)
@@ -703,15 +772,15 @@ if _GLUON:
                     _issue_box_load(v_desc, v_bufs, v_ready, v_empty, [first, row, kv_head, 0], ring + j,
                                     STAGES)
                 elif JOINT:
-                    _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, batch, kv_head, j, ring + j,
-                                     BLOCK_N, STAGES, True)
-                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
-                                     BLOCK_N, STAGES, True, FP8, False)
+                    _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, coord, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True, False, True, key0)
+                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, coord, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True, FP8, False, v_key0)
                 else:
-                    _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j, ring + j,
-                                     BLOCK_N, STAGES, True)
-                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j, ring + j,
-                                     BLOCK_N, STAGES, True, FP8)
+                    _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, coord, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True, False, True, key0)
+                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, coord, kv_head, j, ring + j,
+                                     BLOCK_N, STAGES, True, FP8, True, v_key0)
             ring += num_tiles
 
     @gluon.jit
@@ -939,7 +1008,8 @@ if _GLUON:
                       Q_PREFETCHED: gl.constexpr = False, OWN_RANGE: gl.constexpr = False,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
                       P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
-                      ZERO_TAIL: gl.constexpr = False, SeqlensK=None):
+                      ZERO_TAIL: gl.constexpr = False, SeqlensK=None, CuSeqlensQ=None, Out=None,
+                      num_heads=0, VARLEN: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -951,7 +1021,12 @@ if _GLUON:
         ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys.
         ``ZERO_TAIL``: V rows past ``seqlen_k`` in the last key tile are zeroed before P V (keys
         from a cache whose slots past the sequence hold anything); the count is read again from
-        ``SeqlensK`` there rather than kept in a register through the loop."""
+        ``SeqlensK`` there rather than kept in a register through the loop.
+        ``VARLEN``: the rows are packed sequence ``batch``'s, from row CuSeqlensQ[batch] of the
+        (1, total, H, D) tensors (``seqlen_q``/``seqlen_k`` its lengths); a block reaching past the
+        sequence's rows stores its output through ``Out`` (contiguous, ``num_heads`` heads) under a
+        row mask instead of by TMA. The offset is read again for the epilogue rather than kept in a
+        register through the key loop."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         ROWS: gl.constexpr = 16 * NUM_WARPS
         INSTR_K: gl.constexpr = 32 if FP8 else 16
@@ -962,9 +1037,11 @@ if _GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
+        coord = _batch_coord(batch, VARLEN)
+        q_start = _sequence_start(CuSeqlensQ, batch, VARLEN)
         if not Q_PREFETCHED:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, row0, head, 0], q_bar, q_smem)
+            tma.async_copy_global_to_shared(q_desc, [coord, q_start + row0, head, 0], q_bar, q_smem)
         if LOADS:  # fill the ring before waiting on anything
             for t in gl.static_range(STAGES):
                 _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, t, ring0 + t,
@@ -1086,13 +1163,32 @@ if _GLUON:
         out_tile = o_smem.reshape([ROWS, HEAD_DIM])
         if Q_PREFETCHED and FP8:  # e4m3: one output buffer, the last work tile's store read it
             tma.store_wait(0)
-        out_tile.store(o.to(o_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_smem)
-        lse_ptrs = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + rows
+        q_start = _sequence_start(CuSeqlensQ, batch, VARLEN)
+        if VARLEN:
+            if row0 + ROWS <= seqlen_q:
+                _store_out(o, out_tile, o_desc, o_smem, [coord, q_start + row0, head, 0])
+            else:  # a box past the sequence's rows would overwrite the next sequence's output
+                o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                o_ptrs = (Out + head.to(gl.int64) * HEAD_DIM
+                          + gl.expand_dims((q_start + o_rows).to(gl.int64) * (num_heads * HEAD_DIM), 1)
+                          + gl.expand_dims(o_cols, 0))
+                gl.store(o_ptrs, o.to(o_desc.dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+        else:
+            _store_out(o, out_tile, o_desc, o_smem, [batch, row0, head, 0])
+        lse_ptrs = (Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + q_start
+                    + rows)
         gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
         if not Q_PREFETCHED:
             tma.store_wait(0)
+
+    @gluon.jit
+    def _store_out(o, out_tile, o_desc, o_smem, coords):
+        """Stage the output rows in shared memory and let TMA write them (clipped at the tensor's
+        end)."""
+        out_tile.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, coords, o_smem)
 
     @gluon.jit
     def _load_q(q_desc, q_buf, q_bar, tile_id, num_heads, num_m_blocks, num_bh, head_group,
@@ -1111,7 +1207,8 @@ if _GLUON:
                   JOINT: gl.constexpr, Q_BUFS: gl.constexpr, SNAKE: gl.constexpr,
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
-                  Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False):
+                  Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
+                  VARLEN: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1122,12 +1219,13 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK) = shared
+         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
         ring = 0
         event = 0
+        live = 0
         if Q_BUFS == 2:  # the first work tile's Q now, every later one during the tile before it
             if count > 0:
                 _load_q(q_desc, q_smem.index(WG * 2), q_bars.index(WG * 2), _work_tile(0, SNAKE),
@@ -1151,21 +1249,39 @@ if _GLUON:
                                               CAUSAL)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
-            keys = _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
-            num_tiles, num_full = _key_range(m0, seqlen_q, keys, BLOCK_M, BLOCK_N, CAUSAL)
+            _, queries, _, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k, SEQUSED_K,
+                                            VARLEN)
+            num_tiles, num_full = _key_range(m0, queries, keys, BLOCK_M, BLOCK_N, CAUSAL)
             q_scales = QScale + batch.to(gl.int64) * stride_qsb + head.to(gl.int64) * stride_qsh
             k_scales = KScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
             v_scales = VScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
-            _attend_block(q_desc, k_desc, v_desc, o_desc, q_buf, o_buf, p_bufs,
-                          q_bars.index(WG * Q_BUFS + b), (t // Q_BUFS) & 1, k_bufs,
-                          v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
-                          stride_lh, batch, head, kv_head, m0 + WG * ROWS, seqlen_q, keys,
-                          num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
-                          scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
-                          CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                          EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK)
-            ring += num_tiles
-            event += num_tiles + 1
+            if VARLEN:
+                # A query block past the sequence's rows: no loads (the producer skips it too), no
+                # turns, nothing stored.
+                if m0 < queries:
+                    _attend_block(q_desc, k_desc, v_desc, o_desc, q_buf, o_buf, p_bufs,
+                                  q_bars.index(WG), live & 1, k_bufs,
+                                  v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
+                                  stride_lh, batch, head, kv_head, m0 + WG * ROWS, queries, keys,
+                                  num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales,
+                                  v_scales, scale_shift_q, scale_shift_k, v_max_index, BLOCK_N,
+                                  HEAD_DIM, STAGES, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, False,
+                                  OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, False, SeqlensK,
+                                  CuSeqlensQ, Out, num_heads, VARLEN)
+                    ring += num_tiles
+                    event += num_tiles + 1
+                    live += 1  # Q loads so far: the parity of this consumer's Q barrier
+            else:
+                _attend_block(q_desc, k_desc, v_desc, o_desc, q_buf, o_buf, p_bufs,
+                              q_bars.index(WG * Q_BUFS + b), (t // Q_BUFS) & 1, k_bufs,
+                              v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
+                              stride_lh, batch, head, kv_head, m0 + WG * ROWS, queries, keys,
+                              num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
+                              scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
+                              CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
+                              EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK)
+                ring += num_tiles
+                event += num_tiles + 1
         if Q_BUFS == 2:
             tma.store_wait(0)
 
@@ -1177,7 +1293,7 @@ if _GLUON:
                                   "scale_shift_k", "v_max_index", "head_group", "page_size",
                                   "stride_bt"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, BlockTable,
-                        stride_lb,
+                        CuSeqlensQ, Out, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
                         scale_shift_q, scale_shift_k, v_max_index, head_group, page_size, stride_bt,
@@ -1189,7 +1305,7 @@ if _GLUON:
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                        PAGE_ROWS: gl.constexpr = 0):
+                        PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1200,7 +1316,11 @@ if _GLUON:
         blocks + 1; V's relative to their largest, which follows them). Otherwise the scale
         arguments are unused. SEQUSED_K: sequence b attends to its first SeqlensK[b] keys (int32,
         clamped to seqlen_k, the caches' capacity); with page_size > 0 the caches are page pools
-        read through BlockTable (see _producer)."""
+        read through BlockTable (see _producer). VARLEN: packed sequences, the descriptors over
+        (1, total, H, D) tensors (e4m3 V^T (1, Hk, D, total)), SeqlensK and CuSeqlensQ the (B + 1)
+        int32 offsets of the keys and queries, seqlen_q the longest sequence's queries; the last
+        query block of each sequence stores through Out (contiguous (total_q, H, D)) and the LSE
+        (H, total_q) takes stride_lb 0."""
         dtype: gl.constexpr = q_desc.dtype
         if PAGE_ROWS > 0:  # the descriptors' boxes are page pieces; a slot holds a whole key tile
             k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -1247,7 +1367,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK)
+                  head_group, SeqlensK, CuSeqlensQ, Out)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1259,18 +1379,18 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             head_group, SeqlensK, BlockTable, page_size, stride_bt,
+                             head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
-                             PAGE_ROWS)),
+                             PAGE_ROWS, VARLEN)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
@@ -1280,15 +1400,15 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
-                             head_group, SeqlensK, BlockTable, page_size, stride_bt,
+                             head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
-                             PAGE_ROWS)),
+                             PAGE_ROWS, VARLEN)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
@@ -1338,7 +1458,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "OWN_RANGE": (2 if variant.skip_empty_rows else 1) if variant.own_range else 0,
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
-            "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows}
+            "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
+            "VARLEN": variant.varlen}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1544,8 +1665,99 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     # Unread pointers: lse; an unpaged seqused_k call's table, the (int32) lengths.
     lengths = lse if seqused_k is None else seqused_k
     launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lengths,
-                                       lengths if block_table is None else block_table),
+                                       lengths if block_table is None else block_table, lse, out),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+    return out, lse
+
+
+def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
+                     scale_blocks: tuple[int, int] | None = None) -> bool:
+    """Whether ``gluon_varlen_forward`` takes these packed sequences: q (total_q, H, D), k and v
+    (total_k, Hk, D) as ``supported`` (16-bit) takes them with a batch of one, or e4m3 (with
+    ``scale_blocks``, one query and one key block spanning the longest sequence, powers of two as
+    fp8_shapes_supported needs them; v in any layout: it is copied keys-contiguous), and the
+    offsets int32 (B + 1) contiguous on q's sm_90 GPU."""
+    tensors = (q, k, v)
+    if not (_GLUON and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_cuda for t in tensors)):
+        return False
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        if not (isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1
+                and cu.is_contiguous() and cu.device == q.device):
+            return False
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        return False
+    if len({t.device for t in tensors}) != 1 or _arch(q.device.index) != 90:
+        return False
+    q4, k4, v4 = (t.unsqueeze(0) for t in tensors)
+    if q.dtype == torch.float8_e4m3fn:
+        if scale_blocks is None or (q.shape[-1], causal) not in FP8_DISPATCH:
+            return False
+        if not (k.dtype == v.dtype == q.dtype and qkv_shapes_ok(q4, k4, v4, FP8_HEAD_DIMS)):
+            return False
+        block_q, block_k = scale_blocks
+        block_n = default_variant(q.shape[-1], "fp8", causal).block_n
+        if any(b < 1 or b & (b - 1) for b in scale_blocks) or block_q % 64 or block_k % block_n:
+            return False
+        return _tma_ok(q4) and _tma_ok(k4)
+    return shapes_supported(q4, k4, v4)
+
+
+def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                         softmax_scale: float, causal: bool, out: torch.Tensor | None = None,
+                         lse: torch.Tensor | None = None, descales=None,
+                         scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None):
+    """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
+    and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
+    every sequence's queries (it sizes the grid), ``max_seqlen_k`` its keys. Returns (out, lse):
+    out (total_q, H, D) in q's dtype (bf16 for e4m3), lse float32 (H, total_q) in natural log;
+    ``out`` (TMA-aligned rows) and ``lse`` (contiguous last dim) may be given to write into.
+
+    e4m3: ``descales`` as kernels.forward.fp8_kernel_descales makes them from flash_attn's (B, Hk)
+    ones, one block of ``scale_blocks`` = (queries, keys) per sequence; v is copied keys-contiguous
+    (the P V wgmma reads V^T) with every sequence from a 16-key boundary
+    (kernels.forward.packed_keys_transposed: TMA's innermost coordinates are 16-byte multiples).
+    ``variant``: a schedule of packed sequences (``with_varlen``) instead of the shipped one."""
+    total_q, heads, head_dim = q.shape
+    heads_k = k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    fp8 = q.dtype == torch.float8_e4m3fn
+    out_dtype = torch.bfloat16 if fp8 else q.dtype
+    if out is None:
+        out = torch.empty(total_q, heads, head_dim, dtype=out_dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
+    out4 = out.unsqueeze(0)
+    if (out.shape != q.shape or out.dtype != out_dtype or not out.is_contiguous() or not _tma_ok(out4)
+            or lse.stride(-1) != 1 or lse.shape != (heads, total_q)):
+        raise ValueError("gluon_varlen_forward: out must be like q (bf16 for e4m3 q), contiguous and "
+                         "16-byte aligned, and lse (H, total_q) float32 with a contiguous last dim")
+    if batch == 0 or total_q == 0 or heads == 0 or max_seqlen_q <= 0:
+        return out, lse
+    dtype = _DTYPES[q.dtype]
+    if variant is None:
+        variant = with_varlen(dispatch_variant(head_dim, dtype, causal, max_seqlen_k))
+    elif not variant.varlen or (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
+        raise ValueError(f"variant {variant.name} is not a varlen d{head_dim} {dtype} causal={causal} one")
+    if fp8 and descales is None:
+        raise ValueError("gluon_varlen_forward: e4m3 inputs need descales")
+    # Every sequence's keys fit a key range of max_seqlen_k; the grid's query blocks, max_seqlen_q.
+    geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device), 0,
+                    q.dtype)
+    if fp8:  # V^T (1, Hk, D, width), keys contiguous, each sequence from a 16-key boundary
+        from .forward import packed_keys_transposed
+        v4 = packed_keys_transposed(v, cu_seqlens_k, max_seqlen_k).permute(0, 2, 3, 1)
+    else:
+        v4 = v.unsqueeze(0)
+    descriptors = _descriptors(q.unsqueeze(0), k.unsqueeze(0), v4, out4, geo, variant)
+    scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, max(max_seqlen_k, 1), lse)
+    scalars = (0, lse.stride(0), max_seqlen_q, max(max_seqlen_k, 1), heads // heads_k, heads,
+               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group, 0, 0)
+    on_other_device = q.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
+        launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, lse, cu_seqlens_q, out),
+               scalars, geo.options, descriptors)
     return out, lse
 
 
@@ -1606,6 +1818,27 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
                       (heads * seqlen_q, seqlen_q, seqlen_q, seqlen_k, heads // heads_k, heads,
                        geo.num_m_blocks, batch),
                       (*_NO_SCALES, geo.head_group, page_size, stride_bt))
+
+
+def _descriptors(q, k, v, out, geo: "_Geometry", variant: GluonVariant) -> tuple:
+    """The launch's TMA descriptors over (B, S, H, D) q, k, out and v, e4m3 V as V^T (B, Hk, D, S)."""
+    q_layout, k_layout, v_layout, o_layout = geo.layouts
+    v_block = (1, 1, variant.head_dim, variant.block_n) if variant.fp8 else geo.kv_block
+    return (_Descriptor(q, q.shape, q.stride(), geo.q_block, q_layout),
+            _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
+            _Descriptor(v, v.shape, v.stride(), v_block, v_layout),
+            _Descriptor(out, out.shape, out.stride(), geo.q_block, o_layout))
+
+
+def _scale_arguments(descales, scale_blocks: tuple[int, int], seqlen_k: int, lse: torch.Tensor):
+    """(QScale, KScale, VScale) and their scalars for a launch: e4m3 ``descales`` as
+    gluon_attention_forward takes them, or (None) the LSE standing in for unread pointers."""
+    if descales is None:
+        return (lse, lse, lse), _NO_SCALES
+    q_d, k_d, v_d = descales
+    return (q_d, k_d, v_d), (q_d.stride(0), q_d.stride(1), k_d.stride(0), k_d.stride(1),
+                             scale_blocks[0].bit_length() - 1, scale_blocks[1].bit_length() - 1,
+                             -(-seqlen_k // scale_blocks[1]))
 
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
@@ -1684,24 +1917,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError("head_group must be >= 0")
 
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
-    q_layout, k_layout, v_layout, o_layout = geo.layouts
-    if fp8:  # V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
-        vt = v.permute(0, 2, 3, 1)
-        v_descriptor = _Descriptor(vt, vt.shape, vt.stride(), (1, 1, head_dim, variant.block_n), v_layout)
-    else:
-        v_descriptor = _Descriptor(v, v.shape, v.stride(), geo.kv_block, v_layout)
-    descriptors = (_Descriptor(q, q.shape, q.stride(), geo.q_block, q_layout),
-                   _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout), v_descriptor,
-                   _Descriptor(out, out.shape, out.stride(), geo.q_block, o_layout))
-    if fp8:
-        q_d, k_d, v_d = descales
-        scales = (q_d, k_d, v_d)
-        scale_scalars = (q_d.stride(0), q_d.stride(1), k_d.stride(0), k_d.stride(1),
-                         scale_blocks[0].bit_length() - 1, scale_blocks[1].bit_length() - 1,
-                         -(-seqlen_k // scale_blocks[1]))
-    else:  # never read
-        scales = (lse, lse, lse)
-        scale_scalars = _NO_SCALES
+    # e4m3 V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
+    descriptors = _descriptors(q, k, v.permute(0, 2, 3, 1) if fp8 else v, out, geo, variant)
+    scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, seqlen_k, lse)
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads,
                geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group,
                page_size, stride_bt)
@@ -1710,7 +1928,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         lengths = lse if seqused_k is None else seqused_k  # also an unpaged call's (unread) table
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lengths,
-                                           lengths if block_table is None else block_table),
+                                           lengths if block_table is None else block_table, lse, out),
                scalars, geo.options, descriptors)
     return out, lse
 
@@ -1823,14 +2041,16 @@ def compile_for_sm90(variant: GluonVariant):
     signature = {"q_desc": desc(dt, (1, rows, 1, d), q_layout), "k_desc": desc(dt, (1, box, 1, d), k_layout),
                  "v_desc": desc(dt, v_block, v_layout), "o_desc": desc(out_dt, (1, rows, 1, d), o_layout),
                  "Lse": "*fp32", "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32",
-                 "SeqlensK": "*i32" if variant.seqused_k else "*fp32",
-                 "BlockTable": "*i32" if variant.seqused_k else "*fp32", "qk_scale": "fp32"}
+                 "SeqlensK": "*i32" if variant.seqused_k or variant.varlen else "*fp32",
+                 "BlockTable": "*i32" if variant.seqused_k else "*fp32",
+                 "CuSeqlensQ": "*i32" if variant.varlen else "*fp32", "Out": f"*{out_dt}",
+                 "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK", "BlockTable"):
+        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK", "BlockTable", "CuSeqlensQ", "Out"):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name not in signature:
             signature[name] = "i32"
