@@ -714,7 +714,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 
     Packed sequences: with ``cu_seqlens_q``/``cu_seqlens_k`` (int32, B + 1 offsets) q is
     (total_q, H, D), k/v (total_k, Hk, D), every sequence is aligned bottom-right on its own
-    (``diag_offset`` is ignored), and out is (total_q, H, D), lse (H, total_q).
+    (``diag_offset`` is ignored), and out is (total_q, H, D), lse (H, total_q); ``max_seqlen_q``
+    bounds every sequence's queries and ``max_seqlen_k`` (0: not given) its keys.
 
     Dropout: ``dropout_p`` > 0 with ``dropout_seed`` (int64, one element, on the device) drops
     probabilities from the product with V by a Philox draw that the backward regenerates.
@@ -864,16 +865,15 @@ VARLEN_FP8_GLUON = os.environ.get("FLASHTILE_VARLEN_FP8_GLUON", "1") not in ("",
 
 
 def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale,
-                  window_left,
-                  window_right, softcap, alibi_slopes, out, lse, config, dropout_seed, descales,
-                  scale_blocks):
+                  window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
+                  descales, scale_blocks):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
     that kernel does not take it (the caller then runs the portable kernel)."""
     if (not q.is_cuda or config is not None or dropout_seed is not None or softcap
             or alibi_slopes is not None or window_left >= 0 or window_right > 0 or not softmax_scale > 0):
         return None
     fp8 = q.dtype == torch.float8_e4m3fn
-    if fp8 and not VARLEN_FP8_GLUON:
+    if fp8 and (not VARLEN_FP8_GLUON or max_seqlen_k <= 0):  # (it sets the descales' block count)
         return None
     from . import gluon_forward
     causal = window_right == 0

@@ -389,8 +389,8 @@ def with_varlen(variant: GluonVariant) -> GluonVariant:
     """The schedule of ``variant`` on packed sequences (flash_attn_varlen_func), without the Q
     prefetch (d128 16-bit non-causal's), which would load the Q of work tiles varlen skips. The
     offsets, the output pointer and a count of the work tiles run keep a few more registers live:
-    sm_90 compiles (CPU machine) keep 8-48 stack bytes, mostly values the partitions take at their
-    start and the 24-register producer's; d128/d256 16-bit also reload one loop-carried value a
+    sm_90 compiles (CPU machine) keep up to 48 stack bytes, mostly values the partitions take at
+    their start and the 24-register producer's; d128/d256 16-bit also reload one loop-carried value a
     key tile in the first consumer (an LDL and a predicated STL)."""
     return dataclasses.replace(variant, varlen=True, prefetch_q=False, max_stack=max(variant.max_stack, 48))
 
