@@ -131,16 +131,16 @@ def prefill_case(rng):
     return params, run
 
 
-def _varlen_pools(k, v, lens_k, page_size):
+def _varlen_pools(k, v, lens_k, page_size, nan_fill=False):
     """Packed keys and values (total_k, Hk, D) as sequences on shuffled pools of ``page_size``-key
-    pages (the slots past each sequence and the spare pages hold noise, NaN in e4m3 pools), and the
-    (B, max_pages) int32 table both pools share."""
+    pages (the slots past each sequence and the spare pages hold noise, NaN in e4m3 pools and with
+    ``nan_fill``), and the (B, max_pages) int32 table both pools share."""
     per_seq = max(-(-n // page_size) for n in lens_k)
     pages = len(lens_k) * per_seq + 2
     order = torch.randperm(pages, device=DEV)[:len(lens_k) * per_seq].view(len(lens_k), per_seq)
     pools = []
     for x in (k, v):
-        if x.dtype == torch.float8_e4m3fn:
+        if x.dtype == torch.float8_e4m3fn or nan_fill:
             pool = torch.full((pages, page_size, *x.shape[1:]), float("nan"), device=DEV).to(x.dtype)
         else:
             pool = torch.randn(pages, page_size, *x.shape[1:], device=DEV, dtype=x.dtype)
@@ -165,7 +165,7 @@ def varlen_case(rng):
     lens_k = [rng.randint(1, _n(1200)) if rng.random() < 0.5 else lq for lq in lens_q]
     kw = _mask_options(rng)
     # keys on a page pool through block_table (forward only), or a backward (sometimes deterministic)
-    page = rng.choice([1, 3, 16, 64, 256]) if rng.random() < 0.25 else 0
+    page = rng.choice([1, 3, 16, 48, 64, 256]) if rng.random() < 0.4 else 0
     backward = not page and rng.random() < 0.4
     deterministic = backward and rng.random() < 0.4
     params = dict(family="varlen", h=h, hk=hk, d=d, dtype=str(dtype), lens_q=lens_q, lens_k=lens_k, page=page,
@@ -188,7 +188,7 @@ def varlen_case(rng):
 
         def call(q_, k_, v_):
             if page:
-                k_pool, v_pool, table = _varlen_pools(k_, v_, lens_k, page)
+                k_pool, v_pool, table = _varlen_pools(k_, v_, lens_k, page, nan_fill=True)
                 with torch.no_grad():
                     return flashtile.flash_attn_varlen_func(q_, k_pool, v_pool, cu_q, cu_k, max(lens_q),
                                                             max(lens_k), return_attn_probs=True,

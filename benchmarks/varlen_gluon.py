@@ -11,9 +11,14 @@ bit for bit with flash_attn_func on that sequence alone (reported); one backward
 public call (gradient rule). e4m3 (d128/d256): each sequence against float64 attention of the
 dequantized tensors under the prefill-fp8 rule of fuzz_gpu (_check_e4m3: 2x the portable e4m3
 kernel's error on that sequence), the ratio to 2x textbook bf16's error reported.
+--check also runs packed sequences on page pools (block_table; pages shuffled, every unused slot
+NaN): the same rules per sequence, the direct call bit for bit the public one and the contiguous
+packed call on the same keys, and page sizes the kernel does not take (not multiples of 16) left
+to the portable kernel.
 --bench: CUDA-graph replays (do_bench median), 32/8 heads, at equal lengths (SDPA flash / cuDNN
 and flash_attn_func on the same problem) and ragged ones: the Gluon varlen call against the
-portable kernel's (the route before), TFLOP/s as FlashAttention-2 counts them.
+portable kernel's (the route before), TFLOP/s as FlashAttention-2 counts them; at d128 also the
+keys on shuffled page pools of 16/64/256 keys (Gluon and portable).
 """
 
 from __future__ import annotations
@@ -101,6 +106,60 @@ def check16(cases, count) -> int:
                 same += bool(torch.equal(alone[0], out[qs]) and torch.equal(alone_lse[0], lse[:, qs]))
             print(f"ok   {label}: {same} of {sum(n > 0 for n in lens_q)} sequences bit for bit flash_attn_func's",
                   flush=True)
+        except Exception as exc:
+            failures += 1
+            print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    return failures
+
+
+CASES_PAGED = [  # (head dim, dtype, heads, heads_k, causal, lens_q, lens_k, page size)
+    (128, torch.bfloat16, 8, 2, True, [37, 1, 0, 200, 65, 300], [300, 17, 9, 200, 1, 129], 16),
+    (64, torch.float16, 4, 4, False, [191, 64, 385], [20, 640, 385], 256),
+    (256, torch.bfloat16, 4, 2, True, [100, 0, 257], [300, 5, 257], 32),
+    (128, torch.bfloat16, 8, 2, False, [37, 1, 0, 200, 65, 300], [300, 17, 9, 200, 1, 129], 48),
+    (256, torch.float16, 4, 2, False, [100, 1, 257], [3000, 5, 257], 256),
+    (128, torch.float16, 8, 8, True, [1024, 1000, 1], [1024, 1000, 2048], 128),
+    (64, torch.bfloat16, 8, 2, True, [1, 2, 3, 190, 191, 192, 193], [1, 2, 3, 190, 191, 192, 193], 64),
+    (128, torch.bfloat16, 8, 2, True, [37, 1, 200, 65], [300, 17, 200, 129], 3),  # portable kernel
+]
+
+
+def check_paged(cases, count) -> int:
+    failures = 0
+    for d, dtype, h, hk, causal, lens_q, lens_k, page in cases:
+        cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+        q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
+        k = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
+        v = torch.randn_like(k)
+        k_pool, v_pool, table = fuzz_gpu._varlen_pools(k, v, lens_k, page, nan_fill=True)
+        label = f"paged {page} d{d} {str(dtype)[6:]} {h}/{hk} causal={causal} q{lens_q} k{lens_k}"
+        try:
+            gluon = page % 16 == 0
+            before = count[0]
+            pub, pub_lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lens_q),
+                                                               max(lens_k), causal=causal, return_attn_probs=True,
+                                                               block_table=table)
+            assert count[0] == before + gluon, f"the public call took the {'portable' if gluon else 'Gluon'} kernel"
+            assert not pub.isnan().any(), "NaN in the output"
+            note = "portable kernel (page size not a multiple of 16)"
+            if gluon:
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((h, q.shape[0]), float("nan"), device=DEV)
+                gluon_forward.gluon_varlen_forward(q, k_pool, v_pool, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                   softmax_scale=d ** -0.5, causal=causal, out=out, lse=lse,
+                                                   block_table=table)
+                assert torch.equal(pub, out) and torch.equal(pub_lse, lse), "public call differs from the direct one"
+                flat, flat_lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                                     causal=causal, return_attn_probs=True)
+                same = torch.equal(flat, out) and torch.equal(flat_lse, lse)
+                note = f"{'bit for bit' if same else 'NOT bit for bit'} the contiguous packed call"
+            for i in range(len(lens_q)):
+                qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+                if qs.stop == qs.start:
+                    continue
+                assert_matches_reference(pub[None, qs], pub_lse[None, :, qs], q[None, qs], k[None, ks],
+                                         v[None, ks], causal=causal)
+            print(f"ok   {label}: {note}", flush=True)
         except Exception as exc:
             failures += 1
             print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -229,6 +288,13 @@ def bench(out_dir: str) -> list:
                 finally:
                     forward.VARLEN_FP8_GLUON = saved
             calls["e4m3 varlen per-sequence (before)"] = per_sequence
+        if d == 128 and name in ("equal 4 x 4096", "ragged 16"):  # keys on shuffled page pools
+            for page in (16, 64, 256):
+                kp, vp, table = fuzz_gpu._varlen_pools(k, v, lens, page)
+                calls[f"bf16 varlen gluon P{page}"] = (
+                    lambda kp=kp, vp=vp, table=table: flashtile.flash_attn_varlen_func(
+                        q, kp, vp, cu, cu, mx, mx, causal=causal, block_table=table))
+                calls[f"bf16 varlen portable P{page}"] = portable(calls[f"bf16 varlen gluon P{page}"])
         if len(set(lens)) == 1:
             b = len(lens)
             qb, kb, vb = (x.view(b, mx, -1, d) for x in (q, k, v))
@@ -286,6 +352,7 @@ def main(argv=None) -> int:
     if args.check:
         cases16, cases8 = (CASES_16[:3], CASES_8[:2]) if args.small else (CASES_16, CASES_8)
         failures += check16(cases16, count) + check8(cases8, count)
+        failures += check_paged([CASES_PAGED[i] for i in (0, 2, 7)] if args.small else CASES_PAGED, count)
         if not args.small:
             failures += check_backward()
         print(f"check: {failures} failed", flush=True)

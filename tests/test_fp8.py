@@ -838,12 +838,23 @@ def test_fp8_cache_per_sequence_descales_on_pages(layout, fp8_q):
                   [n + 2 for n in lengths], True, dtype=torch.bfloat16)
 
 
-def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries():
+@pytest.mark.parametrize("lens", [[5, 0, 33, 16, 1], [128, 3, 0], [0, 0, 200]])
+def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries(monkeypatch, lens):
+    """Every column written by the pack itself: its buffer comes back from torch.empty full of
+    e4m3 NaN bytes here, and the gaps must still be zeros."""
     from flashtile.kernels.forward import packed_keys_transposed
-    lens = [5, 0, 33, 16, 1]
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     x = torch.randn(sum(lens), 3, 24).to(torch.float8_e4m3fn)
-    t = packed_keys_transposed(x, cu)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        return t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    t = packed_keys_transposed(x, cu, max(lens))
+    monkeypatch.undo()
     assert t.shape[0] == 1 and t.shape[2:] == (3, 24) and t.stride(1) == 1 and t.stride(3) % 16 == 0
     used = torch.zeros(t.shape[1], dtype=torch.bool)
     for b, n in enumerate(lens):
@@ -851,3 +862,19 @@ def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries():
         assert torch.equal(t[0, start:start + n].float(), x[cu[b]:cu[b + 1]].float())
         used[start:start + n] = True
     assert (t[0, ~used].float() == 0).all()  # the gaps between sequences are zeros
+
+
+@pytest.mark.parametrize("shape,permuted", [((2, 37, 3, 24), False), ((1, 130, 2, 128), True),
+                                            ((3, 16, 1, 40), False)])
+def test_keys_contiguous_copies_any_strides(shape, permuted):
+    """keys_contiguous through its Triton pass: the (B, S, H, D) values in (B, H, D, S16) storage,
+    from contiguous inputs or strided views (here (B, H, S, D) storage seen as (B, S, H, D))."""
+    from flashtile.kernels.forward import keys_contiguous
+    b, s, h, d = shape
+    if permuted:
+        x = torch.randn(b, h, s, d).to(torch.float8_e4m3fn).transpose(1, 2)
+    else:
+        x = torch.randn(shape).to(torch.float8_e4m3fn)
+    t = keys_contiguous(x)
+    assert t.shape == x.shape and t.stride(1) == 1 and t.stride(3) % 16 == 0
+    assert torch.equal(t.view(torch.uint8), x.view(torch.uint8))

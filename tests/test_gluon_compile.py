@@ -15,17 +15,24 @@ import torch
 from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forward
 
 
-@pytest.mark.parametrize("module", ["gluon_forward", "gluon_backward", "gluon_decode"])
-def test_gluon_variants_compile_for_sm90(module):
+@pytest.mark.parametrize("module,shard", [("gluon_forward", "0/2"), ("gluon_forward", "1/2"),
+                                          ("gluon_backward", None), ("gluon_decode", None)])
+def test_gluon_variants_compile_for_sm90(module, shard):
     """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
-    (kernels.gluon_decode), within each variant's spill allowance."""
+    (kernels.gluon_decode), within each variant's spill allowance. The forward's 161 variants in
+    two shards, so that two test workers share a cold compile (~6 s a variant on the CI machine's
+    cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", f"flashtile.kernels.{module}"], env=env,
+    proc = subprocess.run([sys.executable, "-m", f"flashtile.kernels.{module}"]
+                          + (["--shard", shard] if shard else []), env=env,
                           capture_output=True, text=True, timeout=1500)
     lines = proc.stdout.splitlines()
     variants = {"gluon_forward": gluon_forward.GLUON_VARIANTS,
                 "gluon_backward": gluon_backward.GLUON_BACKWARD_VARIANTS,
                 "gluon_decode": gluon_decode.CHECKED}[module]
+    if shard:
+        k, n = (int(x) for x in shard.split("/"))
+        variants = variants[k::n]
     assert len(lines) == len(variants), proc.stdout + proc.stderr[-2000:]
     failed = [line for line in lines if "FAILED" in line]
     assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]
@@ -407,8 +414,9 @@ def test_plain_forward_with_seqused_k_launches_what_the_general_path_does(monkey
 
 def test_seqused_k_variants():
     """Compiled for every 16-bit schedule dispatch gives (d64 on two consumers: three spill with
-    it), refused with e4m3 inputs, named -seqk, and picked by variants_named only when named."""
-    seqk = [v for v in gluon_forward.GLUON_VARIANTS if v.seqused_k]
+    it), refused with e4m3 inputs, named -seqk, and picked by variants_named only when named (the
+    packed sequences' page-pool variants, -seqk...-varlen, are test_varlen_variants_are_shipped's)."""
+    seqk = [v for v in gluon_forward.GLUON_VARIANTS if v.seqused_k and not v.varlen]
     for d in gluon_forward.HEAD_DIMS:
         for dt in ("bf16", "fp16"):
             for c in (False, True):
@@ -460,8 +468,9 @@ def test_page_pools_take_one_box_a_tile_or_the_largest_box_a_page_holds():
 
 def test_varlen_variants_are_shipped_and_checked():
     """Every schedule a packed call dispatches compiles in the sm_90 check, without the Q prefetch
-    (a skipped work tile's Q would be loaded); varlen takes no seqused_k and no single-consumer
-    fallback."""
+    (a skipped work tile's Q would be loaded); varlen takes no single-consumer fallback. On page
+    pools (seqused_k: keys from the table's pages) bf16 at every box size and fp16 with whole-tile
+    pages."""
     names = {v.name for v in gluon_forward.GLUON_VARIANTS}
     for d in gluon_forward.HEAD_DIMS:
         for dtype in ("bf16", "fp16"):
@@ -470,11 +479,18 @@ def test_varlen_variants_are_shipped_and_checked():
                     variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, dtype, causal, keys))
                     assert variant.name in names and variant.name.endswith("-varlen")
                     assert not variant.prefetch_q
+                    for page, rows in ((256, 0), (16, 16), (32, 32), (64, 64)):
+                        if dtype == "fp16" and rows:
+                            continue
+                        base = gluon_forward.default_variant(d, dtype, causal)
+                        paged = gluon_forward.varlen_paged_variant(d, dtype, causal, page)
+                        assert paged.seqused_k and paged.varlen and not paged.prefetch_q and not paged.q_regs
+                        assert paged.page_rows == (rows if rows < base.block_n else 0)
+                        assert paged.name in names, paged.name
     for d, causal in gluon_forward.FP8_DISPATCH:
         assert gluon_forward.with_varlen(gluon_forward.default_variant(d, "fp8", causal)).name in names
     base = gluon_forward.default_variant(128, "bf16", False)
-    for change in (dict(seqused_k=True), dict(warp_specialize=False, pingpong=False, prefetch_q=False),
-                   dict(prefetch_q=True)):
+    for change in (dict(warp_specialize=False, pingpong=False, prefetch_q=False), dict(prefetch_q=True)):
         with pytest.raises(ValueError, match="varlen"):
             dataclasses.replace(base, varlen=True, **change)
 
@@ -526,6 +542,45 @@ def test_varlen_launch_reads_packed_tensors(monkeypatch, dtype, d, causal):
         assert scalars[9:16] == (8, 1, 4, 2, 9, 9, 1)
     else:
         assert v_desc.base.data_ptr() == v.data_ptr() and tuple(v_desc.shape) == (1, *v.shape)
+
+
+@pytest.mark.parametrize("d,causal,page", [(128, True, 16), (64, False, 256), (256, False, 32)])
+def test_varlen_launch_reads_page_pools(monkeypatch, d, causal, page):
+    """gluon_varlen_forward with a block table: the K/V descriptors over the page pools as they
+    are (boxes of a page piece or a whole key tile), the table and cu_seqlens_k as pointers, the
+    capacity a table row gives as the key bound, page size and table stride as scalars."""
+    lens_q = [5, 300, 0, 129]  # keys 7, 300, 40, 1
+    cu_q = torch.tensor([0, 5, 305, 305, 434], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 307, 347, 348], dtype=torch.int32)
+    width = -(-300 // page) + 1
+    q = torch.randn(sum(lens_q), 8, d, dtype=torch.bfloat16)
+    k = torch.randn(4 * width, page, 2, d, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(4 * width, dtype=torch.int32).reshape(4, width)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    out, lse = gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.1,
+                                                  causal=causal, block_table=table)
+    assert out.shape == q.shape and lse.shape == (8, q.shape[0])
+    (jit, grid, tensors, scalars, options, descriptors), = launches
+    variant = gluon_forward.varlen_paged_variant(d, "bf16", causal, page)
+    assert options is gluon_forward._launch_options(variant) and options["VARLEN"] and options["SEQUSED_K"]
+    assert options["PAGE_ROWS"] == (page if page < variant.block_n else 0)
+    blocks = -(-300 // variant.block_m)
+    assert scalars[:8] == (0, q.shape[0], 300, width * page, 4, 8, blocks, 4)
+    assert scalars[-2:] == (page, width)
+    assert tensors[4] is cu_k and tensors[5] is table and tensors[6] is cu_q and tensors[7] is out
+    q_desc, k_desc, v_desc, o_desc = descriptors
+    assert tuple(q_desc.shape) == (1, *q.shape)
+    box = min(page, variant.block_n)
+    for desc, pool in ((k_desc, k), (v_desc, v)):
+        assert desc.base is pool and tuple(desc.shape) == tuple(pool.shape)
+        assert tuple(desc.block_shape) == (1, box, 1, d)
+    with pytest.raises(ValueError, match="block_table"):
+        gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.1, causal=causal,
+                                           block_table=table[:3])
 
 
 def test_varlen_route_stays_off_cpu_and_unsupported_calls():

@@ -115,52 +115,87 @@ def empty_keys_contiguous(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """A copy of x (B, S, H, D) in ``empty_keys_contiguous``'s layout."""
-    return empty_keys_contiguous(x.shape, x.dtype, x.device).copy_(x)
+    """A copy of x (B, S, H, D) in ``empty_keys_contiguous``'s layout, by one pass of
+    _keys_transposed on the GPU (or the interpreter): torch's copy into the transposed layout read
+    352 GB/s on the H200, the kernel ~2 TB/s (pack-probe-h200-20261202.json)."""
+    out = empty_keys_contiguous(x.shape, x.dtype, x.device)
+    batch, seqlen, heads, head_dim = x.shape
+    if not (x.is_cuda or _INTERPRET) or x.numel() == 0:
+        return out.copy_(x)
+    raw, raw_out = x, out
+    if x.dtype == torch.float8_e4m3fn:  # bytes moved as bytes (no fp8 conversions)
+        raw, raw_out = x.view(torch.uint8), out.view(torch.uint8)
+    block_k = 128
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _keys_transposed[(-(-seqlen // block_k), heads, batch)](
+            raw, raw_out, raw, raw.stride(0), raw.stride(1), raw.stride(2), raw.stride(3), raw_out.stride(0),
+            raw_out.stride(2), raw_out.stride(3), seqlen, batch, 0, HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=block_k, PACKED=False)
+    return out
 
 
 def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int | None = None) -> torch.Tensor:
     """Packed sequences x (total, H, D) as a (1, width, H, D) view of (H, D, width) storage, keys
     contiguous (e4m3 V's layout), sequence b from column 16 * ceil(cu_seqlens[b] / 16) + 16 * b: a
     16-byte boundary, which a tensor descriptor's base and TMA's innermost coordinates need, and
-    zeros between sequences. One pass of _pack_keys_transposed, the sequences' starts read on the
-    device (no host sync); ``max_seqlen`` bounds every sequence's length (None: the total)."""
+    zeros between sequences and after the last. One pass of _pack_keys_transposed writes every
+    column (no zero fill first), the sequences' starts read on the device (no host sync);
+    ``max_seqlen`` bounds every sequence's length (None: the total)."""
     total, heads, head_dim = x.shape
     batch = cu_seqlens.shape[0] - 1
     width = -(-total // 16) * 16 + 16 * (batch + 1)
-    out = torch.zeros(heads, head_dim, width, dtype=x.dtype, device=x.device)
     longest = total if max_seqlen is None else min(max_seqlen, total)
-    if longest > 0 and batch > 0 and heads > 0:
-        raw, raw_out = x, out
-        if x.dtype == torch.float8_e4m3fn:  # bytes moved as bytes (no fp8 conversions)
-            raw, raw_out = x.view(torch.uint8), out.view(torch.uint8)
-        grid = (-(-longest // 64), heads, batch)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            _pack_keys_transposed[grid](raw, raw_out, cu_seqlens, raw.stride(0), raw.stride(1),
-                                        raw_out.stride(0), raw_out.stride(1), HEAD_DIM=head_dim,
-                                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=64)
+    if batch <= 0 or heads == 0:
+        out = torch.zeros(heads, head_dim, width, dtype=x.dtype, device=x.device)
+        return out.permute(2, 0, 1).unsqueeze(0)
+    out = torch.empty(heads, head_dim, width, dtype=x.dtype, device=x.device)
+    raw, raw_out = x, out
+    if x.dtype == torch.float8_e4m3fn:  # bytes moved as bytes (no fp8 conversions)
+        raw, raw_out = x.view(torch.uint8), out.view(torch.uint8)
+    # a sequence's programs also zero the gap after it: up to 31 columns (47 after the last)
+    block_k = 128
+    grid = (-(-(longest + 48) // block_k), heads, batch)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _keys_transposed[grid](raw, raw_out, cu_seqlens, 0, raw.stride(0), raw.stride(1), raw.stride(2), 0,
+                               raw_out.stride(0), raw_out.stride(1), 0, batch, width, HEAD_DIM=head_dim,
+                               BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=block_k, PACKED=True)
     return out.permute(2, 0, 1).unsqueeze(0)
 
 
 @triton.jit
-def _pack_keys_transposed(X, Out, CuSeqlens, stride_xt, stride_xh, stride_oh, stride_od,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Keys [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq`` and head ``head`` of X (total, H, D) into
-    Out (H, D, width) from column 16 * ceil(start / 16) + 16 * seq (packed_keys_transposed)."""
+def _keys_transposed(X, Out, CuSeqlens, stride_xb, stride_xt, stride_xh, stride_xd, stride_ob, stride_oh,
+                     stride_od, seqlen, batch, width, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """Columns [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq``, head ``head`` in Out (.., H, D, columns),
+    keys contiguous. PACKED (packed_keys_transposed): X is (total, H, D) at cu_seqlens offsets, Out
+    (H, D, width) with the sequence from column 16 * ceil(start / 16) + 16 * seq and zeros after it
+    up to the next sequence's first column (or ``width`` after the last). Otherwise
+    (keys_contiguous): X (B, S, H, D) with any strides, Out (B, H, D, >= S) from column 0."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
-    start = tl.load(CuSeqlens + seq)
-    length = tl.load(CuSeqlens + seq + 1) - start
-    column = (start + 15) // 16 * 16 + 16 * seq
-    keys = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (keys < length)[:, None] & (dims < HEAD_DIM)[None, :]
-    x = tl.load(X + (start + keys).to(tl.int64)[:, None] * stride_xt + head * stride_xh + dims[None, :],
-                mask=mask)
-    # stored through the transposed tile, so that a thread's neighbours write neighbouring keys
-    tl.store(Out + head.to(tl.int64) * stride_oh + dims[:, None] * stride_od + (column + keys)[None, :],
-             tl.trans(x), mask=tl.trans(mask))
+    if PACKED:
+        start = tl.load(CuSeqlens + seq)
+        end = tl.load(CuSeqlens + seq + 1)
+        length = end - start
+        column = (start + 15) // 16 * 16 + 16 * seq
+        next_column = (end + 15) // 16 * 16 + 16 * (seq + 1)
+        span = tl.where(seq == batch - 1, width, next_column) - column
+    else:
+        start = 0
+        length = seqlen
+        column = 0
+        span = seqlen
+    if chunk * BLOCK_K < span:
+        keys = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (keys < length)[:, None] & (dims < HEAD_DIM)[None, :]
+        x = tl.load(X + seq.to(tl.int64) * stride_xb + (start + keys).to(tl.int64)[:, None] * stride_xt
+                    + head.to(tl.int64) * stride_xh + dims.to(tl.int64)[None, :] * stride_xd, mask=mask, other=0)
+        # stored through the transposed tile, so that a thread's neighbours write neighbouring keys
+        store = (dims < HEAD_DIM)[:, None] & (keys < span)[None, :]
+        tl.store(Out + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + dims[:, None] * stride_od
+                 + (column + keys)[None, :], tl.trans(x), mask=store)
 
 
 @triton.jit
@@ -752,12 +787,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
             return gluon_attention_forward(q, k, v, softmax_scale=softmax_scale,
                                            causal=window_right == 0, out=out, lse=lse)
-    if cu_seqlens_q is not None and block_table is None and GLUON_ENABLED and not _INTERPRET:
+    if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         result = _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=softmax_scale,
                                window_left=window_left, window_right=window_right, softcap=softcap,
                                alibi_slopes=alibi_slopes, out=out, lse=lse, config=config,
-                               dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks)
+                               dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks,
+                               block_table=block_table)
         if result is not None:
             return result
     varlen = cu_seqlens_q is not None
@@ -866,9 +902,10 @@ VARLEN_FP8_GLUON = os.environ.get("FLASHTILE_VARLEN_FP8_GLUON", "1") not in ("",
 
 def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale,
                   window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
-                  descales, scale_blocks):
+                  descales, scale_blocks, block_table=None):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
-    that kernel does not take it (the caller then runs the portable kernel)."""
+    that kernel does not take it (the caller then runs the portable kernel). ``block_table``: 16-bit
+    page pools (e4m3 ones keep the portable kernel's per-sequence path)."""
     if (not q.is_cuda or config is not None or dropout_seed is not None or softcap
             or alibi_slopes is not None or window_left >= 0 or window_right > 0 or not softmax_scale > 0):
         return None
@@ -877,8 +914,10 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     from . import gluon_forward
     causal = window_right == 0
+    if block_table is not None and fp8:
+        return None
     if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
-                                          scale_blocks if fp8 else None):
+                                          scale_blocks if fp8 else None, block_table):
         return None
     if out is not None and not (out.is_contiguous() and gluon_forward._tma_ok(out.unsqueeze(0))):
         return None
@@ -886,11 +925,12 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     # max_seqlen_k (validated by the caller; 0: not given) picks the d256 schedule and e4m3's V
     # block count; the kernel reads the lengths from cu_seqlens_k.
-    max_seqlen_k = max_seqlen_k if max_seqlen_k > 0 else k.shape[0]
+    if max_seqlen_k <= 0:
+        max_seqlen_k = block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[0]
     return gluon_forward.gluon_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
-        scale_blocks=scale_blocks)
+        scale_blocks=scale_blocks, block_table=block_table)
 
 
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,

@@ -178,7 +178,9 @@ class GluonVariant:
     # at each sequence's offsets (cu_seqlens); work tiles past a sequence's rows are skipped, and
     # the last query block of a sequence stores its rows by pointer, since a TMA box would write
     # the next sequence's rows too. Keys past a sequence's end (the next sequence's) are masked in
-    # S, so P is exactly 0 there.
+    # S, so P is exactly 0 there. With seqused_k (and page_rows): k and v are page pools read through
+    # the block table (flash_attn_varlen_func's block_table), sequence b's keys the first
+    # cu_seqlens_k[b + 1] - cu_seqlens_k[b] slots of its pages (clamped to the table's capacity).
     varlen: bool = False
 
     def __post_init__(self):
@@ -196,9 +198,9 @@ class GluonVariant:
             raise ValueError("seqused_k: 16-bit caches only")
         if self.page_rows and (not self.seqused_k or self.page_rows % 8 or self.block_n % self.page_rows):
             raise ValueError("page_rows: with seqused_k, a multiple of 8 dividing the key tile")
-        if self.varlen and (self.seqused_k or not self.warp_specialize or self.prefetch_q):
+        if self.varlen and (not self.warp_specialize or self.prefetch_q):
             # (the Q prefetch would load a skipped work tile's Q; not written)
-            raise ValueError("varlen: warp specialized, without seqused_k or the Q prefetch")
+            raise ValueError("varlen: warp specialized, without the Q prefetch")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -384,6 +386,13 @@ def with_page_boxes(variant: GluonVariant, rows: int) -> GluonVariant:
     return dataclasses.replace(seqk, page_rows=rows, max_stack=max(seqk.max_stack, 56), **slots)
 
 
+def paged_variant(variant: GluonVariant, page_size: int) -> GluonVariant:
+    """The schedule of ``variant`` on a page pool: one box a key tile where pages hold whole
+    tiles, else boxes of page_box_rows keys (page_size a multiple of the smallest box)."""
+    rows = page_box_rows(page_size, variant.block_n)
+    return with_seqused_k(variant) if rows == variant.block_n else with_page_boxes(variant, rows)
+
+
 @functools.lru_cache(maxsize=None)
 def with_varlen(variant: GluonVariant) -> GluonVariant:
     """The schedule of ``variant`` on packed sequences (flash_attn_varlen_func), without the Q
@@ -393,6 +402,13 @@ def with_varlen(variant: GluonVariant) -> GluonVariant:
     their start and the 24-register producer's; d128/d256 16-bit also reload one loop-carried value a
     key tile in the first consumer (an LDL and a predicated STL)."""
     return dataclasses.replace(variant, varlen=True, prefetch_q=False, max_stack=max(variant.max_stack, 48))
+
+
+def varlen_paged_variant(head_dim: int, dtype: str, causal: bool, page_size: int) -> GluonVariant:
+    """The schedule of packed sequences on page pools of ``page_size`` keys: the default one of
+    this shape (d256 without Q's register half: with the page table's and the packed offsets'
+    registers its sm_90 compile kept 88-96 stack bytes), read as ``paged_variant`` reads pools."""
+    return with_varlen(paged_variant(default_variant(head_dim, dtype, causal), page_size))
 
 
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
@@ -493,7 +509,12 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [with_varlen(dispatch_variant(d, dt, c, n)) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
-                  + [with_varlen(default_variant(d, "fp8", c)) for d, c in sorted(FP8_DISPATCH)])
+                  + [with_varlen(default_variant(d, "fp8", c)) for d, c in sorted(FP8_DISPATCH)]
+                  # ... on page pools (block_table): bf16 at every box size, fp16 (the same code but
+                  # for the element type) where pages hold whole key tiles
+                  + [varlen_paged_variant(d, dt, c, page) for d in HEAD_DIMS
+                     for dt in ("bf16", "fp16") for c in (False, True) for page in (256, *PAGED_BOX_ROWS)
+                     if (page == 256 or (dt == "bf16" and page < default_variant(d, dt, c).block_n))])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -596,6 +617,13 @@ if _GLUON:
             return seqlen_k
 
     @gluon.jit
+    def _packed_keys(CuSeqlensK, batch, seqlen_k):
+        """Keys of packed sequence ``batch`` on a page pool: its cu_seqlens_k length clamped to
+        [0, seqlen_k] (the capacity its table row gives)."""
+        keys = gl.load(CuSeqlensK + batch + 1) - gl.load(CuSeqlensK + batch)
+        return gl.minimum(gl.maximum(keys, 0), seqlen_k)
+
+    @gluon.jit
     def _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k, SEQUSED_K: gl.constexpr,
                   VARLEN: gl.constexpr):
         """(first query row, queries, first key row, keys) of sequence ``batch``: packed sequences
@@ -603,9 +631,11 @@ if _GLUON:
         batch entry ``batch`` (_keys_of)."""
         if VARLEN:
             q_start = gl.load(CuSeqlensQ + batch)
+            queries = gl.load(CuSeqlensQ + batch + 1) - q_start
+            if SEQUSED_K:  # page pools: the sequence's keys from slot 0 of its first page
+                return q_start, queries, 0, _packed_keys(SeqlensK, batch, seqlen_k)
             k_start = gl.load(SeqlensK + batch)
-            return (q_start, gl.load(CuSeqlensQ + batch + 1) - q_start, k_start,
-                    gl.load(SeqlensK + batch + 1) - k_start)
+            return q_start, queries, k_start, gl.load(SeqlensK + batch + 1) - k_start
         else:
             return 0, seqlen_q, 0, _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
 
@@ -1009,7 +1039,7 @@ if _GLUON:
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
                       P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
                       ZERO_TAIL: gl.constexpr = False, SeqlensK=None, CuSeqlensQ=None, Out=None,
-                      num_heads=0, VARLEN: gl.constexpr = False):
+                      num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -1021,7 +1051,8 @@ if _GLUON:
         ``v_max_index``); blocks are 2^scale_shift_q queries and 2^scale_shift_k keys.
         ``ZERO_TAIL``: V rows past ``seqlen_k`` in the last key tile are zeroed before P V (keys
         from a cache whose slots past the sequence hold anything); the count is read again from
-        ``SeqlensK`` there rather than kept in a register through the loop.
+        ``SeqlensK`` there rather than kept in a register through the loop (packed sequences on
+        page pools: the cu_seqlens_k length clamped to ``seqlen_cap``).
         ``VARLEN``: the rows are packed sequence ``batch``'s, from row CuSeqlensQ[batch] of the
         (1, total, H, D) tensors (``seqlen_q``/``seqlen_k`` its lengths); a block reaching past the
         sequence's rows stores its output through ``Out`` (contiguous, ``num_heads`` heads) under a
@@ -1127,9 +1158,11 @@ if _GLUON:
         _take_turn(turn_bars, event0 + num_tiles, WG, PINGPONG)
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         if ZERO_TAIL:  # the only tile that can reach past the sequence's keys
-            # (past the capacity the TMA filled zeros: the unclamped count is as good there)
-            _zero_v_tail(v_bufs.index(slot), num_tiles - 1, gl.maximum(gl.load(SeqlensK + batch), 0),
-                         BLOCK_N, HEAD_DIM)
+            if VARLEN:  # (boxes past a table's last page read that page again: clamped count)
+                tail_keys = _packed_keys(SeqlensK, batch, seqlen_cap)
+            else:  # (past the capacity the TMA filled zeros: the unclamped count is as good there)
+                tail_keys = gl.maximum(gl.load(SeqlensK + batch), 0)
+            _zero_v_tail(v_bufs.index(slot), num_tiles - 1, tail_keys, BLOCK_N, HEAD_DIM)
         v_tile = _v_operand(v_bufs, slot, BLOCK_N, HEAD_DIM, FP8)
         p_last = _p_operand(p_op, p_bufs, num_tiles - 1, WG, FP8)
         o_tok = warpgroup_mma(p_last, v_tile, o, is_async=True)
@@ -1266,8 +1299,8 @@ if _GLUON:
                                   num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales,
                                   v_scales, scale_shift_q, scale_shift_k, v_max_index, BLOCK_N,
                                   HEAD_DIM, STAGES, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, False,
-                                  OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, False, SeqlensK,
-                                  CuSeqlensQ, Out, num_heads, VARLEN)
+                                  OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK,
+                                  CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k)
                     ring += num_tiles
                     event += num_tiles + 1
                     live += 1  # Q loads so far: the parity of this consumer's Q barrier
@@ -1671,20 +1704,22 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
 
 
 def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
-                     scale_blocks: tuple[int, int] | None = None) -> bool:
+                     scale_blocks: tuple[int, int] | None = None,
+                     block_table: torch.Tensor | None = None) -> bool:
     """Whether ``gluon_varlen_forward`` takes these packed sequences: q (total_q, H, D), k and v
     (total_k, Hk, D) as ``supported`` (16-bit) takes them with a batch of one, or e4m3 (with
     ``scale_blocks``, one query and one key block spanning the longest sequence, powers of two as
     fp8_shapes_supported needs them; v in any layout: it is copied keys-contiguous), and the
-    offsets int32 (B + 1) contiguous on q's sm_90 GPU."""
+    offsets int32 (B + 1) contiguous on q's sm_90 GPU. With ``block_table`` (B, max_pages) int32:
+    16-bit k and v page pools (num_pages, page_size, Hk, D) as ``paged_supported`` takes them."""
+    if block_table is not None:
+        return (isinstance(q, torch.Tensor) and q.dim() == 3 and _offsets_ok(q, cu_seqlens_q, cu_seqlens_k)
+                and paged_supported(q.unsqueeze(0), k, v, block_table, causal,
+                                    batch=cu_seqlens_q.shape[0] - 1))
     tensors = (q, k, v)
     if not (_GLUON and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_cuda for t in tensors)):
         return False
-    for cu in (cu_seqlens_q, cu_seqlens_k):
-        if not (isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1
-                and cu.is_contiguous() and cu.device == q.device):
-            return False
-    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+    if not _offsets_ok(q, cu_seqlens_q, cu_seqlens_k):
         return False
     if len({t.device for t in tensors}) != 1 or _arch(q.device.index) != 90:
         return False
@@ -1702,11 +1737,21 @@ def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
     return shapes_supported(q4, k4, v4)
 
 
+def _offsets_ok(q, cu_seqlens_q, cu_seqlens_k) -> bool:
+    """cu_seqlens_q and cu_seqlens_k: int32 (B + 1) contiguous on q's device, B >= 1."""
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        if not (isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1
+                and cu.is_contiguous() and cu.device == q.device):
+            return False
+    return cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.shape[0] >= 2
+
+
 def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                          softmax_scale: float, causal: bool, out: torch.Tensor | None = None,
                          lse: torch.Tensor | None = None, descales=None,
-                         scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None):
+                         scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None,
+                         block_table: torch.Tensor | None = None):
     """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
     and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
@@ -1718,9 +1763,14 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     ones, one block of ``scale_blocks`` = (queries, keys) per sequence; v is copied keys-contiguous
     (the P V wgmma reads V^T) with every sequence from a 16-key boundary
     (kernels.forward.packed_keys_transposed: TMA's innermost coordinates are 16-byte multiples).
-    ``variant``: a schedule of packed sequences (``with_varlen``) instead of the shipped one."""
+    ``variant``: a schedule of packed sequences (``with_varlen``) instead of the shipped one.
+
+    ``block_table`` (B, max_pages) int32 (16-bit inputs, as ``varlen_supported`` takes them): k and v
+    are page pools (num_pages, page_size, Hk, D) and sequence b's keys the first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] slots of pages block_table[b, 0], block_table[b, 1], ... (clamped to the
+    table's max_pages * page_size)."""
     total_q, heads, head_dim = q.shape
-    heads_k = k.shape[1]
+    heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
     fp8 = q.dtype == torch.float8_e4m3fn
     out_dtype = torch.bfloat16 if fp8 else q.dtype
@@ -1736,39 +1786,56 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     if batch == 0 or total_q == 0 or heads == 0 or max_seqlen_q <= 0:
         return out, lse
     dtype = _DTYPES[q.dtype]
+    paged = block_table is not None
+    if paged and (fp8 or block_table.dim() != 2 or block_table.shape[0] != batch):
+        raise ValueError("gluon_varlen_forward: block_table (B, max_pages) with 16-bit page pools")
     if variant is None:
-        variant = with_varlen(dispatch_variant(head_dim, dtype, causal, max_seqlen_k))
+        if paged:
+            variant = varlen_paged_variant(head_dim, dtype, causal, k.shape[1])
+        else:
+            variant = with_varlen(dispatch_variant(head_dim, dtype, causal, max_seqlen_k))
     elif not variant.varlen or (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} is not a varlen d{head_dim} {dtype} causal={causal} one")
+    if variant.seqused_k != paged:
+        raise ValueError(f"variant {variant.name}: a block table is {'needed' if variant.seqused_k else 'not taken'}")
     if fp8 and descales is None:
         raise ValueError("gluon_varlen_forward: e4m3 inputs need descales")
     # Every sequence's keys fit a key range of max_seqlen_k; the grid's query blocks, max_seqlen_q.
     geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device), 0,
                     q.dtype)
-    if fp8:  # V^T (1, Hk, D, width), keys contiguous, each sequence from a 16-key boundary
+    seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
+    if paged:  # the pools as they are; keys are clamped to the capacity a table row gives
+        k4, v4 = k, v
+        page_size, stride_bt = k.shape[1], block_table.stride(0)
+        seqlen_k = block_table.shape[1] * page_size
+    elif fp8:  # V^T (1, Hk, D, width), keys contiguous, each sequence from a 16-key boundary
         from .forward import packed_keys_transposed
-        v4 = packed_keys_transposed(v, cu_seqlens_k, max_seqlen_k).permute(0, 2, 3, 1)
+        k4, v4 = k.unsqueeze(0), packed_keys_transposed(v, cu_seqlens_k, max_seqlen_k).permute(0, 2, 3, 1)
     else:
-        v4 = v.unsqueeze(0)
-    descriptors = _descriptors(q.unsqueeze(0), k.unsqueeze(0), v4, out4, geo, variant)
+        k4, v4 = k.unsqueeze(0), v.unsqueeze(0)
+    descriptors = _descriptors(q.unsqueeze(0), k4, v4, out4, geo, variant)
     scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, max(max_seqlen_k, 1), lse)
-    scalars = (0, lse.stride(0), max_seqlen_q, max(max_seqlen_k, 1), heads // heads_k, heads,
-               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group, 0, 0)
+    scalars = (0, lse.stride(0), max_seqlen_q, seqlen_k, heads // heads_k, heads,
+               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group, page_size,
+               stride_bt)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, lse, cu_seqlens_q, out),
+        launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, block_table if paged else lse,
+                                           cu_seqlens_q, out),
                scalars, geo.options, descriptors)
     return out, lse
 
 
-def paged_supported(q, k, v, block_table, causal: bool = False) -> bool:
+def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | None = None) -> bool:
     """Whether the forward reads these page pools with seqused_k: q (B, Sq, H, D) as ``supported``
     takes it, k and v (num_pages, page_size, Hk, D) alike with TMA-addressable rows, page_size a
     multiple of the smallest PAGED_BOX_ROWS (pages of whole key tiles are read a box a tile, others
     in smaller boxes: ``paged_variant``), and block_table (B, max_pages) int32 with a
-    contiguous last dim, all on one sm_90 GPU."""
+    contiguous last dim, all on one sm_90 GPU. ``batch``: the table's rows, where q's first
+    dimension is not B (packed sequences)."""
     if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
-            and block_table.dtype == torch.int32 and block_table.shape[0] == q.shape[0]
+            and block_table.dtype == torch.int32
+            and block_table.shape[0] == (q.shape[0] if batch is None else batch)
             and block_table.shape[1] > 0 and block_table.stride(-1) == 1):
         return False
     tensors = (q, k, v)
@@ -1781,13 +1848,6 @@ def paged_supported(q, k, v, block_table, causal: bool = False) -> bool:
             or k.shape[0] == 0 or heads_k == 0 or heads % heads_k or not all(_tma_ok(t) for t in tensors)):
         return False
     return k.shape[1] % min(PAGED_BOX_ROWS) == 0
-
-
-def paged_variant(variant: GluonVariant, page_size: int) -> GluonVariant:
-    """The schedule of ``variant`` on a page pool: one box a key tile where pages hold whole
-    tiles, else boxes of page_box_rows keys (page_size a multiple of the smallest box)."""
-    rows = page_box_rows(page_size, variant.block_n)
-    return with_seqused_k(variant) if rows == variant.block_n else with_page_boxes(variant, rows)
 
 
 def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
@@ -2097,9 +2157,11 @@ def main(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--only", default="", help="substring of the variant names to compile")
+    parser.add_argument("--shard", default="0/1", help="K/N: compile every N-th variant from K")
     args = parser.parse_args(argv)
+    shard, shards = (int(x) for x in args.shard.split("/"))
     failed = 0
-    for variant in GLUON_VARIANTS:
+    for variant in GLUON_VARIANTS[shard::shards]:
         if args.only not in variant.name:
             continue
         try:
