@@ -138,7 +138,7 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
     """Packed sequences x (total, H, D) as a (1, width, H, D) view of (H, D, width) storage, keys
     contiguous (e4m3 V's layout), sequence b from column 16 * ceil(cu_seqlens[b] / 16) + 16 * b: a
     16-byte boundary, which a tensor descriptor's base and TMA's innermost coordinates need, and
-    zeros between sequences and after the last. One pass of _pack_keys_transposed writes every
+    zeros between sequences and after the last. One pass of _keys_transposed writes every
     column (no zero fill first), the sequences' starts read on the device (no host sync);
     ``max_seqlen`` bounds every sequence's length (None: the total)."""
     total, heads, head_dim = x.shape
