@@ -549,8 +549,8 @@ def varlen_fp8_case(rng):
     e4m3 page pools of any page size through block_table (the slots past the sequences NaN). The
     portable kernel's per-sequence path keeps P in 16 bits, so the test suite's rule applies
     sequence by sequence: 2x textbook bf16 attention on the dequantized tensors, the LSE by
-    assert_e4m3_lse. Calls the Gluon varlen forward takes (sm_90, contiguous keys, d128/d256, full
-    or causal) round P to e4m3 as flash_attn_func's e4m3 call does: prefill_fp8_case's rule then,
+    assert_e4m3_lse. Calls the Gluon varlen forward takes (sm_90, d128/d256, full or causal, keys
+    contiguous or on pools gathered into the packed layouts) round P to e4m3 as flash_attn_func's e4m3 call does: prefill_fp8_case's rule then,
     against flash_attn_func's portable e4m3 kernel on the sequence alone."""
     from flashtile.reference import attention as textbook
     n = rng.randint(1, 5)

@@ -14,11 +14,13 @@ kernel's error on that sequence), the ratio to 2x textbook bf16's error reported
 --check also runs packed sequences on page pools (block_table; pages shuffled, every unused slot
 NaN): the same rules per sequence, the direct call bit for bit the public one and the contiguous
 packed call on the same keys, and page sizes the kernel does not take (not multiples of 16) left
-to the portable kernel.
+to the portable kernel. e4m3 page pools (any page size: the keys are gathered into the packed
+layouts first) are held to the e4m3 rule and compared bit for bit with the contiguous e4m3 call.
 --bench: CUDA-graph replays (do_bench median), 32/8 heads, at equal lengths (SDPA flash / cuDNN
 and flash_attn_func on the same problem) and ragged ones: the Gluon varlen call against the
 portable kernel's (the route before), TFLOP/s as FlashAttention-2 counts them; at d128 also the
-keys on shuffled page pools of 16/64/256 keys (Gluon and portable).
+keys on shuffled page pools of 16/64/256 keys (Gluon and portable), e4m3 pools of 16/256 keys
+(Gluon, the per-sequence portable route before, and the gather's copies alone).
 """
 
 from __future__ import annotations
@@ -68,11 +70,18 @@ CASES_16 = [  # (head dim, dtype, heads, heads_k, causal, lens_q, lens_k)
     (128, torch.float16, 8, 8, True, [1024, 1000, 1], [1024, 1000, 2048]),
     (64, torch.bfloat16, 8, 2, True, [1, 2, 3, 190, 191, 192, 193], [1, 2, 3, 190, 191, 192, 193]),
 ]
-CASES_8 = [
+CASES_8 = [  # (head dim, heads, heads_k, causal, lens_q, lens_k[, page size of e4m3 pools])
     (128, 8, 2, True, [37, 1, 0, 700, 65, 300], [300, 17, 9, 700, 1, 129]),
     (128, 8, 2, False, [37, 1, 0, 700, 65, 300], [300, 17, 9, 700, 1, 129]),
     (256, 4, 2, True, [100, 0, 257], [300, 5, 257]),
     (256, 4, 2, False, [100, 1, 257], [3000, 5, 257]),
+]
+CASES_8_PAGED = [
+    (128, 8, 2, True, [37, 1, 0, 700, 65, 300], [300, 17, 9, 700, 1, 129], 16),
+    (128, 8, 2, False, [37, 1, 0, 700, 65, 300], [300, 17, 9, 700, 1, 129], 1),
+    (128, 8, 8, True, [1024, 1000, 1], [1024, 1000, 2048], 256),
+    (256, 4, 2, True, [100, 0, 257], [300, 5, 257], 3),
+    (256, 4, 2, False, [100, 1, 257], [3000, 5, 257], 64),
 ]
 
 
@@ -189,8 +198,10 @@ def check_backward() -> int:
 
 
 def check8(cases, count) -> int:
+    """e4m3 packed sequences; cases with a page size put the keys on shuffled e4m3 pools (NaN in
+    every unused slot), whose call must be bit for bit the contiguous packed call on the same keys."""
     failures = 0
-    for d, h, hk, causal, lens_q, lens_k in cases:
+    for d, h, hk, causal, lens_q, lens_k, *page in cases:
         cu_q, cu_k = offsets(lens_q), offsets(lens_k)
         seqs = []
         for lq, lk in zip(lens_q, lens_k):
@@ -198,13 +209,21 @@ def check8(cases, count) -> int:
             seqs.append([fuzz_gpu._e4m3_per_head(x, hk) for x in xs])
         packed = [torch.cat([seq[i][0][0] for seq in seqs]) for i in range(3)]
         ds = [torch.cat([seq[i][1] for seq in seqs]) for i in range(3)]
-        label = f"e4m3 d{d} {h}/{hk} causal={causal} q{lens_q} k{lens_k}"
+        label = f"e4m3 {f'paged {page[0]} ' if page else ''}d{d} {h}/{hk} causal={causal} q{lens_q} k{lens_k}"
         try:
             before = count[0]
-            out, lse, _ = flashtile.flash_attn_varlen_func(
-                *packed, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, q_descale=ds[0], k_descale=ds[1],
-                v_descale=ds[2], return_attn_probs=True)
+            kw = dict(causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], return_attn_probs=True)
+            out, lse, _ = flashtile.flash_attn_varlen_func(*packed, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
             assert count[0] == before + 1, "the public call did not take the Gluon kernel"
+            paged_note = ""
+            if page:
+                k_pool, v_pool, table = fuzz_gpu._varlen_pools(packed[1], packed[2], lens_k, page[0])
+                flat, flat_lse = out, lse
+                out, lse, _ = flashtile.flash_attn_varlen_func(packed[0], k_pool, v_pool, cu_q, cu_k, max(lens_q),
+                                                               max(lens_k), block_table=table, **kw)
+                assert count[0] == before + 2, "the paged call did not take the Gluon kernel"
+                same_flat = torch.equal(flat, out) and torch.equal(flat_lse, lse)
+                paged_note = f"; {'bit for bit' if same_flat else 'NOT bit for bit'} the contiguous packed call"
             worst_bf16 = 0.0
             same = 0
             for i, seq in enumerate(seqs):
@@ -224,7 +243,7 @@ def check8(cases, count) -> int:
                 worst_bf16 = max(worst_bf16, (out[None, qs].double() - ref).abs().max().item()
                                  / (2 * (low.double() - ref).abs().max().item() + 1e-6))
             print(f"ok   {label}: {same} sequences bit for bit flash_attn_func's; error {worst_bf16:.2f} of "
-                  f"2x textbook bf16's", flush=True)
+                  f"2x textbook bf16's{paged_note}", flush=True)
         except Exception as exc:
             failures += 1
             print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -253,7 +272,9 @@ def portable(fn):
     return run
 
 
-def bench(out_dir: str) -> list:
+def bench(out_dir: str, head_dims=(64, 128, 256), e4m3_only: bool = False) -> list:
+    """``e4m3_only``: the e4m3 calls, with the bf16 Gluon varlen call, flash_attn_func and SDPA
+    cuDNN for reference."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
@@ -264,6 +285,8 @@ def bench(out_dir: str) -> list:
               (128, False, "ragged 16", ragged), (64, True, "equal 8 x 2048", [2048] * 8),
               (256, True, "equal 8 x 2048", [2048] * 8)]
     for d, causal, name, lens in points:
+        if d not in head_dims:
+            continue
         cu = offsets(lens)
         total, mx = sum(lens), max(lens)
         flops = sum(4 * n * n * d * heads / (2 if causal else 1) for n in lens)
@@ -271,7 +294,8 @@ def bench(out_dir: str) -> list:
         k = torch.randn(total, heads_k, d, device=DEV, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         calls = {"bf16 varlen gluon": lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=causal)}
-        calls["bf16 varlen portable"] = portable(calls["bf16 varlen gluon"])
+        if not e4m3_only:
+            calls["bf16 varlen portable"] = portable(calls["bf16 varlen gluon"])
         if (d, causal) in gluon_forward.FP8_DISPATCH:
             qkv8 = [fuzz_gpu._e4m3_per_head(x.view(1, total, -1, d), heads_k) for x in (q, k, v)]
             # one descale per sequence and KV head (the whole batch's here: timing only)
@@ -290,11 +314,29 @@ def bench(out_dir: str) -> list:
             calls["e4m3 varlen per-sequence (before)"] = per_sequence
         if d == 128 and name in ("equal 4 x 4096", "ragged 16"):  # keys on shuffled page pools
             for page in (16, 64, 256):
-                kp, vp, table = fuzz_gpu._varlen_pools(k, v, lens, page)
-                calls[f"bf16 varlen gluon P{page}"] = (
-                    lambda kp=kp, vp=vp, table=table: flashtile.flash_attn_varlen_func(
-                        q, kp, vp, cu, cu, mx, mx, causal=causal, block_table=table))
-                calls[f"bf16 varlen portable P{page}"] = portable(calls[f"bf16 varlen gluon P{page}"])
+                if not e4m3_only:
+                    kp, vp, table = fuzz_gpu._varlen_pools(k, v, lens, page)
+                    calls[f"bf16 varlen gluon P{page}"] = (
+                        lambda kp=kp, vp=vp, table=table: flashtile.flash_attn_varlen_func(
+                            q, kp, vp, cu, cu, mx, mx, causal=causal, block_table=table))
+                    calls[f"bf16 varlen portable P{page}"] = portable(calls[f"bf16 varlen gluon P{page}"])
+                if "e4m3 varlen gluon" in calls and page != 64:
+                    kp8, vp8, table8 = fuzz_gpu._varlen_pools(p8[1], p8[2], lens, page)
+                    calls[f"e4m3 varlen gluon P{page}"] = (
+                        lambda kp8=kp8, vp8=vp8, table8=table8: flashtile.flash_attn_varlen_func(
+                            p8[0], kp8, vp8, cu, cu, mx, mx, causal=causal, q_descale=ds[0], k_descale=ds[1],
+                            v_descale=ds[2], block_table=table8))
+
+                    def per_sequence_paged(call=calls[f"e4m3 varlen gluon P{page}"]):
+                        saved = forward.VARLEN_FP8_GLUON
+                        forward.VARLEN_FP8_GLUON = False
+                        try:
+                            return call()
+                        finally:
+                            forward.VARLEN_FP8_GLUON = saved
+                    calls[f"e4m3 varlen per-sequence P{page} (before)"] = per_sequence_paged
+                    calls[f"e4m3 gather P{page} (its copies alone)"] = (
+                        lambda kp8=kp8, vp8=vp8, table8=table8: forward.paged_keys_packed(kp8, vp8, table8, cu, mx))
         if len(set(lens)) == 1:
             b = len(lens)
             qb, kb, vb = (x.view(b, mx, -1, d) for x in (q, k, v))
@@ -305,7 +347,8 @@ def bench(out_dir: str) -> list:
                 calls["e4m3 flash_attn_func"] = lambda: flashtile.flash_attn_func(
                     *p8b, causal=causal, q_descale=dsb[0], k_descale=dsb[1], v_descale=dsb[2])
             qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
-            for backend, label in ((SDPBackend.FLASH_ATTENTION, "sdpa-flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa-cudnn")):
+            backends = ((SDPBackend.FLASH_ATTENTION, "sdpa-flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa-cudnn"))
+            for backend, label in backends[1:] if e4m3_only else backends:
                 def sdpa(backend=backend):
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
@@ -343,21 +386,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--small", action="store_true", help="a few small check cases (compute-sanitizer)")
+    ap.add_argument("--e4m3-only", action="store_true", help="only the e4m3 check cases and bench calls")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--head-dim", type=int, action="append", help="bench only these head dims (repeatable)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     count = routes()
     failures = 0
     if args.check:
-        cases16, cases8 = (CASES_16[:3], CASES_8[:2]) if args.small else (CASES_16, CASES_8)
-        failures += check16(cases16, count) + check8(cases8, count)
-        failures += check_paged([CASES_PAGED[i] for i in (0, 2, 7)] if args.small else CASES_PAGED, count)
-        if not args.small:
+        cases16, cases8 = ((CASES_16[:3], CASES_8[:2] + CASES_8_PAGED[:2]) if args.small
+                           else (CASES_16, CASES_8 + CASES_8_PAGED))
+        failures += check8(cases8, count)
+        if not args.e4m3_only:
+            failures += check16(cases16, count)
+            failures += check_paged([CASES_PAGED[i] for i in (0, 2, 7)] if args.small else CASES_PAGED, count)
+        if not (args.small or args.e4m3_only):
             failures += check_backward()
         print(f"check: {failures} failed", flush=True)
     if args.bench:
-        table(bench(args.out))
+        table(bench(args.out, tuple(args.head_dim or (64, 128, 256)), args.e4m3_only))
     return 1 if failures else 0
 
 

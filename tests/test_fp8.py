@@ -838,13 +838,8 @@ def test_fp8_cache_per_sequence_descales_on_pages(layout, fp8_q):
                   [n + 2 for n in lengths], True, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("lens", [[5, 0, 33, 16, 1], [128, 3, 0], [0, 0, 200]])
-def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries(monkeypatch, lens):
-    """Every column written by the pack itself: its buffer comes back from torch.empty full of
-    e4m3 NaN bytes here, and the gaps must still be zeros."""
-    from flashtile.kernels.forward import packed_keys_transposed
-    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    x = torch.randn(sum(lens), 3, 24).to(torch.float8_e4m3fn)
+def _poison_e4m3_empty(monkeypatch):
+    """torch.empty gives e4m3 tensors full of NaN bytes (0x7F) until monkeypatch.undo()."""
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -853,6 +848,19 @@ def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries(monkeypatc
             t.view(torch.uint8).fill_(0x7F)
         return t
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("lens,extra", [([5, 0, 33, 16, 1], 0), ([128, 3, 0], 0), ([0, 0, 200], 0),
+                                        ([40, 7], 700)])
+def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries(monkeypatch, lens, extra):
+    """Every column a reader may touch written by the pack itself: its buffer comes back from
+    torch.empty full of e4m3 NaN bytes here, and the gaps must still be zeros, also for a key tile
+    (PACKED_TAIL) past the last sequence when x has ``extra`` rows after it (flash_attn_varlen_func
+    allows k longer than cu_seqlens_k[-1])."""
+    from flashtile.kernels.forward import PACKED_TAIL, packed_keys_transposed
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(lens) + extra, 3, 24).to(torch.float8_e4m3fn)
+    _poison_e4m3_empty(monkeypatch)
     t = packed_keys_transposed(x, cu, max(lens))
     monkeypatch.undo()
     assert t.shape[0] == 1 and t.shape[2:] == (3, 24) and t.stride(1) == 1 and t.stride(3) % 16 == 0
@@ -861,7 +869,9 @@ def test_packed_keys_transposed_starts_sequences_on_16_key_boundaries(monkeypatc
         start = (int(cu[b]) + 15) // 16 * 16 + 16 * b  # the kernel's v_start
         assert torch.equal(t[0, start:start + n].float(), x[cu[b]:cu[b + 1]].float())
         used[start:start + n] = True
-    assert (t[0, ~used].float() == 0).all()  # the gaps between sequences are zeros
+    end = min(start + n + PACKED_TAIL, t.shape[1])
+    assert (t[0, :end][~used[:end]].float() == 0).all()  # the gaps between sequences are zeros
+    assert end == t.shape[1] or extra  # (without extra rows the zeros reach the width)
 
 
 @pytest.mark.parametrize("shape,permuted", [((2, 37, 3, 24), False), ((1, 130, 2, 128), True),
@@ -878,3 +888,54 @@ def test_keys_contiguous_copies_any_strides(shape, permuted):
     t = keys_contiguous(x)
     assert t.shape == x.shape and t.stride(1) == 1 and t.stride(3) % 16 == 0
     assert torch.equal(t.view(torch.uint8), x.view(torch.uint8))
+
+
+@pytest.mark.parametrize("page,lens", [(1, [5, 0, 33, 17]), (3, [40, 1, 0]), (16, [0, 0, 40])])
+def test_paged_keys_packed_gathers_sequences_through_the_table(monkeypatch, page, lens):
+    """e4m3 page pools gathered for the Gluon forward: K rows from cu_seqlens[b], V^T as
+    packed_keys_transposed lays it out (gaps zero although torch.empty gives NaN bytes here), each
+    sequence's keys read through its shuffled table row."""
+    from flashtile.kernels import forward
+    from flashtile.kernels.forward import paged_keys_packed
+    longest, heads, d = 40, 2, 24
+    batch, width = len(lens), -(-40 // page)
+    k = torch.randn(batch * width + 3, page, heads, d).to(torch.float8_e4m3fn)
+    v = torch.randn(batch * width + 3, page, heads, d).to(torch.float8_e4m3fn)
+    table = torch.randperm(k.shape[0], dtype=torch.int32)[:batch * width].reshape(batch, width)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    _poison_e4m3_empty(monkeypatch)
+    rows, vt = paged_keys_packed(k, v, table, cu, longest)
+    monkeypatch.undo()
+    assert rows.shape == (batch * longest, heads, d) and rows.is_contiguous()
+    assert vt.shape[0] == 1 and vt.shape[2:] == (heads, d) and vt.stride(1) == 1 and vt.stride(3) % 16 == 0
+    used = torch.zeros(vt.shape[1], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        pages = table[b].long()
+        k_seq, v_seq = k[pages].flatten(0, 1)[:n], v[pages].flatten(0, 1)[:n]
+        assert torch.equal(rows[cu[b]:cu[b] + n].view(torch.uint8), k_seq.view(torch.uint8))
+        start = (int(cu[b]) + 15) // 16 * 16 + 16 * b
+        assert torch.equal(vt[0, start:start + n].view(torch.uint8), v_seq.view(torch.uint8))
+        used[start:start + n] = True
+    # zeros between sequences and for a key tile past the last (its width is laid out for B x 40 keys)
+    # (or up to the width: past it the kernel's descriptor reads zeros)
+    end = min(start + n + forward.PACKED_TAIL, vt.shape[1])
+    assert (vt[0, :end][~used[:end]].float() == 0).all()
+
+
+def test_paged_keys_packed_clamps_unchecked_values():
+    """Values a CUDA-graph capture leaves unchecked stay inside the tensors: table entries outside
+    the pool read its first or last page, a length past the table row's capacity is cut there."""
+    from flashtile.kernels.forward import paged_keys_packed
+    page, heads, d = 4, 1, 16
+    k = torch.randn(3, page, heads, d).to(torch.float8_e4m3fn)
+    v = torch.randn(3, page, heads, d).to(torch.float8_e4m3fn)
+    table = torch.tensor([[-7, 1], [2, 10 ** 6]], dtype=torch.int32)
+    cu = torch.tensor([0, 8, 8 + 50], dtype=torch.int32)  # sequence 1 claims 50 keys of 8 slots
+    rows, vt = paged_keys_packed(k, v, table, cu, 8)
+    assert rows.shape == (16, heads, d)
+    assert torch.equal(rows[:8].view(torch.uint8), torch.cat([k[0], k[1]]).view(torch.uint8))
+    assert torch.equal(rows[8:16].view(torch.uint8), torch.cat([k[2], k[2]]).view(torch.uint8))
+    assert torch.equal(vt[0, :8].view(torch.uint8), torch.cat([v[0], v[1]]).view(torch.uint8))
+    assert vt.shape[1] == 64  # 16 keys' columns + 16 a sequence + 16
+    assert torch.equal(vt[0, 32:40].view(torch.uint8), torch.cat([v[2], v[2]]).view(torch.uint8))
+    assert (vt[0, 8:32].float() == 0).all() and (vt[0, 40:].float() == 0).all()

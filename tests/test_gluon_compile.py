@@ -583,6 +583,59 @@ def test_varlen_launch_reads_page_pools(monkeypatch, d, causal, page):
                                            block_table=table[:3])
 
 
+@pytest.mark.parametrize("d,causal,page", [(128, True, 16), (128, False, 3), (256, False, 64)])
+def test_varlen_launch_gathers_e4m3_page_pools(monkeypatch, d, causal, page):
+    """gluon_varlen_forward on e4m3 page pools: the sequences gathered through the table into
+    packed K rows and packed V^T (e4m3 wgmma reads V K-major), then the contiguous e4m3 schedule
+    over them, as for packed sequences without pages."""
+    cu_q = torch.tensor([0, 5, 305, 305, 434], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 307, 347, 348], dtype=torch.int32)
+    width = -(-300 // page) + 1
+    q = torch.randn(434, 8, d).to(torch.float8_e4m3fn)
+    k = torch.randn(4 * width, page, 2, d).to(torch.float8_e4m3fn)
+    v = torch.randn(4 * width, page, 2, d).to(torch.float8_e4m3fn)
+    table = torch.randperm(4 * width, dtype=torch.int32).reshape(4, width)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    ones = torch.ones(4, 2, 1)
+    descales = forward.fp8_kernel_descales(torch.ones(4, 8, 1), ones, ones)
+    out, lse = gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.1,
+                                                  causal=causal, descales=descales, scale_blocks=(512, 512),
+                                                  block_table=table)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (8, 434)
+    (jit, grid, tensors, scalars, options, descriptors), = launches
+    variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "fp8", causal, 300))
+    assert options is gluon_forward._launch_options(variant) and not options["SEQUSED_K"]
+    assert scalars[:4] == (0, 434, 300, 300) and scalars[-2:] == (0, 0)
+    assert tensors[4] is cu_k and tensors[6] is cu_q
+    _, k_desc, v_desc, _ = descriptors
+    assert tuple(k_desc.shape) == (1, 4 * 300, 2, d) and v_desc.strides[3] == 1
+    rows, vt = k_desc.base[0], v_desc.base[0]
+    for b in range(4):
+        start, n = int(cu_k[b]), int(cu_k[b + 1] - cu_k[b])
+        pages = table[b].long()
+        k_seq, v_seq = k[pages].flatten(0, 1)[:n], v[pages].flatten(0, 1)[:n]
+        assert torch.equal(rows[start:start + n].view(torch.uint8), k_seq.view(torch.uint8))
+        column = -(-start // 16) * 16 + 16 * b
+        assert torch.equal(vt[:, :, column:column + n].view(torch.uint8),
+                           v_seq.permute(1, 2, 0).view(torch.uint8))
+
+
+def test_e4m3_pool_gather_stays_within_its_memory_bound(monkeypatch):
+    """e4m3 page pools go to the Gluon kernel through copies of B x max_seqlen_k keys (K rows and
+    V^T): only while those stay within the pools' size or FP8_GATHER_BYTES."""
+    from flashtile.kernels import forward as fwd
+    pool = torch.empty(64, 16, 2, 128, dtype=torch.float8_e4m3fn)  # 1,024 slots, 256 KiB a pool
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    monkeypatch.setattr(fwd, "FP8_GATHER_BYTES", 0)
+    assert fwd._gather_fits(pool, table, 256)  # 4 x 256 keys: the pools' own size
+    assert not fwd._gather_fits(pool, table, 257)
+    monkeypatch.setattr(fwd, "FP8_GATHER_BYTES", 1 << 30)
+    assert fwd._gather_fits(pool, table, 1024)
+
+
 def test_varlen_route_stays_off_cpu_and_unsupported_calls():
     from flashtile.kernels import forward as fwd
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)

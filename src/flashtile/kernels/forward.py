@@ -115,22 +115,17 @@ def empty_keys_contiguous(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """A copy of x (B, S, H, D) in ``empty_keys_contiguous``'s layout, by one pass of
-    _keys_transposed on the GPU (or the interpreter): torch's copy into the transposed layout read
-    352 GB/s on the H200, the kernel ~2 TB/s (pack-probe-h200-20261202.json)."""
+    """A copy of x (B, S, H, D) in ``empty_keys_contiguous``'s layout, by one pass of _copy_keys on
+    the GPU (or the interpreter): torch's copy into the transposed layout read 352 GB/s on the
+    H200, the kernel ~2 TB/s (pack-probe-h200-20261202.json)."""
     out = empty_keys_contiguous(x.shape, x.dtype, x.device)
     batch, seqlen, heads, head_dim = x.shape
     if not (x.is_cuda or _INTERPRET) or x.numel() == 0:
         return out.copy_(x)
-    raw, raw_out = x, out
-    if x.dtype == torch.float8_e4m3fn:  # bytes moved as bytes (no fp8 conversions)
-        raw, raw_out = x.view(torch.uint8), out.view(torch.uint8)
-    block_k = 128
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _keys_transposed[(-(-seqlen // block_k), heads, batch)](
-            raw, raw_out, raw, raw.stride(0), raw.stride(1), raw.stride(2), raw.stride(3), raw_out.stride(0),
-            raw_out.stride(2), raw_out.stride(3), seqlen, batch, 0, HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=block_k, PACKED=False)
+    raw, raw_out = _as_bytes(x), _as_bytes(out)
+    _launch_copy_keys((-(-seqlen // _COPY_BLOCK_K), heads, batch), raw, raw_out, raw, None, raw.stride(),
+                      (raw_out.stride(0), raw_out.stride(2), raw_out.stride(3)), seqlen, batch, 0,
+                      head_dim, packed=False)
     return out
 
 
@@ -138,8 +133,10 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
     """Packed sequences x (total, H, D) as a (1, width, H, D) view of (H, D, width) storage, keys
     contiguous (e4m3 V's layout), sequence b from column 16 * ceil(cu_seqlens[b] / 16) + 16 * b: a
     16-byte boundary, which a tensor descriptor's base and TMA's innermost coordinates need, and
-    zeros between sequences and after the last. One pass of _keys_transposed writes every
-    column (no zero fill first), the sequences' starts read on the device (no host sync);
+    zeros between sequences and for at least PACKED_TAIL columns after the last (or up to the
+    width: the rest of the width, where x has rows past the last sequence, is left unwritten). One
+    pass of _copy_keys writes the sequences and their gaps (no zero fill first), a one-program-a-head
+    launch the zeros after the last, the sequences' starts read on the device (no host sync);
     ``max_seqlen`` bounds every sequence's length (None: the total)."""
     total, heads, head_dim = x.shape
     batch = cu_seqlens.shape[0] - 1
@@ -149,28 +146,109 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
         out = torch.zeros(heads, head_dim, width, dtype=x.dtype, device=x.device)
         return out.permute(2, 0, 1).unsqueeze(0)
     out = torch.empty(heads, head_dim, width, dtype=x.dtype, device=x.device)
-    raw, raw_out = x, out
-    if x.dtype == torch.float8_e4m3fn:  # bytes moved as bytes (no fp8 conversions)
-        raw, raw_out = x.view(torch.uint8), out.view(torch.uint8)
+    raw, raw_out = _as_bytes(x), _as_bytes(out)
     # a sequence's programs also zero the gap after it: up to 31 columns (47 after the last)
-    block_k = 128
-    grid = (-(-(longest + 48) // block_k), heads, batch)
+    grid = (-(-(longest + 48) // _COPY_BLOCK_K), heads, batch)
+    _launch_copy_keys(grid, raw, raw_out, cu_seqlens, None, raw.stride(),
+                      (0, raw_out.stride(0), raw_out.stride(1)), 0, batch, width, head_dim, packed=True)
+    # x may hold rows past the last sequence (flash_attn_varlen_func allows k past cu_seqlens_k[-1];
+    # paged_keys_packed's rows are laid out for B x L keys): the columns after it are zeroed for
+    # PACKED_TAIL by a second launch. (Widening the first one's grid and spans to cover them,
+    # which changes no other column, made it 7x slower on the H200: pack-ab-h200-20261202.)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _keys_transposed[grid](raw, raw_out, cu_seqlens, 0, raw.stride(0), raw.stride(1), raw.stride(2), 0,
-                               raw_out.stride(0), raw_out.stride(1), 0, batch, width, HEAD_DIM=head_dim,
-                               BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=block_k, PACKED=True)
+        _zero_after_last[(heads,)](raw_out, cu_seqlens, batch, width, raw_out.stride(0), raw_out.stride(1),
+                                   HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                                   TAIL=PACKED_TAIL)
     return out.permute(2, 0, 1).unsqueeze(0)
 
 
+def paged_keys_packed(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                      cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences on page pools k, v (num_pages, page_size, H, D) gathered through ``block_table``
+    (B, max_pages) int32 into the packed layouts the e4m3 Gluon forward reads: K as (B * L, H, D)
+    rows, sequence b from row cu_seqlens[b] (rows past the last sequence left unwritten), L =
+    ``max_seqlen`` clamped to a table row's capacity, and V^T as packed_keys_transposed makes it from
+    V's rows gathered alike. The lengths and offsets are read on the device (no host sync), and
+    every index is clamped into its tensor (values that CUDA-graph capture left unchecked cannot
+    reach outside them). V in two passes: one pass gathering straight into V^T read ~310 GB/s on
+    the H200, rows then the pack ~1.4 TB/s (gather-probe-h200-20261202.json)."""
+    v_rows = _paged_rows(v, block_table, cu_seqlens, max_seqlen)
+    # (offsets clamped to the rows on the device: the pack reads rows cu_seqlens[b]:cu_seqlens[b + 1])
+    return (_paged_rows(k, block_table, cu_seqlens, max_seqlen),
+            packed_keys_transposed(v_rows, cu_seqlens.clamp(0, v_rows.shape[0]),
+                                   v_rows.shape[0] // max(cu_seqlens.shape[0] - 1, 1)))
+
+
+def _paged_rows(pool: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int) -> torch.Tensor:
+    """paged_keys_packed's rows: (B * L, H, D), sequence b from row cu_seqlens[b]."""
+    batch = cu_seqlens.shape[0] - 1
+    heads, head_dim = pool.shape[-2:]
+    longest = max(0, min(max_seqlen, block_table.shape[1] * pool.shape[1]))
+    rows = torch.empty(batch * longest, heads, head_dim, dtype=pool.dtype, device=pool.device)
+    if batch > 0 and heads > 0 and longest > 0:
+        raw, raw_out = _as_bytes(pool), _as_bytes(rows)
+        _launch_copy_keys((-(-longest // _COPY_BLOCK_K), heads, batch), raw, raw_out, cu_seqlens,
+                          block_table, raw.stride(), raw_out.stride(), 0, batch, rows.shape[0], head_dim,
+                          packed=True, transposed=False)
+    return rows
+
+
+_COPY_BLOCK_K = 128
+# Zeros written after the last packed V^T sequence: the Gluon e4m3 kernel's widest key tile, which
+# may reach that far past a sequence's end (a power of two: one tile of zeros a program).
+PACKED_TAIL = 256
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # e4m3 moved as bytes
+
+
+def _launch_copy_keys(grid, x, out, cu_seqlens, block_table, x_strides, out_strides, seqlen, batch,
+                      width, head_dim, *, packed: bool, transposed: bool = True):
+    paged = block_table is not None
+    page_args = ((block_table.stride(0), block_table.shape[1], x.shape[1], x.shape[0]) if paged
+                 else (0, 0, 1, 1))
+    x_strides = (0,) * (4 - len(x_strides)) + tuple(x_strides)  # packed (total, H, D): no batch stride
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _copy_keys[grid](x, out, cu_seqlens, block_table if paged else cu_seqlens, *x_strides,
+                         *out_strides, seqlen, batch, width, *page_args, HEAD_DIM=head_dim,
+                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=_COPY_BLOCK_K, PACKED=packed,
+                         PAGED=paged, TRANSPOSED=transposed)
+
+
 @triton.jit
-def _keys_transposed(X, Out, CuSeqlens, stride_xb, stride_xt, stride_xh, stride_xd, stride_ob, stride_oh,
-                     stride_od, seqlen, batch, width, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
-    """Columns [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq``, head ``head`` in Out (.., H, D, columns),
-    keys contiguous. PACKED (packed_keys_transposed): X is (total, H, D) at cu_seqlens offsets, Out
-    (H, D, width) with the sequence from column 16 * ceil(start / 16) + 16 * seq and zeros after it
-    up to the next sequence's first column (or ``width`` after the last). Otherwise
-    (keys_contiguous): X (B, S, H, D) with any strides, Out (B, H, D, >= S) from column 0."""
+def _zero_after_last(Out, CuSeqlens, batch, width, stride_oh, stride_od, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, TAIL: tl.constexpr):
+    """Zeros in columns [end, end + TAIL) of head ``program_id(0)`` of packed V^T (H, D, width),
+    ``end`` the last sequence's first column past its keys (packed_keys_transposed's layout),
+    clamped to [0, width)."""
+    head = tl.program_id(0)
+    start = tl.load(CuSeqlens + batch - 1)
+    end = (start + 15) // 16 * 16 + 16 * (batch - 1) + tl.load(CuSeqlens + batch) - start
+    columns = tl.maximum(end, 0) + tl.arange(0, TAIL)
+    dims = tl.arange(0, BLOCK_D)
+    keep = (dims < HEAD_DIM)[:, None] & (columns < width)[None, :]
+    tl.store(Out + head.to(tl.int64) * stride_oh + dims[:, None] * stride_od + columns.to(tl.int64)[None, :],
+             tl.zeros([BLOCK_D, TAIL], Out.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, stride_xd, stride_ob,
+               stride_oh, stride_od, seqlen, batch, width, stride_bt, table_width, page_size, num_pages,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+               PACKED: tl.constexpr, PAGED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Keys [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq``, head ``head``.
+
+    keys_contiguous: X (B, S, H, D) with any strides into Out (B, H, D, >= S) (TRANSPOSED, keys
+    contiguous). packed_keys_transposed (PACKED, TRANSPOSED): X (total, H, D) with sequence b at
+    rows cu_seqlens[b]:cu_seqlens[b + 1] into Out (H, D, width), the sequence from column
+    16 * ceil(start / 16) + 16 * seq and zeros after it up to the next sequence's first column (or
+    ``width`` after the last). _paged_rows (PACKED, PAGED, not TRANSPOSED): X
+    a page pool (num_pages, page_size, H, D), key t of sequence b in page BlockTable[b, t //
+    page_size], slot t % page_size, its length clamped to the table row's capacity, into Out
+    (width, H, D) rows from row cu_seqlens[b]."""
+    tl.static_assert(not (PAGED and TRANSPOSED), "pages are gathered into rows (see paged_keys_packed)")
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -178,9 +256,15 @@ def _keys_transposed(X, Out, CuSeqlens, stride_xb, stride_xt, stride_xh, stride_
         start = tl.load(CuSeqlens + seq)
         end = tl.load(CuSeqlens + seq + 1)
         length = end - start
-        column = (start + 15) // 16 * 16 + 16 * seq
-        next_column = (end + 15) // 16 * 16 + 16 * (seq + 1)
-        span = tl.where(seq == batch - 1, width, next_column) - column
+        if PAGED:
+            length = tl.minimum(tl.maximum(length, 0), table_width * page_size)
+        if TRANSPOSED:
+            column = (start + 15) // 16 * 16 + 16 * seq
+            next_column = (end + 15) // 16 * 16 + 16 * (seq + 1)
+            span = tl.where(seq == batch - 1, width, next_column) - column
+        else:
+            column = start
+            span = length
     else:
         start = 0
         length = seqlen
@@ -190,12 +274,27 @@ def _keys_transposed(X, Out, CuSeqlens, stride_xb, stride_xt, stride_xh, stride_
         keys = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         dims = tl.arange(0, BLOCK_D)
         mask = (keys < length)[:, None] & (dims < HEAD_DIM)[None, :]
-        x = tl.load(X + seq.to(tl.int64) * stride_xb + (start + keys).to(tl.int64)[:, None] * stride_xt
-                    + head.to(tl.int64) * stride_xh + dims.to(tl.int64)[None, :] * stride_xd, mask=mask, other=0)
-        # stored through the transposed tile, so that a thread's neighbours write neighbouring keys
-        store = (dims < HEAD_DIM)[:, None] & (keys < span)[None, :]
-        tl.store(Out + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + dims[:, None] * stride_od
-                 + (column + keys)[None, :], tl.trans(x), mask=store)
+        if PAGED:
+            entry = tl.minimum(keys // page_size, table_width - 1)
+            page = tl.load(BlockTable + seq.to(tl.int64) * stride_bt + entry, mask=keys < length, other=0)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+            rows = page.to(tl.int64) * stride_xb + (keys % page_size).to(tl.int64) * stride_xt
+        else:
+            rows = seq.to(tl.int64) * stride_xb + (start + keys).to(tl.int64) * stride_xt
+        x = tl.load(X + rows[:, None] + head.to(tl.int64) * stride_xh + dims.to(tl.int64)[None, :] * stride_xd,
+                    mask=mask, other=0)
+        inside = (keys < span) & (column + keys >= 0)
+        if PACKED:
+            inside = inside & (column + keys < width)
+        if TRANSPOSED:
+            # stored through the transposed tile, so that a thread's neighbours write neighbouring keys
+            store = (dims < HEAD_DIM)[:, None] & inside[None, :]
+            tl.store(Out + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                     + dims[:, None] * stride_od + (column + keys).to(tl.int64)[None, :], tl.trans(x), mask=store)
+        else:
+            store = inside[:, None] & (dims < HEAD_DIM)[None, :]
+            tl.store(Out + (column + keys).to(tl.int64)[:, None] * stride_ob + head.to(tl.int64) * stride_oh
+                     + dims[None, :] * stride_od, x, mask=store)
 
 
 @triton.jit
@@ -904,8 +1003,8 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
                   descales, scale_blocks, block_table=None):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
-    that kernel does not take it (the caller then runs the portable kernel). ``block_table``: 16-bit
-    page pools (e4m3 ones keep the portable kernel's per-sequence path)."""
+    that kernel does not take it (the caller then runs the portable kernel). ``block_table``: page
+    pools, e4m3 ones while their gathered copies fit (_gather_fits)."""
     if (not q.is_cuda or config is not None or dropout_seed is not None or softcap
             or alibi_slopes is not None or window_left >= 0 or window_right > 0 or not softmax_scale > 0):
         return None
@@ -914,7 +1013,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     from . import gluon_forward
     causal = window_right == 0
-    if block_table is not None and fp8:
+    if block_table is not None and fp8 and not _gather_fits(k, block_table, max_seqlen_k):
         return None
     if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
                                           scale_blocks if fp8 else None, block_table):
@@ -931,6 +1030,18 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
         scale_blocks=scale_blocks, block_table=block_table)
+
+
+# e4m3 page pools reach the Gluon kernel through copies of B x max_seqlen_k keys (K rows and V^T,
+# gluon_forward.gluon_varlen_forward): taken while those copies stay within the pools' own size or
+# this many bytes, else the portable kernel reads the pages in place.
+FP8_GATHER_BYTES = 1 << 30
+
+
+def _gather_fits(pool: torch.Tensor, block_table: torch.Tensor, max_seqlen_k: int) -> bool:
+    keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
+    copies = 2 * keys * pool.shape[2] * pool.shape[3] * pool.element_size()
+    return copies <= max(2 * pool.numel() * pool.element_size(), FP8_GATHER_BYTES)
 
 
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,

@@ -1713,9 +1713,12 @@ def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
     offsets int32 (B + 1) contiguous on q's sm_90 GPU. With ``block_table`` (B, max_pages) int32:
     16-bit k and v page pools (num_pages, page_size, Hk, D) as ``paged_supported`` takes them."""
     if block_table is not None:
-        return (isinstance(q, torch.Tensor) and q.dim() == 3 and _offsets_ok(q, cu_seqlens_q, cu_seqlens_k)
-                and paged_supported(q.unsqueeze(0), k, v, block_table, causal,
-                                    batch=cu_seqlens_q.shape[0] - 1))
+        if not (isinstance(q, torch.Tensor) and q.dim() == 3 and _offsets_ok(q, cu_seqlens_q, cu_seqlens_k)):
+            return False
+        if q.dtype == torch.float8_e4m3fn:  # gathered into packed K and V^T first (paged_keys_packed)
+            return _fp8_pools_supported(q, k, v, block_table, cu_seqlens_q.shape[0] - 1, causal,
+                                        scale_blocks)
+        return paged_supported(q.unsqueeze(0), k, v, block_table, causal, batch=cu_seqlens_q.shape[0] - 1)
     tensors = (q, k, v)
     if not (_GLUON and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.is_cuda for t in tensors)):
         return False
@@ -1735,6 +1738,32 @@ def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
             return False
         return _tma_ok(q4) and _tma_ok(k4)
     return shapes_supported(q4, k4, v4)
+
+
+def _fp8_pools_supported(q, k, v, block_table, batch: int, causal: bool, scale_blocks) -> bool:
+    """e4m3 page pools k, v (num_pages, page_size, Hk, D) with a (batch, max_pages) int32 table, all on
+    q's sm_90 GPU: whether their gathered packed form (kernels.forward.paged_keys_packed: fresh
+    contiguous tensors) is one ``varlen_supported`` takes."""
+    if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+            and block_table.dtype == torch.int32 and block_table.shape[0] == batch
+            and block_table.stride(-1) == 1):
+        return False
+    tensors = (q, k, v)
+    if not (_GLUON and all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+            and k.dim() == 4 and v.shape == k.shape and k.shape[0] > 0 and k.shape[1] > 0
+            and len({t.device for t in (*tensors, block_table)}) == 1 and _arch(q.device.index) == 90):
+        return False
+    if scale_blocks is None or (q.shape[-1], causal) not in FP8_DISPATCH:
+        return False
+    heads_k = k.shape[2]
+    if not (k.dtype == v.dtype == q.dtype and k.shape[-1] == q.shape[-1] and heads_k > 0
+            and q.shape[1] % heads_k == 0):
+        return False
+    block_q, block_k = scale_blocks
+    block_n = default_variant(q.shape[-1], "fp8", causal).block_n
+    if any(b < 1 or b & (b - 1) for b in scale_blocks) or block_q % 64 or block_k % block_n:
+        return False
+    return _tma_ok(q.unsqueeze(0))
 
 
 def _offsets_ok(q, cu_seqlens_q, cu_seqlens_k) -> bool:
@@ -1765,10 +1794,11 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     (kernels.forward.packed_keys_transposed: TMA's innermost coordinates are 16-byte multiples).
     ``variant``: a schedule of packed sequences (``with_varlen``) instead of the shipped one.
 
-    ``block_table`` (B, max_pages) int32 (16-bit inputs, as ``varlen_supported`` takes them): k and v
-    are page pools (num_pages, page_size, Hk, D) and sequence b's keys the first cu_seqlens_k[b + 1] -
+    ``block_table`` (B, max_pages) int32 (as ``varlen_supported`` takes it): k and v are page pools
+    (num_pages, page_size, Hk, D) and sequence b's keys the first cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] slots of pages block_table[b, 0], block_table[b, 1], ... (clamped to the
-    table's max_pages * page_size)."""
+    table's max_pages * page_size). 16-bit pools are read in place; e4m3 ones are gathered first
+    (kernels.forward.paged_keys_packed: B * max_seqlen_k keys of K rows and of V^T)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -1786,9 +1816,17 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     if batch == 0 or total_q == 0 or heads == 0 or max_seqlen_q <= 0:
         return out, lse
     dtype = _DTYPES[q.dtype]
+    v_packed_t = None
     paged = block_table is not None
-    if paged and (fp8 or block_table.dim() != 2 or block_table.shape[0] != batch):
-        raise ValueError("gluon_varlen_forward: block_table (B, max_pages) with 16-bit page pools")
+    if paged and (block_table.dim() != 2 or block_table.shape[0] != batch):
+        raise ValueError("gluon_varlen_forward: block_table must be (B, max_pages)")
+    if paged and fp8:
+        # e4m3 wgmma reads V K-major, which a page pool is not: the sequences' keys are gathered
+        # through the table into packed K rows and packed V^T (one pass each, ~2 TB/s), and run as
+        # contiguous packed sequences.
+        from .forward import paged_keys_packed
+        k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k)
+        paged = False
     if variant is None:
         if paged:
             variant = varlen_paged_variant(head_dim, dtype, causal, k.shape[1])
@@ -1810,7 +1848,9 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         seqlen_k = block_table.shape[1] * page_size
     elif fp8:  # V^T (1, Hk, D, width), keys contiguous, each sequence from a 16-key boundary
         from .forward import packed_keys_transposed
-        k4, v4 = k.unsqueeze(0), packed_keys_transposed(v, cu_seqlens_k, max_seqlen_k).permute(0, 2, 3, 1)
+        if v_packed_t is None:
+            v_packed_t = packed_keys_transposed(v, cu_seqlens_k, max_seqlen_k)
+        k4, v4 = k.unsqueeze(0), v_packed_t.permute(0, 2, 3, 1)
     else:
         k4, v4 = k.unsqueeze(0), v.unsqueeze(0)
     descriptors = _descriptors(q.unsqueeze(0), k4, v4, out4, geo, variant)

@@ -423,11 +423,36 @@ def compile_fp8(variant: Variant, arch: int) -> list:
                   "FP8": mode, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
         return [_compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages,
                          pointer_types={"Out": "*bf16"})]
+    if variant.dtype == "bf16":  # e4m3 bytes copied keys-contiguous / gathered from page pools
+        kernels = compile_copy_keys(d, arch)
+    else:
+        kernels = []
     values = {"BLOCK": 128, "HEAD_DIM": d, "LOG2_DIM": d.bit_length() - 1, "QUANTIZE": True}
     # Q and K rotated; V not, with power-of-two descales (quantize_qkv)
-    return [_compile(_rotate_quantize, {**values, "ROTATE": rotate, "POW2_DESCALE": not rotate}, variant, arch,
-                     4, 1, pointer_types={"Signs": "*fp32", "Out": "*fp8e4nv", "Scale": "*fp32"})
-            for rotate in (True, False)]
+    return kernels + [
+        _compile(_rotate_quantize, {**values, "ROTATE": rotate, "POW2_DESCALE": not rotate}, variant, arch,
+                 4, 1, pointer_types={"Signs": "*fp32", "Out": "*fp8e4nv", "Scale": "*fp32"})
+        for rotate in (True, False)]
+
+
+def compile_copy_keys(head_dim: int, arch: int) -> list:
+    """forward._copy_keys in the three forms its launches take (keys_contiguous, packed V^T and rows
+    gathered from page pools; e4m3 moved as bytes) and the packed V^T's _zero_after_last."""
+    import triton
+    from .forward import _COPY_BLOCK_K, PACKED_TAIL, _copy_keys, _zero_after_last
+    variant = Variant(head_dim, "bf16", kind="fp8")
+    pointers = {"X": "*u8", "Out": "*u8", "CuSeqlens": "*i32", "BlockTable": "*i32"}
+    kernels = []
+    for packed, paged, transposed in ((False, False, True), (True, False, True), (True, True, False)):
+        values = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_K": _COPY_BLOCK_K,
+                  "PACKED": packed, "PAGED": paged, "TRANSPOSED": transposed,
+                  "stride_xd": 1}  # the JIT specializes unit strides
+        if not transposed:
+            values["stride_od"] = 1
+        kernels.append(_compile(_copy_keys, values, variant, arch, 4, 3, pointer_types=pointers))
+    values = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "TAIL": PACKED_TAIL}
+    kernels.append(_compile(_zero_after_last, values, variant, arch, 4, 3, pointer_types=pointers))
+    return kernels
 
 
 def all_variants() -> list[Variant]:
