@@ -153,8 +153,9 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
                       (0, raw_out.stride(0), raw_out.stride(1)), 0, batch, width, head_dim, packed=True)
     # x may hold rows past the last sequence (flash_attn_varlen_func allows k past cu_seqlens_k[-1];
     # paged_keys_packed's rows are laid out for B x L keys): the columns after it are zeroed for
-    # PACKED_TAIL by a second launch. (Widening the first one's grid and spans to cover them,
-    # which changes no other column, made it 7x slower on the H200: pack-ab-h200-20261202.)
+    # PACKED_TAIL by a second launch. (Widening the first one's grid and clamping its spans to
+    # cover them, which changes no other column, made it 7x slower on the H200:
+    # gather-probe-h200-20261202-c.)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _zero_after_last[(heads,)](raw_out, cu_seqlens, batch, width, raw_out.stride(0), raw_out.stride(1),
                                    HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -171,7 +172,7 @@ def paged_keys_packed(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tenso
     V's rows gathered alike. The lengths and offsets are read on the device (no host sync), and
     every index is clamped into its tensor (values that CUDA-graph capture left unchecked cannot
     reach outside them). V in two passes: one pass gathering straight into V^T read ~310 GB/s on
-    the H200, rows then the pack ~1.4 TB/s (gather-probe-h200-20261202.json)."""
+    the H200, rows then the pack ~1.4 TB/s (gather-probe-h200-20261202-a/-b.json)."""
     v_rows = _paged_rows(v, block_table, cu_seqlens, max_seqlen)
     # (offsets clamped to the rows on the device: the pack reads rows cu_seqlens[b]:cu_seqlens[b + 1])
     return (_paged_rows(k, block_table, cu_seqlens, max_seqlen),
@@ -1032,15 +1033,15 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         scale_blocks=scale_blocks, block_table=block_table)
 
 
-# e4m3 page pools reach the Gluon kernel through copies of B x max_seqlen_k keys (K rows and V^T,
-# gluon_forward.gluon_varlen_forward): taken while those copies stay within the pools' own size or
-# this many bytes, else the portable kernel reads the pages in place.
+# e4m3 page pools reach the Gluon kernel through copies of B x max_seqlen_k keys (K rows, V rows and
+# V^T, gluon_forward.gluon_varlen_forward): taken while those copies stay within the two pools' own
+# size or this many bytes, else the portable kernel reads the pages in place.
 FP8_GATHER_BYTES = 1 << 30
 
 
 def _gather_fits(pool: torch.Tensor, block_table: torch.Tensor, max_seqlen_k: int) -> bool:
     keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
-    copies = 2 * keys * pool.shape[2] * pool.shape[3] * pool.element_size()
+    copies = 3 * keys * pool.shape[2] * pool.shape[3] * pool.element_size()
     return copies <= max(2 * pool.numel() * pool.element_size(), FP8_GATHER_BYTES)
 
 

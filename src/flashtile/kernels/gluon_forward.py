@@ -1711,7 +1711,8 @@ def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
     ``scale_blocks``, one query and one key block spanning the longest sequence, powers of two as
     fp8_shapes_supported needs them; v in any layout: it is copied keys-contiguous), and the
     offsets int32 (B + 1) contiguous on q's sm_90 GPU. With ``block_table`` (B, max_pages) int32:
-    16-bit k and v page pools (num_pages, page_size, Hk, D) as ``paged_supported`` takes them."""
+    16-bit k and v page pools (num_pages, page_size, Hk, D) as ``paged_supported`` takes them, or
+    e4m3 ones of any page size (_fp8_pools_supported)."""
     if block_table is not None:
         if not (isinstance(q, torch.Tensor) and q.dim() == 3 and _offsets_ok(q, cu_seqlens_q, cu_seqlens_k)):
             return False
@@ -1822,8 +1823,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         raise ValueError("gluon_varlen_forward: block_table must be (B, max_pages)")
     if paged and fp8:
         # e4m3 wgmma reads V K-major, which a page pool is not: the sequences' keys are gathered
-        # through the table into packed K rows and packed V^T (one pass each, ~2 TB/s), and run as
-        # contiguous packed sequences.
+        # through the table into packed K rows and packed V^T (V through rows: three Triton passes
+        # in all), and run as contiguous packed sequences.
         from .forward import paged_keys_packed
         k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k)
         paged = False
