@@ -922,6 +922,27 @@ def test_paged_keys_packed_gathers_sequences_through_the_table(monkeypatch, page
     assert (vt[0, :end][~used[:end]].float() == 0).all()
 
 
+def test_packed_keys_transposed_reads_only_rows_of_x(monkeypatch):
+    """Offsets past x's rows or below its first (CUDA-graph capture leaves them unchecked) read no
+    memory outside x: here x is a slice of a buffer whose other rows are e4m3 NaN bytes, and the
+    columns such offsets point at come out zero, not NaN."""
+    from flashtile.kernels.forward import packed_keys_transposed
+    heads, d = 2, 24
+    buffer = torch.randn(48, heads, d).to(torch.float8_e4m3fn)
+    buffer[:8].view(torch.uint8).fill_(0x7F)
+    buffer[24:].view(torch.uint8).fill_(0x7F)
+    x = buffer[8:24]  # 16 rows
+    _poison_e4m3_empty(monkeypatch)
+    # sequence 0 from row -8 (8 rows before x), sequence 1 claims rows 8:40 of x's 16
+    t = packed_keys_transposed(x, torch.tensor([-8, 8, 40], dtype=torch.int32), 32)
+    monkeypatch.undo()
+    assert t.shape[1] == 64  # 16 rows' columns + 16 a sequence + 16
+    assert (t[0, 0:8].float() == 0).all()  # rows -8:0 are not x's: zeros
+    assert torch.equal(t[0, 8:16].view(torch.uint8), x[0:8].view(torch.uint8))
+    assert torch.equal(t[0, 32:40].view(torch.uint8), x[8:16].view(torch.uint8))  # 16 * 1 + 16
+    assert (t[0, 16:32].float() == 0).all() and (t[0, 40:].float() == 0).all()
+
+
 def test_paged_keys_packed_clamps_unchecked_values(monkeypatch):
     """Values a CUDA-graph capture leaves unchecked stay inside the tensors: table entries outside
     the pool read its first or last page, a length past the table row's capacity is cut there (and

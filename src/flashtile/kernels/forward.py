@@ -150,12 +150,10 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
     # a sequence's programs also zero the gap after it: up to 31 columns (47 after the last)
     grid = (-(-(longest + 48) // _COPY_BLOCK_K), heads, batch)
     _launch_copy_keys(grid, raw, raw_out, cu_seqlens, None, raw.stride(),
-                      (0, raw_out.stride(0), raw_out.stride(1)), 0, batch, width, head_dim, packed=True)
+                      (0, raw_out.stride(0), raw_out.stride(1)), total, batch, width, head_dim, packed=True)
     # x may hold rows past the last sequence (flash_attn_varlen_func allows k past cu_seqlens_k[-1];
-    # paged_keys_packed's rows are laid out for B x L keys): the columns after it are zeroed for
-    # PACKED_TAIL by a second launch. (Widening the first one's grid and clamping its spans to
-    # cover them, which changes no other column, made it 7x slower on the H200:
-    # gather-probe-h200-20261202-c.)
+    # paged_keys_packed's rows are laid out for B x L keys): a second launch zeros PACKED_TAIL columns
+    # after it (a widened first grid with clamped spans was 7x slower: gather-probe-h200-20261202-c).
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _zero_after_last[(heads,)](raw_out, cu_seqlens, batch, width, raw_out.stride(0), raw_out.stride(1),
                                    HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
@@ -174,9 +172,9 @@ def paged_keys_packed(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tenso
     reach outside them). V in two passes: one pass straight into V^T read ~310 GB/s on the H200
     (gather-probe-h200-20261202-a/-b); all three copies 43 us for 4 x 4096 keys, ~2.35 TB/s (-d)."""
     v_rows = _paged_rows(v, block_table, cu_seqlens, max_seqlen)
-    # (offsets clamped to the rows on the device: the pack reads rows cu_seqlens[b]:cu_seqlens[b + 1])
+    # (the pack clips its rows cu_seqlens[b]:cu_seqlens[b + 1] to v_rows itself: no clamp launch)
     return (_paged_rows(k, block_table, cu_seqlens, max_seqlen),
-            packed_keys_transposed(v_rows, cu_seqlens.clamp(0, v_rows.shape[0]),
+            packed_keys_transposed(v_rows, cu_seqlens,
                                    v_rows.shape[0] // max(cu_seqlens.shape[0] - 1, 1)))
 
 
@@ -242,8 +240,8 @@ def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, s
     """Keys [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq``, head ``head``.
 
     keys_contiguous: X (B, S, H, D) with any strides into Out (B, H, D, >= S) (TRANSPOSED, keys
-    contiguous). packed_keys_transposed (PACKED, TRANSPOSED): X (total, H, D) with sequence b at
-    rows cu_seqlens[b]:cu_seqlens[b + 1] into Out (H, D, width), the sequence from column
+    contiguous). packed_keys_transposed (PACKED, TRANSPOSED): X (seqlen rows, H, D) with sequence b at
+    rows cu_seqlens[b]:cu_seqlens[b + 1] (clipped to X) into Out (H, D, width), the sequence from column
     16 * ceil(start / 16) + 16 * seq and zeros after it up to the next sequence's first column (or
     ``width`` after the last). _paged_rows (PACKED, PAGED, not TRANSPOSED): X
     a page pool (num_pages, page_size, H, D), key t of sequence b in page BlockTable[b, t //
@@ -259,6 +257,8 @@ def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, s
         length = end - start
         if PAGED:
             length = tl.minimum(tl.maximum(length, 0), table_width * page_size)
+        else:  # no row past X's ``seqlen`` rows (offsets go unchecked under CUDA-graph capture)
+            length = tl.minimum(length, seqlen - start)
         if TRANSPOSED:
             column = (start + 15) // 16 * 16 + 16 * seq
             next_column = (end + 15) // 16 * 16 + 16 * (seq + 1)
@@ -274,7 +274,7 @@ def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, s
     if chunk * BLOCK_K < span:
         keys = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         dims = tl.arange(0, BLOCK_D)
-        mask = (keys < length)[:, None] & (dims < HEAD_DIM)[None, :]
+        mask = ((keys < length) & (start + keys >= 0))[:, None] & (dims < HEAD_DIM)[None, :]
         if PAGED:
             entry = tl.minimum(keys // page_size, table_width - 1)
             page = tl.load(BlockTable + seq.to(tl.int64) * stride_bt + entry, mask=keys < length, other=0)
