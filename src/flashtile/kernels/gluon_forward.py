@@ -624,26 +624,31 @@ if _GLUON:
         return gl.minimum(gl.maximum(keys, 0), seqlen_k)
 
     @gluon.jit
-    def _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k, SEQUSED_K: gl.constexpr,
+    def _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k, total_k, SEQUSED_K: gl.constexpr,
                   VARLEN: gl.constexpr):
         """(first query row, queries, first key row, keys) of sequence ``batch``: packed sequences
         (VARLEN) by their offsets, CuSeqlensQ and SeqlensK (cu_seqlens_k then), else the rows of
-        batch entry ``batch`` (_keys_of)."""
+        batch entry ``batch`` (_keys_of). The key span is clamped into the ``total_k`` packed keys,
+        so that offsets nobody checked (CUDA-graph capture, torch.compile) cannot make a key loop
+        run past them; queries only bound rows the work tiles cover already."""
         if VARLEN:
             q_start = gl.load(CuSeqlensQ + batch)
             queries = gl.load(CuSeqlensQ + batch + 1) - q_start
             if SEQUSED_K:  # page pools: the sequence's keys from slot 0 of its first page
                 return q_start, queries, 0, _packed_keys(SeqlensK, batch, seqlen_k)
-            k_start = gl.load(SeqlensK + batch)
-            return q_start, queries, k_start, gl.load(SeqlensK + batch + 1) - k_start
+            k_start = gl.minimum(gl.maximum(gl.load(SeqlensK + batch), 0), total_k)
+            k_end = gl.minimum(gl.maximum(gl.load(SeqlensK + batch + 1), k_start), total_k)
+            return q_start, queries, k_start, k_end - k_start
         else:
             return 0, seqlen_q, 0, _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K)
 
     @gluon.jit
-    def _sequence_start(CuSeqlensQ, batch, VARLEN: gl.constexpr):
-        """The first query row of packed sequence ``batch`` (0 without VARLEN)."""
+    def _sequence_start(CuSeqlensQ, batch, total_q, VARLEN: gl.constexpr):
+        """The first query row of packed sequence ``batch`` (0 without VARLEN), clamped into the
+        ``total_q`` packed rows: a TMA box at a negative row is an illegal instruction (H200,
+        varlen-bounds-h200-20261202-before.log), and offsets nobody checked may hold anything."""
         if VARLEN:
-            return gl.load(CuSeqlensQ + batch)
+            return gl.minimum(gl.maximum(gl.load(CuSeqlensQ + batch), 0), total_q)
         else:
             return 0
 
@@ -768,7 +773,7 @@ if _GLUON:
                                               CAUSAL)
             kv_head = head // group_size
             _, queries, key0, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
-                                               SEQUSED_K, VARLEN)
+                                               k_desc.shape[1], SEQUSED_K, VARLEN)
             num_tiles, _ = _key_range(pid_m * BLOCK_M, queries, keys, BLOCK_M, BLOCK_N, CAUSAL)
             if VARLEN:
                 num_tiles = num_tiles * (pid_m * BLOCK_M < queries).to(gl.int32)
@@ -1069,7 +1074,7 @@ if _GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         coord = _batch_coord(batch, VARLEN)
-        q_start = _sequence_start(CuSeqlensQ, batch, VARLEN)
+        q_start = _sequence_start(CuSeqlensQ, batch, q_desc.shape[1], VARLEN)
         if not Q_PREFETCHED:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [coord, q_start + row0, head, 0], q_bar, q_smem)
@@ -1196,8 +1201,13 @@ if _GLUON:
         out_tile = o_smem.reshape([ROWS, HEAD_DIM])
         if Q_PREFETCHED and FP8:  # e4m3: one output buffer, the last work tile's store read it
             tma.store_wait(0)
-        q_start = _sequence_start(CuSeqlensQ, batch, VARLEN)
+        q_start = _sequence_start(CuSeqlensQ, batch, q_desc.shape[1], VARLEN)
+        lse_keep = rows < seqlen_q
         if VARLEN:
+            # Pointer stores stay within the (total_q) rows whatever the offsets hold (CUDA-graph
+            # capture and torch.compile leave them unchecked); TMA clips its own past the end.
+            total_q = q_desc.shape[1]
+            lse_keep = lse_keep & (q_start + rows >= 0) & (q_start + rows < total_q)
             if row0 + ROWS <= seqlen_q:
                 _store_out(o, out_tile, o_desc, o_smem, [coord, q_start + row0, head, 0])
             else:  # a box past the sequence's rows would overwrite the next sequence's output
@@ -1206,12 +1216,13 @@ if _GLUON:
                 o_ptrs = (Out + head.to(gl.int64) * HEAD_DIM
                           + gl.expand_dims((q_start + o_rows).to(gl.int64) * (num_heads * HEAD_DIM), 1)
                           + gl.expand_dims(o_cols, 0))
-                gl.store(o_ptrs, o.to(o_desc.dtype), mask=gl.expand_dims(o_rows < seqlen_q, 1))
+                o_keep = (o_rows < seqlen_q) & (q_start + o_rows >= 0) & (q_start + o_rows < total_q)
+                gl.store(o_ptrs, o.to(o_desc.dtype), mask=gl.expand_dims(o_keep, 1))
         else:
             _store_out(o, out_tile, o_desc, o_smem, [batch, row0, head, 0])
         lse_ptrs = (Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + q_start
                     + rows)
-        gl.store(lse_ptrs, lse, mask=rows < seqlen_q)
+        gl.store(lse_ptrs, lse, mask=lse_keep)
         if not Q_PREFETCHED:
             tma.store_wait(0)
 
@@ -1282,8 +1293,8 @@ if _GLUON:
                                               CAUSAL)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
-            _, queries, _, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k, SEQUSED_K,
-                                            VARLEN)
+            _, queries, _, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
+                                            k_desc.shape[1], SEQUSED_K, VARLEN)
             num_tiles, num_full = _key_range(m0, queries, keys, BLOCK_M, BLOCK_N, CAUSAL)
             q_scales = QScale + batch.to(gl.int64) * stride_qsb + head.to(gl.int64) * stride_qsh
             k_scales = KScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
