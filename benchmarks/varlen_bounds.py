@@ -54,10 +54,37 @@ def inputs(e4m3: bool, page: int, h=8, hk=2, d=128):
     return [q8, k8, v8], extra
 
 
+def capture(call):
+    """(the CUDA graph of ``call``, its outputs), after a warm-up on a side stream that compiles
+    and caches the launches off capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    return graph, outputs
+
+
+def replay_malformed(graph, writes) -> None:
+    """Replay ``graph`` once with each (tensor, malformed values) of ``writes`` written in, then
+    once more with the tensors' values restored."""
+    saved = [(t, t.clone()) for t, _ in writes]
+    for t, bad in writes:
+        t.copy_(torch.as_tensor(bad, dtype=t.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, good in saved:
+        t.copy_(good)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def run_case(e4m3: bool, page: int, causal: bool, names) -> bool:
     tensors, extra = inputs(e4m3, page)
     cu_q, cu_k = offsets(LENS_Q), offsets(LENS_K)
-    good_q, good_k = cu_q.clone(), cu_k.clone()
 
     def call():
         return flashtile.flash_attn_varlen_func(*tensors, cu_q, cu_k, max(LENS_Q), max(LENS_K),
@@ -65,28 +92,12 @@ def run_case(e4m3: bool, page: int, causal: bool, names) -> bool:
 
     eager = call()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # warm-up: compiles and caches the launch off capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    graph, captured = capture(call)
     ok = True
     for name, (bad_q, bad_k) in MALFORMED.items():
         if names and name not in names:
             continue
-        if bad_q is not None:
-            cu_q.copy_(torch.tensor(bad_q, dtype=torch.int32))
-        if bad_k is not None:
-            cu_k.copy_(torch.tensor(bad_k, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        cu_q.copy_(good_q)
-        cu_k.copy_(good_k)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_malformed(graph, [(t, bad) for t, bad in ((cu_q, bad_q), (cu_k, bad_k)) if bad is not None])
         same = all(torch.equal(a, b) for a, b in zip(captured, eager))
         ok &= same
         print(f"{'ok  ' if same else 'FAIL'} {'e4m3' if e4m3 else 'bf16'} page={page} causal={causal} "

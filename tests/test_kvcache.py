@@ -85,6 +85,22 @@ def test_cache_batch_idx():
     assert_each_sequence_matches(out, lse, q, big_k, big_v, lengths, rows=rows)
 
 
+def test_unchecked_cache_batch_idx_is_clamped(monkeypatch):
+    """Where cache_batch_idx's values cannot be read on the host (torch.compile, CUDA-graph
+    capture), a copy clamped into the cache's rows stands in: a row past the cache reads its last
+    row and a negative one its first, never memory outside the cache."""
+    q, _, _, _ = cache_case(capacity=60)
+    big_k = torch.randn(5, 60, 2, 64, dtype=F16)
+    big_v = torch.randn_like(big_k)
+    lengths = torch.tensor([10, 60, 33], dtype=torch.int32)
+    expected = flashtile.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=lengths,
+                                                 cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out = flashtile.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=lengths,
+                                            cache_batch_idx=torch.tensor([9, -3, 2], dtype=torch.int32))
+    assert torch.equal(out, expected)
+
+
 def paged_cache(k_cache, v_cache, page_size, spare=2):
     """The contiguous cache's rows scattered over a page pool, and the block table that finds them."""
     batch, capacity = k_cache.shape[:2]
@@ -152,6 +168,8 @@ def _bad_calls():
         pytest.param(call(rotary_cos=torch.zeros(30, 16), rotary_sin=torch.zeros(30, 16)), ValueError,
                      "rotary_cos/rotary_sin have 30 positions", id="rotary-too-short"),
         pytest.param(call(num_splits=-1), ValueError, "num_splits", id="splits"),
+        pytest.param(call(cache_batch_idx=torch.tensor([0, 3, 1], dtype=torch.int32)), ValueError,
+                     r"cache_batch_idx entries must be in \[0, 3\)", id="batch-idx-range"),
     ]
 
 

@@ -404,6 +404,20 @@ def _check_pages(block_table, num_pages: int, capacity: int, max_seqlen_k: int):
         _remember_checked("pages", block_table, (num_pages,))
 
 
+def _checked_cache_rows(cache_batch_idx: torch.Tensor, cache_rows: int) -> torch.Tensor:
+    """cache_batch_idx with its values in [0, cache_rows): read on the host once per tensor version
+    (a ValueError otherwise); where they cannot be read (CUDA-graph capture, torch.compile) a copy
+    clamped on the device stands in, so that no kernel reads a cache row that does not exist."""
+    if torch.compiler.is_compiling() or (cache_batch_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return cache_batch_idx.clamp(0, max(cache_rows - 1, 0))
+    if cache_batch_idx.numel() and _values_to_check("cache rows", cache_batch_idx, (cache_rows,)):
+        low, high = torch.stack([cache_batch_idx.min(), cache_batch_idx.max()]).tolist()
+        if low < 0 or high >= cache_rows:
+            raise ValueError(f"cache_batch_idx entries must be in [0, {cache_rows}), got [{low}, {high}]")
+        _remember_checked("cache rows", cache_batch_idx, (cache_rows,))
+    return cache_batch_idx
+
+
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, deterministic=False, names=("q", "k", "v"),
@@ -704,6 +718,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise TypeError("cache_batch_idx must be an int32 tensor")
         if tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != q.device:
             raise ValueError(f"cache_batch_idx must have shape ({batch},) on {q.device}")
+        cache_batch_idx = _checked_cache_rows(cache_batch_idx, k_cache.shape[0])
     if cache_seqlens is None:
         if paged:
             raise ValueError("cache_seqlens is required with block_table")

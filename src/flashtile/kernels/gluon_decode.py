@@ -250,8 +250,17 @@ if _GLUON:
                         row += key0 & (page_size - 1)
                     if DS_RING:  # the descales of the keys this page holds
                         slot_in_page = (row - page * page_size) + ds_keys % PAGE_ROWS
+                        # A page number outside the pool (only CUDA-graph capture or
+                        # torch.compile let one through) reads the last page's descales: TMA
+                        # zero-fills the tile itself, but pointer loads would leave the tensor.
+                        # (Unsigned: a negative number clamps too, in one minimum. The rows of
+                        # cache_batch_idx, BATCH_IDX's table, are clamped before the launch.)
+                        ds_page = page
+                        if not BATCH_IDX:
+                            ds_page = gl.minimum(page.to(gl.uint32),
+                                                 ((k_desc.shape[0] >> page_shift) - 1).to(gl.uint32))
                         ds_at = gl.where(ds_keys // PAGE_ROWS == p,
-                                         page.to(gl.int64) * stride_dsb
+                                         ds_page.to(gl.int64) * stride_dsb
                                          + slot_in_page.to(gl.int64) * stride_dss, ds_at)
                 else:
                     row = row_base + key0 + p * PAGE_ROWS
