@@ -125,6 +125,17 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="block must be a power of two"):
         fp8.quantize_qkv(torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64),
                          block=(48, 64))
+    q, k = torch.randn(1, 8, 4, 64), torch.randn(1, 10, 2, 64)
+    with pytest.raises(TypeError, match="block must be a pair of ints"):
+        fp8.quantize_qkv(q, k, k, block=128)
+    with pytest.raises(ValueError, match="k and v in shape"):
+        fp8.quantize_qkv(q, k, k[:, :9])
+    with pytest.raises(ValueError, match="must agree in B and D"):
+        fp8.quantize_qkv(torch.randn(1, 8, 4, 32), k, k)
+    with pytest.raises(ValueError, match="multiple of k's 2"):
+        fp8.quantize_qkv(torch.randn(1, 8, 3, 64), k, k)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        fp8.quantize_qkv(q, k, k, seed="1")
 
 
 @pytest.mark.parametrize("hadamard", [False, True])

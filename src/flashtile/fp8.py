@@ -161,6 +161,18 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: tuple
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape != v.shape:
+        raise ValueError(f"q (B, Sq, H, D), k and v (B, Sk, Hk, D) must agree in B and D, k and v in "
+                         f"shape: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]}")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError("q, k and v must be on one device")
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in block)):
+        raise TypeError(f"block must be a pair of ints (queries, keys) per scale, got {block!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     block_q, block_k = block
     signs = random_signs(q.shape[-1], seed, q.device) if hadamard else torch.ones(q.shape[-1], device=q.device)
     fp8 = torch.float8_e4m3fn
