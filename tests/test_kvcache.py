@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashtile
+from flashtile import interface
 from helpers import assert_matches_reference, rotary_reference as rotate
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -95,10 +96,26 @@ def test_unchecked_cache_batch_idx_is_clamped(monkeypatch):
     lengths = torch.tensor([10, 60, 33], dtype=torch.int32)
     expected = flashtile.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=lengths,
                                                  cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(interface, "_values_unreadable", lambda tensor: True)
     out = flashtile.flash_attn_with_kvcache(q, big_k, big_v, cache_seqlens=lengths,
                                             cache_batch_idx=torch.tensor([9, -3, 2], dtype=torch.int32))
     assert torch.equal(out, expected)
+
+
+def test_unchecked_leftpad_past_seqlens_is_an_empty_sequence(monkeypatch):
+    """Under torch.compile or capture cache_leftpad is not read on the host: one past cache_seqlens
+    (which eagerly is a ValueError) leaves that sequence without keys, whose rows are 0, and the
+    other sequences as they were."""
+    q, k_cache, v_cache, _ = cache_case(capacity=60)
+    lengths = torch.tensor([10, 60, 33], dtype=torch.int32)
+    leftpad = torch.tensor([2, 0, 5], dtype=torch.int32)
+    expected = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                 cache_leftpad=leftpad)
+    monkeypatch.setattr(interface, "_values_unreadable", lambda tensor: True)
+    out = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                            cache_leftpad=torch.tensor([2, 0, 40], dtype=torch.int32))
+    assert torch.equal(out[:2], expected[:2])
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 def paged_cache(k_cache, v_cache, page_size, spare=2):
@@ -168,6 +185,12 @@ def _bad_calls():
         pytest.param(call(rotary_cos=torch.zeros(30, 16), rotary_sin=torch.zeros(30, 16)), ValueError,
                      "rotary_cos/rotary_sin have 30 positions", id="rotary-too-short"),
         pytest.param(call(num_splits=-1), ValueError, "num_splits", id="splits"),
+        pytest.param(call(num_splits=129), ValueError, r"num_splits must be an int in \[0, 128\]",
+                     id="splits-past-128"),
+        pytest.param(call(cache_leftpad=torch.tensor([0, 46, 3], dtype=torch.int32)), ValueError,
+                     "got 46 with cache_seqlens 45", id="leftpad-past-seqlens"),
+        pytest.param(call(cache_leftpad=torch.tensor([0, 0, -1], dtype=torch.int32)), ValueError,
+                     r"cache_leftpad must be in \[0, cache_seqlens\]", id="leftpad-negative"),
         pytest.param(call(cache_batch_idx=torch.tensor([0, 3, 1], dtype=torch.int32)), ValueError,
                      r"cache_batch_idx entries must be in \[0, 3\)", id="batch-idx-range"),
     ]

@@ -18,6 +18,8 @@ from .kernels.forward import interpreting
 from .kernels.rotary import rotate_and_append, rotate_new_keys
 
 MAX_HEAD_DIM = 256
+# flash_attn_with_kvcache's num_splits: at most flash-attn's limit (it raises past 128 too)
+MAX_SPLITS = 128
 _INTERPRETING = interpreting()
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -331,11 +333,17 @@ def _check_max_seqlen(value, name: str) -> int:
 _checked: dict[tuple[str, int], tuple] = {}
 
 
+def _values_unreadable(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host is impossible now: under torch.compile or
+    CUDA-graph capture."""
+    return torch.compiler.is_compiling() or (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _values_to_check(check: str, tensor: torch.Tensor, key: tuple) -> bool:
     """Whether ``check`` must read ``tensor``'s values now: not under torch.compile or CUDA graph
     capture (no sync possible there; the kernels clamp every index into its tensor instead), and not
     again for a tensor whose version and ``key`` were already checked."""
-    if torch.compiler.is_compiling() or (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if _values_unreadable(tensor):
         return False
     return _checked.get((check, id(tensor))) != (tensor._version, *key)
 
@@ -408,7 +416,7 @@ def _checked_cache_rows(cache_batch_idx: torch.Tensor, cache_rows: int) -> torch
     """cache_batch_idx with its values in [0, cache_rows): read on the host once per tensor version
     (a ValueError otherwise); where they cannot be read (CUDA-graph capture, torch.compile) a copy
     clamped on the device stands in, so that no kernel reads a cache row that does not exist."""
-    if torch.compiler.is_compiling() or (cache_batch_idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if _values_unreadable(cache_batch_idx):
         return cache_batch_idx.clamp(0, max(cache_rows - 1, 0))
     if cache_batch_idx.numel() and _values_to_check("cache rows", cache_batch_idx, (cache_rows,)):
         low, high = torch.stack([cache_batch_idx.min(), cache_batch_idx.max()]).tolist()
@@ -538,6 +546,21 @@ def _check_cache_append(cache_seqlens, lengths, new_tokens: int, capacity: int,
                          f"and {new_tokens} new tokens follow")
     if isinstance(cache_seqlens, torch.Tensor):
         _remember_checked(f"lengths: {what}", lengths, key)
+
+
+def _check_leftpad(cache_leftpad: torch.Tensor, lengths: torch.Tensor) -> None:
+    """0 <= cache_leftpad <= cache_seqlens per sequence (its keys are slots [leftpad, cache_seqlens)),
+    read on the host once per version of both; unchecked under capture or torch.compile, where the
+    kernels clamp leftpad into [0, cache_seqlens] (an empty sequence)."""
+    key = (id(lengths), lengths._version)
+    if not cache_leftpad.numel() or not _values_to_check("leftpad", cache_leftpad, key):
+        return
+    bad = ((cache_leftpad < 0) | (cache_leftpad > lengths)).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"cache_leftpad must be in [0, cache_seqlens] for every sequence, got "
+                         f"{int(cache_leftpad[b])} with cache_seqlens {int(lengths[b])} (sequence {b})")
+    _remember_checked("leftpad", cache_leftpad, key)
 
 
 def _check_rotary(rotary_cos, rotary_sin, head_dim: int, device: torch.device) -> None:
@@ -673,7 +696,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     in place at those positions first, then attended to. With ``rotary_cos``/``rotary_sin``
     (seqlen_ro, rotary_dim / 2), q and the new k are rotated in the same kernel that appends.
     Causal and windows align bottom-right.
-    The KV sequence is split across programs (``num_splits``: 0 = heuristic, 1 = none) and merged by
+    The KV sequence is split across programs (``num_splits``: 0 = heuristic, 1 = none, at most 128) and merged by
     log-sum-exp; lengths are read on the device, so the call can be captured in a CUDA graph.
     Returns out, or (out, softmax_lse (B, H, Sq)) with ``return_softmax_lse``.
 
@@ -765,6 +788,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise TypeError("cache_leftpad must be an int32 tensor")
         if tuple(cache_leftpad.shape) != (batch,) or cache_leftpad.device != q.device:
             raise ValueError(f"cache_leftpad must have shape ({batch},) on {q.device}")
+        _check_leftpad(cache_leftpad, lengths)
     rotary = rotary_cos is not None or rotary_sin is not None
     seq_descales = False  # (B, Hk) descales on pages or through cache_batch_idx
     if fp8_cache:
@@ -783,8 +807,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
         _check_cache_append(cache_seqlens, lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
                             what="rotary_cos/rotary_sin have")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
