@@ -801,3 +801,28 @@ def test_stream_plans_are_opt_in_and_run_stream_config(monkeypatch):
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                  return_softmax_lse=True)
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
+
+
+def test_one_query_row_plans_causal_as_full_attention():
+    # As flash-attn does: a single query row, aligned with the last key, sees every key either way,
+    # so a causal call plans (and runs) the full-attention kernel; with two rows, or a window, or
+    # ALiBi slopes, causal stays.
+    from flashtile.kernels import decode
+    for seqlen_q, same in ((1, True), (2, False)):
+        q, k_cache, v_cache, lengths = cache_case(batch=2, seqlen_q=seqlen_q, heads=4, heads_k=2,
+                                                  head_dim=64, capacity=40, dtype=BF16)
+        plans = [decode.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1,
+                                       window_right=right) for right in (0, -1)]
+        assert (plans[0] == plans[1]) == same
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                     causal=True, return_softmax_lse=True)
+        assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
+    q, k_cache, v_cache, lengths = cache_case(batch=2, seqlen_q=1, heads=4, heads_k=2, head_dim=64,
+                                              capacity=40, dtype=BF16)
+    windowed = [decode.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=8,
+                                      window_right=right) for right in (0, -1)]
+    assert windowed[0] != windowed[1]
+    slopes = torch.rand(4)
+    with_alibi = [decode.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1,
+                                        window_right=right, alibi_slopes=slopes) for right in (0, -1)]
+    assert with_alibi[0] != with_alibi[1]

@@ -1233,6 +1233,11 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     stream: tuple | None = None
 
 
+# A causal call with one query row runs as full attention (see prepare_decode); False: as causal, as
+# until 2026-12-03 (for A/B runs)
+ONE_ROW_AS_FULL = True
+
+
 def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                    softmax_scale: float, window_left: int, window_right: int, softcap: float = 0.0,
                    alibi_slopes=None, block_table=None, cache_batch_idx=None, cache_leftpad=None,
@@ -1242,6 +1247,12 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """decode_attention's host work for one signature; see ``run_decode``. ``in_graph``: plan as
     for a call captured in a CUDA graph (as a call made while capturing is planned)."""
     batch, seqlen_q, heads, head_dim = q.shape
+    if ONE_ROW_AS_FULL and seqlen_q == 1 and window_left < 0 and window_right == 0 \
+            and alibi_slopes is None:
+        # One query row, aligned with the last key, sees every key either way: plan and run it as
+        # full attention, as flash-attn does (one kernel variant fewer to compile; the causal e4m3
+        # Gluon variants' wgmmas had been serialized by ptxas where the full ones were not)
+        window_right = -1
     heads_k = k_cache.shape[2]
     paged = block_table is not None
     if paged:
