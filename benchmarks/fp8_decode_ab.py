@@ -30,6 +30,8 @@ from paged_gap import forced, load_baseline, run_points, swapped  # noqa: E402
 BASELINE: list = []  # --baseline: (path, older kernels/gluon_decode.py loaded as a module)
 PAGES: list = []  # --pages: the caches also read as page pools of these sizes
 SEQLEN_Q = 1  # --seqlen-q: query positions a step (speculative steps: group x Sq query rows)
+LEAN = False  # --lean: only the dispatched call and the --baseline ones
+CAUSAL_BASELINE = False  # --causal-baseline: each baseline also with decode.ONE_ROW_AS_FULL off
 CONFIGS: list = []  # more Gluon e4m3 plans (block_n, stages, programs per SM[, splits]), --configs
 POINTS = ("16,32,8,32768;64,12,2,16384;16,32,8,4096;64,32,8,16384;16,12,2,32768;1,32,8,32768;"
           "1,12,2,32768;16,32,8,1024")
@@ -49,7 +51,8 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
     q = torch.randn(point.batch, SEQLEN_Q, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
 
-    def step(wanted, config=None, splits=0, v_regs=True, module=None, no_merge=False):
+    def step(wanted, config=None, splits=0, v_regs=True, module=None, no_merge=False,
+             one_row_as_full=True):
         s = fp8_step(caches, q, lengths)
         if module is not None or no_merge:
             inner = s.call
@@ -65,6 +68,8 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
             settings["E4M3_V_REGS"] = v_regs
         if splits:
             settings["split_heuristic"] = lambda *args, **kwargs: splits
+        if not one_row_as_full:  # the causal kernels, as dispatched until 2026-12-03
+            settings["ONE_ROW_AS_FULL"] = False
         call = forced(s.call, wanted, **settings)
         return bench.Step(call, s.backend, dict(s.info))
 
@@ -74,8 +79,9 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
         s = fp8_paged_step(caches, q, lengths, page, table)
         return bench.Step(forced(s.call, wanted), s.backend, dict(s.info))
 
-    steps = {"e4m3 Triton": step(False), "e4m3 dispatched": step(None)}
-    if not PAGES:
+    steps = {"e4m3 dispatched": step(None)} if LEAN else {"e4m3 Triton": step(False),
+                                                          "e4m3 dispatched": step(None)}
+    if not PAGES and not LEAN:
         # the plans and kernel before V^T went to registers (decode.E4M3_V_REGS)
         steps["e4m3 V in shared memory"] = step(True, None, 0, False)
     for page in PAGES:
@@ -83,7 +89,10 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
         steps[f"e4m3 P{page} dispatched"] = paged_step(page, None)
     for path, module in BASELINE:  # the working tree's kernel against older gluon_decode.py files
         steps[f"e4m3 {os.path.basename(path)}"] = step(None, module=module)
-    if BASELINE:
+        if CAUSAL_BASELINE:
+            steps[f"e4m3 {os.path.basename(path)} causal"] = step(True, module=module,
+                                                                  one_row_as_full=False)
+    if BASELINE and not LEAN:
         steps["e4m3 split kernel only"] = step(None, no_merge=True)
     for block_n, stages, per_sm, *rest in CONFIGS:
         splits, v_regs = (rest + [0, 0])[:2]
@@ -92,7 +101,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
         steps[name] = step(True, gluon_config(block_n, stages, per_sm), splits, bool(v_regs))
     results = bench.measure_providers(list(steps), holder, q, lengths, {}, bench.gpu_timer, nbytes,
                                       ceiling, rounds=rounds, steps=steps)
-    base = results["e4m3 Triton"]
+    base = results.get("e4m3 Triton", {})
     for name, r in results.items():
         if r.get("available"):
             r["vs_triton"] = base["ms_per_layer"] / r["ms_per_layer"] if base.get("available") else None
@@ -120,9 +129,15 @@ def main():
                              "the Triton kernel (forced) and as dispatched")
     parser.add_argument("--seqlen-q", type=int, default=1,
                         help="query positions a step (causal; > 1: speculative steps)")
+    parser.add_argument("--lean", action="store_true",
+                        help="time only the dispatched call and the --baseline ones")
+    parser.add_argument("--causal-baseline", action="store_true",
+                        help="each --baseline also with decode.ONE_ROW_AS_FULL off (one query row "
+                             "planned as causal, as until 2026-12-03)")
     args = parser.parse_args()
-    global CONFIGS, BASELINE, PAGES, SEQLEN_Q
+    global CONFIGS, BASELINE, PAGES, SEQLEN_Q, LEAN, CAUSAL_BASELINE
     SEQLEN_Q = args.seqlen_q
+    LEAN, CAUSAL_BASELINE = args.lean, args.causal_baseline
     PAGES = [int(p) for p in args.pages.split(",") if p]
     if args.baseline:
         BASELINE = [(path, load_baseline(path)) for path in args.baseline.split(",")]

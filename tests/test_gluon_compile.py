@@ -19,7 +19,8 @@ from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forwa
                                           ("gluon_backward", None), ("gluon_decode", None)])
 def test_gluon_variants_compile_for_sm90(module, shard):
     """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
-    (kernels.gluon_decode), within each variant's spill allowance. The forward's 161 variants in
+    (kernels.gluon_decode), within each variant's spill allowance (the decode's also without
+    wgmmas serialized by ptxas). The forward's 161 variants in
     two shards, so that two test workers share a cold compile (~6 s a variant on the CI machine's
     cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -34,7 +35,7 @@ def test_gluon_variants_compile_for_sm90(module, shard):
         k, n = (int(x) for x in shard.split("/"))
         variants = variants[k::n]
     assert len(lines) == len(variants), proc.stdout + proc.stderr[-2000:]
-    failed = [line for line in lines if "FAILED" in line]
+    failed = [line for line in lines if "FAILED" in line or "SPILLS" in line or "SERIALIZED" in line]
     assert proc.returncode == 0 and not failed, "\n".join(failed) + proc.stderr[-2000:]
     assert all(": ok," in line and "local 0 B" in line for line in lines)
 

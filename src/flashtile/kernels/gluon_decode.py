@@ -51,14 +51,16 @@ if _GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_init,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
 
     from .gluon_forward import _to_16bit, _wgmma_layout
 
     _ROWS = gl.constexpr(64)
 
 ROWS = 64  # one wgmma M: the query rows a program packs (group x Sq)
+# e4m3 V^T in registers (DecodeVariant.v_regs) at head dim 128 read by ldmatrix as pairs of
+# dimensions (_v_pairs_operand) rather than byte by byte (head dim 64: bytes)
+V_PAIRS = True
 SLAB = 64  # head-dim columns per 128-byte swizzle slab (16-bit elements)
 
 
@@ -375,7 +377,7 @@ if _GLUON:
                     group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
                     stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
                     SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
-                    ROWS_AXIS: gl.constexpr = 0):
+                    ROWS_AXIS: gl.constexpr = 0, D_PAIRS: gl.constexpr = 0):
         """The rows' output (divided by their sums) and natural-log LSE: a split's partials, or the
         result. Row r is query head r // Sq of the group at position r % Sq; the rows run along
         ``o``'s axis ROWS_AXIS (1: O^T of the transposed consumer). Stored from the wgmma layout
@@ -390,7 +392,10 @@ if _GLUON:
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
         o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(C, o_layout)), C)
         ro = gl.arange(0, N, layout=gl.SliceLayout(C, o_layout))
-        do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(R, o_layout)), R)
+        do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(R, o_layout))
+        if D_PAIRS:  # o holds the even (1) or the odd (2) head dims only
+            do = 2 * do + (D_PAIRS - 1)
+        do = gl.expand_dims(do, R)
         go = ro // seqlen_q
         qo = ro % seqlen_q
         ho = kv_head * group_size + go
@@ -403,13 +408,14 @@ if _GLUON:
         if SPLIT:  # normalized partial output and its LSE (-inf where the split saw nothing)
             gl.store(OutPart + split.to(gl.int64) * stride_os + batch.to(gl.int64) * stride_ob
                      + gl.expand_dims(qo * stride_oq + ho * stride_oh, C) + do, o, mask=o_ok)
-            gl.store(LsePart + split.to(gl.int64) * stride_ls + batch.to(gl.int64) * stride_lb
-                     + h_l * stride_lh + q_l, gl.where(seen, lse, float("-inf")), mask=lse_ok)
+            if D_PAIRS < 2:  # (the odd half's call: the even one wrote the LSE)
+                gl.store(LsePart + split.to(gl.int64) * stride_ls + batch.to(gl.int64) * stride_lb
+                         + h_l * stride_lh + q_l, gl.where(seen, lse, float("-inf")), mask=lse_ok)
         else:
             gl.store(Out + batch.to(gl.int64) * stride_rb
                      + gl.expand_dims(qo * stride_rq + ho * stride_rh, C) + do,
                      o.to(Out.dtype.element_ty), mask=o_ok)
-            if WRITE_LSE:
+            if WRITE_LSE and D_PAIRS < 2:
                 gl.store(Lse + batch.to(gl.int64) * stride_lrb + h_l * stride_lrh + q_l,
                          gl.where(seen, lse, EMPTY_LSE), mask=lse_ok)
 
@@ -538,6 +544,23 @@ if _GLUON:
                              is_async=True)
 
     @gluon.jit
+    def _v_pairs_operand(v_tile, a_layout: gl.constexpr):
+        """V^T of an e4m3 ring slot [BLOCK_N keys, D] widened to fp16 as two A operands [D / 2,
+        BLOCK_N] of O^T += V^T P^T: the even head dims and the odd ones (the caller keeps two O^T
+        halves). The tile read as 16-bit pairs of dimensions goes through ldmatrix.trans (the
+        128-byte swizzle is the same bytes at either element width); one cvt widens each key's pair
+        (2m, 2m + 1) into the two halves' row m. (Loaded as bytes in V^T's own layout it took 64
+        byte loads, 32 cvts and ~40 integer ops a thread per 64-key tile. One [D, BLOCK_N] operand
+        joined from the halves compiled with every wgmma serialized by ptxas.)"""
+        BLOCK_N: gl.constexpr = v_tile.shape[0]
+        D: gl.constexpr = v_tile.shape[1]
+        pairs = v_tile._reinterpret(gl.int16, [BLOCK_N, D // 2],
+                                    gl.NVMMASharedLayout(128, 16)).permute((1, 0)).load(a_layout)
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [pairs], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+
+    @gluon.jit
     def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, ds_bufs, KDescale, VDescale, qh_smem,
                                qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready, empty,
                                CacheSeqlens, CacheBatchIdx, capacity, seqlen_q, group_size,
@@ -549,7 +572,7 @@ if _GLUON:
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
                                HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
                                V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False,
-                               SEQ_DS: gl.constexpr = False):
+                               SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False):
         """4 warps, e4m3 cache, 16-bit or e4m3 query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
@@ -560,10 +583,11 @@ if _GLUON:
         end, where the prefetched value moves into its loop-carried register: a third of the loop's
         stall samples at B16 12/2 16k). O^T += V^T P^T in fp16 (e4m3 widens to it in one cvt per pair)
         with V^T widened in registers as the A operand (V_REGS: byte loads of key pairs from the
-        ring, so no widened tile, its stores and fence; the P V of a tile runs while the next tile's
-        TMA wait and retires before its S, whose accumulators then take the registers) or V
+        ring, so no widened tile, its stores and fence; the P V of a tile retires before the next
+        tile, whose S accumulators then take the registers) or V
         widened into a shared tile (e4m3 wgmma takes its operands K-major only, and V's keys
-        are its rows) and P^T stored next to it.
+        are its rows) and P^T stored next to it. V_PAIRS (with V_REGS, head dim 128): V^T
+        as two A operands, the even and the odd head dims (_v_pairs_operand), O^T as two halves.
 
         V's per-key descale joins the exponent: u = s + log2(v_ds) (s the scaled score in log2
         units), P' = 2^(u - m_u) <= 1 weights the e4m3 V rows, and the row sum takes P' / v_ds =
@@ -613,10 +637,10 @@ if _GLUON:
         v_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
         m_u = gl.full([N], -1.0e30, gl.float32, layout=col_layout)
         l_acc = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
-        o_t = gl.zeros([HEAD_DIM, N], gl.float32, layout=ot_layout)
+        # V_PAIRS: O^T as two halves, o_t the even head dims and o_odd the odd ones
+        o_t = gl.zeros([HEAD_DIM // 2 if V_PAIRS else HEAD_DIM, N], gl.float32, layout=ot_layout)
+        o_odd = gl.zeros([HEAD_DIM // 2, N], gl.float32, layout=ot_layout)
         zero_st = gl.zeros([BLOCK_N, N], gl.float32, layout=st_layout)
-        o_tok = warpgroup_mma_init(o_t)  # V_REGS: the P V in flight (and its A operand)
-        v_a = gl.zeros([HEAD_DIM, BLOCK_N], gl.float16, layout=a_layout)
         key = t_lo * BLOCK_N + keys0
         k_ds_next = gl.zeros([BLOCK_N], gl.float32, layout=key_layout)
         v_ds_next = k_ds_next
@@ -644,10 +668,6 @@ if _GLUON:
                                     mask=nxt < seqlen_k, other=0.0)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             k_tile = k_bufs.index(slot)
-            if V_REGS:
-                # The tile before's P V (issued at its end) retires before this tile's S takes
-                # registers: its A operand (V^T, 32 registers) is free again.
-                o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v_a, pt_smem))
             # S^T as eight one-step e4m3 wgmmas (32 head dims of one query term each) into their
             # own accumulators, added in fp32: an e4m3 wgmma keeps a running sum of more products
             # in reduced precision (4 values a thread at N = 8: 28 adds).
@@ -678,7 +698,10 @@ if _GLUON:
                 s = (s0 + s1) + (s4 + s5)
             if V_REGS:
                 _zero_tail_rows(v_bufs.index(slot), t, seqlen_k, BLOCK_N, io_layout)
-                v_a = v_bufs.index(slot).permute((1, 0)).load(a_layout).to(gl.float16)
+                if V_PAIRS:
+                    v_even, v_odd = _v_pairs_operand(v_bufs.index(slot), a_layout)
+                else:
+                    v_a = v_bufs.index(slot).permute((1, 0)).load(a_layout).to(gl.float16)
             else:
                 v8 = v_bufs.index(slot).load(io_layout)
             if DS_RING:
@@ -692,13 +715,25 @@ if _GLUON:
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p * gl.expand_dims(gl.exp2(-log_v), 1)
             p16 = gl.where(gl.expand_dims(has_v, 1), p, 0.0).to(gl.float16)
             if V_REGS:
-                # P^T in the buffer the P V of tile t - 2 read (retired by every warp before the
-                # last tile's closing barrier); this tile's P V runs while the next tile's wait.
+                # P^T in the buffer the P V of tile t - 2 read. This tile's P V is waited for here:
+                # left in flight into the next tile's TMA wait, as it was until 2026-12-03, ptxas
+                # serialized every wgmma of the loop (the S ones too) in 11 of the 60 compiled
+                # variants (the C7515 advisory: causal, batch_idx, e4m3 query, paged, head dim 64).
                 pt_smem.index(i % 2).store(p16)
-                o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
+                alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
+                o_t = o_t * alpha_o
+                if V_PAIRS:
+                    o_odd = o_odd * alpha_o
                 fence_async_shared()
                 gl.thread_barrier()
-                o_tok = warpgroup_mma(v_a, pt_smem.index(i % 2), o_t, is_async=True)
+                if V_PAIRS:
+                    even_tok = warpgroup_mma(v_even, pt_smem.index(i % 2), o_t, is_async=True)
+                    odd_tok = warpgroup_mma(v_odd, pt_smem.index(i % 2), o_odd, is_async=True)
+                    o_t, o_odd, _, _, _ = warpgroup_mma_wait(
+                        0, deps=(even_tok, odd_tok, v_even, v_odd, pt_smem))
+                else:
+                    o_tok = warpgroup_mma(v_a, pt_smem.index(i % 2), o_t, is_async=True)
+                    o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v_a, pt_smem))
             else:
                 v16 = v8.to(gl.float16)
                 if t * BLOCK_N + BLOCK_N > seqlen_k:
@@ -713,15 +748,19 @@ if _GLUON:
                 o_t = o_t * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ot_layout)), 0)
                 fence_async_shared()
                 gl.thread_barrier()
-        if V_REGS:
-            o_t, _, _ = warpgroup_mma_wait(0, deps=(o_tok, v_a, pt_smem))
-        elif t_hi > t_lo:
+        if not V_REGS and t_hi > t_lo:
             last = (t_hi - t_lo + 1) % 2
             o_t = warpgroup_mma(v16_smem.index(last).permute((1, 0)), pt_smem.index(last), o_t)
-        _write_rows(o_t, gl.sum(l_acc, 0), m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
+        l_i = gl.sum(l_acc, 0)
+        _write_rows(o_t, l_i, m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
                     seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
                     stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
-                    SPLIT, WRITE_LSE, EMPTY_LSE, 1)
+                    SPLIT, WRITE_LSE, EMPTY_LSE, 1, 1 if V_PAIRS else 0)
+        if V_PAIRS:
+            _write_rows(o_odd, l_i, m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
+                        seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
+                        stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
+                        stride_lrh, SPLIT, WRITE_LSE, EMPTY_LSE, 1, 2)
 
     @gluon.jit
     def _attn_decode_gluon(k_desc, v_desc, Q, OutPart, LsePart, Out, Lse, CacheSeqlens,
@@ -741,7 +780,7 @@ if _GLUON:
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
                            PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False,
                            DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False,
-                           SEQ_DS: gl.constexpr = False):
+                           SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -792,7 +831,7 @@ if _GLUON:
                                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                           stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
                                           CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST,
-                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS)),
+                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS, V_PAIRS)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -874,6 +913,7 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
                 V_REGS=variant.v_regs, DS_RING=variant.ds_ring, Q_DESCALE=variant.q_descale,
                 SEQ_DS=variant.seq_ds,
+                V_PAIRS=variant.v_regs and V_PAIRS and variant.head_dim % 128 == 0,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
@@ -1120,9 +1160,9 @@ STACK_ALLOWED = {
 
 
 def main(argv=None) -> int:
-    """Compile every checked variant for sm_90 and print its resources; exit 1 if any fails or
-    spills."""
-    from .gluon_forward import resource_usage
+    """Compile every checked variant for sm_90 and print its resources; exit 1 if any fails,
+    spills or has its wgmmas serialized by ptxas."""
+    from .gluon_forward import resource_usage, wgmma_serialized
 
     bad = 0
     for variant, split in CHECKED:
@@ -1135,10 +1175,12 @@ def main(argv=None) -> int:
             continue
         usage = resource_usage(compiled)
         spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > STACK_ALLOWED.get(name, 0)
-        bad += spills
+        serialized = bool(wgmma_serialized(compiled))
+        bad += spills or serialized
         print(f"{name}: ok, shared memory {compiled.metadata.shared} B, {usage.get('reg', '?')} "
               f"registers/thread, local {usage.get('local', '?')} B, stack {usage.get('stack', '?')} B"
-              + (" SPILLS" if spills else ""), flush=True)
+              + (" SPILLS" if spills else "") + (" WGMMA SERIALIZED" if serialized else ""),
+              flush=True)
     return 1 if bad else 0
 
 

@@ -2190,6 +2190,25 @@ def resource_usage(compiled) -> dict:
     return found
 
 
+def wgmma_serialized(compiled) -> bool | None:
+    """Whether ptxas serialized the kernel's wgmmas (its C7515 advisory: a wait after every one,
+    which Triton's own ptxas call does not show); None if the bundled ptxas is missing."""
+    import os
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([tool, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return "C7515" in res.stdout + res.stderr
+
+
 def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
     """One report line for a compiled variant, and whether it spills."""
     usage = resource_usage(compiled)
