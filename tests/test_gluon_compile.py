@@ -19,8 +19,8 @@ from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forwa
                                           ("gluon_backward", None), ("gluon_decode", None)])
 def test_gluon_variants_compile_for_sm90(module, shard):
     """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
-    (kernels.gluon_decode), within each variant's spill allowance (the decode's also without
-    wgmmas serialized by ptxas). The forward's 161 variants in
+    (kernels.gluon_decode), within each variant's spill allowance and without wgmmas serialized
+    by ptxas (its C7515 advisory). The forward's 161 variants in
     two shards, so that two test workers share a cold compile (~6 s a variant on the CI machine's
     cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -535,8 +535,9 @@ def compile_for_sm90(variant: GluonBackwardVariant):
 
 
 def main(argv=None) -> int:
-    """Compile every variant for sm_90 and print registers and spills (no GPU needed)."""
-    from .gluon_forward import resource_usage
+    """Compile every variant for sm_90 and print registers and spills (no GPU needed); a variant
+    that spills or has its wgmmas serialized by ptxas fails."""
+    from .gluon_forward import resource_usage, wgmma_serialized
     failed = 0
     for variant in GLUON_BACKWARD_VARIANTS:
         try:
@@ -547,8 +548,10 @@ def main(argv=None) -> int:
             continue
         usage = resource_usage(compiled)
         spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > variant.max_stack
-        failed += spills
-        print(f"{variant.name}: {'SPILLS' if spills else 'ok'}, smem {compiled.metadata.shared} B, "
+        serialized = bool(wgmma_serialized(compiled))
+        failed += spills or serialized
+        state = "SPILLS" if spills else "WGMMA SERIALIZED" if serialized else "ok"
+        print(f"{variant.name}: {state}, smem {compiled.metadata.shared} B, "
               f"registers {usage.get('reg', '?')}, local {usage.get('local', '?')} B, "
               f"stack {usage.get('stack', '?')} B")
     return 1 if failed else 0

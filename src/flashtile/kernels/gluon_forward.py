@@ -2223,8 +2223,8 @@ def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
 
 
 def main(argv=None) -> int:
-    """Compile every shipped variant for sm_90 and print its resources; exit 1 if any fails or
-    spills."""
+    """Compile every shipped variant for sm_90 and print its resources; exit 1 if any fails,
+    spills or has its wgmmas serialized by ptxas."""
     import argparse
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--only", default="", help="substring of the variant names to compile")
@@ -2236,10 +2236,13 @@ def main(argv=None) -> int:
         if args.only not in variant.name:
             continue
         try:
-            line, spills = describe(variant, compile_for_sm90(variant))
-            if spills:
+            compiled = compile_for_sm90(variant)
+            line, spills = describe(variant, compiled)
+            serialized = bool(wgmma_serialized(compiled))
+            if spills or serialized:
                 failed += 1
-                line = line.replace(": ok,", ": FAILED (spills),")
+                line = line.replace(": ok,", ": FAILED (spills)," if spills
+                                    else ": FAILED (wgmmas serialized by ptxas),")
             print(line, flush=True)
         except Exception as exc:  # report every failing variant, not only the first
             failed += 1
