@@ -2171,16 +2171,23 @@ def compile_for_sm90(variant: GluonVariant):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_launch_shape(variant))
 
 
+def _bundled_tool(name: str) -> str | None:
+    """Path of one of the CUDA tools Triton ships (cuobjdump, ptxas), or None."""
+    import os
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return tool if os.path.exists(tool) else None
+
+
 def resource_usage(compiled) -> dict:
     """Registers per thread at launch, local memory (spills) and stack bytes from ``cuobjdump
     -res-usage`` on the cubin; {} if the tool is missing."""
-    import os
     import re
     import tempfile
 
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    tool = _bundled_tool("cuobjdump")
+    if tool is None:
         return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -2196,9 +2203,8 @@ def wgmma_serialized(compiled) -> bool | None:
     import os
     import tempfile
 
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(tool):
+    tool = _bundled_tool("ptxas")
+    if tool is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
