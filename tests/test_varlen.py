@@ -190,6 +190,27 @@ def test_offsets_checked_once_per_tensor_version():
         flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 20, 20)
 
 
+def test_new_key_offsets_are_checked_whatever_their_id():
+    """cu_seqlens_q kept, cu_seqlens_k made anew: the new offsets are checked even when the new
+    tensor gets the freed one's id (CPython reuses them) and version (0 for both)."""
+    import gc
+
+    cu_q = offsets([10, 20])
+    q, k = torch.randn(30, 4, 16, dtype=F16), torch.randn(30, 2, 16, dtype=F16)
+    cu_k = offsets([10, 20])
+    flashtile.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 20, 20)
+    old_id = id(cu_k)
+    del cu_k
+    gc.collect()
+    for _ in range(1000):  # look for the recycled id, so the check below meets the case it is for
+        bad_k = torch.tensor([0, 5, 30], dtype=torch.int32)  # a sequence of 25 keys
+        if id(bad_k) == old_id:
+            break
+    assert bad_k._version == 0
+    with pytest.raises(ValueError, match="max_seqlen_k is 20 but a sequence has 25"):
+        flashtile.flash_attn_varlen_func(q, k, k, cu_q, bad_k, 20, 20)
+
+
 def test_tensor_descriptor_path_with_empty_sequences():
     """The Hopper (TMA) path builds a descriptor per sequence: empty ones, last one included, too."""
     from flashtile.kernels.forward import TileConfig, attention_forward

@@ -345,19 +345,36 @@ def _values_to_check(check: str, tensor: torch.Tensor, key: tuple) -> bool:
     again for a tensor whose version and ``key`` were already checked."""
     if _values_unreadable(tensor):
         return False
-    return _checked.get((check, id(tensor))) != (tensor._version, *key)
+    stored = _checked.get((check, id(tensor)))
+    return stored is None or not _same_key(stored, (tensor._version, *key))
+
+
+def _same_key(stored: tuple, key: tuple) -> bool:
+    """Whether a remembered key is ``key``. A companion tensor in a key is remembered by a weak
+    reference and its version, so a later tensor that happens to get a freed one's id (and so the
+    same version, 0, as often as not) is not taken for it."""
+    if len(stored) != len(key):
+        return False
+    for old, new in zip(stored, key):
+        if isinstance(new, torch.Tensor):
+            if not (isinstance(old, tuple) and old[0]() is new and old[1] == new._version):
+                return False
+        elif old != new:
+            return False
+    return True
 
 
 def _remember_checked(check: str, tensor: torch.Tensor, key: tuple) -> None:
     slot = (check, id(tensor))
     if slot not in _checked:
         weakref.finalize(tensor, _checked.pop, slot, None)
-    _checked[slot] = (tensor._version, *key)
+    _checked[slot] = (tensor._version, *((weakref.ref(k), k._version) if isinstance(k, torch.Tensor)
+                                         else k for k in key))
 
 
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
     """The offsets' values: start at 0, non-decreasing, within the packed tokens and max_seqlen."""
-    key = (id(cu_seqlens_k), cu_seqlens_k._version, total_q, total_k, max_seqlen_q, max_seqlen_k)
+    key = (cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
     if not _values_to_check("offsets", cu_seqlens_q, key):
         return
     stats = []
@@ -552,7 +569,7 @@ def _check_leftpad(cache_leftpad: torch.Tensor, lengths: torch.Tensor) -> None:
     """0 <= cache_leftpad <= cache_seqlens per sequence (its keys are slots [leftpad, cache_seqlens)),
     read on the host once per version of both; unchecked under capture or torch.compile, where the
     kernels clamp leftpad into [0, cache_seqlens] (an empty sequence)."""
-    key = (id(lengths), lengths._version)
+    key = (lengths,)
     if not cache_leftpad.numel() or not _values_to_check("leftpad", cache_leftpad, key):
         return
     bad = ((cache_leftpad < 0) | (cache_leftpad > lengths)).nonzero()
