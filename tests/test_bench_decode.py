@@ -121,6 +121,19 @@ def test_layers_give_at_least_a_gib_of_cold_cache():
         decode.layers_for(tiny, override=0)
 
 
+def test_graphs_hold_a_model_of_layer_calls():
+    # On a GPU every point's graph holds at least GRAPH_CALLS layer calls (cycling through its L
+    # caches), so a replay's fixed cost is spread as over a model's layers; off it, each layer once.
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for item in decode.plan(decode.decode_points(quick=False)):
+        calls = decode.graph_calls(item.layers, gpu)
+        assert calls == max(item.layers, decode.GRAPH_CALLS) and decode.GRAPH_CALLS == 32
+        # a cache is read again only after >= 1 GiB of reads (itself, or the other layers')
+        assert item.layers * decode.point_bytes(item.point) >= decode.MIN_TOTAL_BYTES
+        assert decode.graph_calls(item.layers, cpu) == item.layers
+    assert decode.graph_calls(1024, gpu) == 1024
+
+
 def test_skip_logic_bounds_the_total_cache():
     # The default sweep fits: its largest point is one 34 GB layer (Llama-3-8B, B64, 128k).
     planned = decode.plan(decode.decode_points(quick=False))

@@ -6,10 +6,14 @@ of K+V read, against a read ceiling measured in the same run (the fastest of a s
 kernel's configs over 8 GiB, ``stream_read``; ``torch.sum``, the ceiling before, is printed beside it).
 The method:
 
-* every provider runs as a CUDA graph over L "layers", each with its own K/V cache, at least 1 GiB of
-  K+V in all, so no read hits L2; the graph replay is timed with ``triton.testing.do_bench`` (median)
-  and divided by L, the providers of a point in balanced rounds (``ROUNDS``), each taking the median
-  of its rounds;
+* every provider runs as a CUDA graph of layer calls over L "layers", each with its own K/V cache, at
+  least 1 GiB of K+V in all, so no read hits L2; the graph holds max(L, ``GRAPH_CALLS`` = 32) calls,
+  cycling through the layers as a 32-layer model's decode step would (a cache is read again only
+  after >= 1 GiB of other reads: still cold), so that a replay's fixed cost outside its kernels
+  (~12-15 us) is spread over as many layers as a model has rather than over L = 1-2 at the largest
+  points; the graph replay is timed with ``triton.testing.do_bench`` (median) and divided by its
+  calls, the providers of a point in balanced rounds (``ROUNDS``), each taking the median of its
+  rounds;
 * bytes = the K+V bytes the step must read: sum over the batch of cache_seqlens[b] * Hk * D * 2 tensors
   * element size; every sequence holds exactly ``context`` tokens and every cache is exactly that long,
   so each provider reads the same bytes;
@@ -81,8 +85,15 @@ PAGE_SWEEP_CONTEXT = 32768  # in both the full and the quick context lists
 # (0.96x cuDNN as the median; 1.002x in decode-long-ab-h200-20261201.log's ten rounds, 0.995x in
 # twelve in decode-nvidia-h200-20261201-e).
 WARMUP_MS, REP_MS, ROUNDS = 10, 40, 10
-TIMING_WHAT = (f"replay of one CUDA graph over L layers (each its own K/V cache, >= "
-               f"{MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), divided by L; every "
+# Layer calls a captured graph holds at least, cycling through the L layers' caches (a cache is read
+# again only after >= 1 GiB of other reads, so every read stays cold), as in a 32-layer model's
+# decode step. A graph replay costs ~12-15 us outside its kernels (decode-timeline-h200-20261203:
+# first launch to last end against the replay's time), which graphs of L = 1-2 layers (0.5-18 GB a
+# layer) had charged to one or two layers (until 2026-12-03).
+GRAPH_CALLS = 32
+TIMING_WHAT = (f"replay of one CUDA graph of max(L, {GRAPH_CALLS}) layer calls cycling through L "
+               f"layers' K/V caches (>= {MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), "
+               f"divided by its calls; every "
                f"provider of a point timed in at least {ROUNDS} rounds, a whole number of balanced "
                "orders (each provider in every position and right after every other one equally "
                "often), after one untimed pass of the first; replay_ms = median of the rounds' "
@@ -306,8 +317,15 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
     raise ValueError(f"unknown provider {name!r}")
 
 
-def build_replay(call: Callable[[int], object], layers: int, device: torch.device) -> Callable:
+def graph_calls(layers: int, device: torch.device) -> int:
+    """Layer calls in a point's graph (GRAPH_CALLS); the Python loop off the GPU runs each layer once."""
+    return max(layers, GRAPH_CALLS) if device.type == "cuda" else layers
+
+
+def build_replay(call: Callable[[int], object], layers: int, device: torch.device,
+                 calls: int | None = None) -> Callable:
     """One callable running every layer: a CUDA graph's replay on a GPU, a Python loop elsewhere.
+    ``calls``: layer calls in the graph, cycling through the layers (default: each layer once).
 
     The first layer has already run eagerly (compiles, cuDNN plans), so only a short side-stream
     warm-up precedes the capture, as torch.cuda.graphs recommends.
@@ -322,8 +340,8 @@ def build_replay(call: Callable[[int], object], layers: int, device: torch.devic
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for layer in range(layers):
-            call(layer)
+        for i in range(calls or layers):
+            call(i % layers)
     torch.cuda.synchronize()
     return graph.replay
 
@@ -346,7 +364,8 @@ def prepare_replay(name: str, caches: LayerCaches, q: torch.Tensor, lengths: tor
                 warnings.simplefilter("always")
                 step.call(0)  # compiles, and finds out whether the backend takes this shape
             try:
-                return build_replay(step.call, caches.layers, q.device), step, None
+                return (build_replay(step.call, caches.layers, q.device,
+                                     graph_calls(caches.layers, q.device)), step, None)
             except Exception as exc:
                 raise RuntimeError(f"CUDA graph capture failed: {type(exc).__name__}: "
                                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -386,7 +405,7 @@ def measure_providers(names, caches: LayerCaches, q: torch.Tensor, lengths: torc
             results[name] = {"available": False, "error": _error_text(errors[name], [])}
             continue
         total_ms = statistics.median(times[name])
-        ms = total_ms / caches.layers
+        ms = total_ms / graph_calls(caches.layers, device)
         rate = gbps(nbytes, ms)
         pct = None if ceiling_gbps is None or rate is None else 100.0 * rate / ceiling_gbps
         results[name] = {"available": True, "ms_per_layer": ms, "us_per_layer": ms * 1e3,
@@ -409,8 +428,9 @@ def run_point(planned: Planned, command: str, device: torch.device, timer: Calla
     point, layers = planned.point, planned.layers
     names = providers_for(point, command)
     nbytes = point_bytes(point)
-    record = {**asdict(point), "layers": layers, "kv_bytes_per_layer": nbytes,
-              "kv_bytes_all_layers": nbytes * layers, "cache_seqlens": point.context}
+    record = {**asdict(point), "layers": layers, "graph_calls": graph_calls(layers, device),
+              "kv_bytes_per_layer": nbytes, "kv_bytes_all_layers": nbytes * layers,
+              "cache_seqlens": point.context}
     reason = planned.skip or _memory_skip(nbytes * layers, device)
     if reason:
         record.update(skipped=reason, providers={n: {"available": False, "error": reason} for n in names})

@@ -22,8 +22,8 @@ from .common import (add_common_arguments, check_without_gpu, choose_device, env
                      format_seqlen, gbps, result_path, write_json)
 from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, ROUNDS, LayerCaches, Point, Step,
                      _memory_skip, ceiling_line, ceiling_rate, ceiling_summary, decode_points, gpu_timer,
-                     layers_for, measure, measure_ceiling, measure_providers, paginate, point_bytes,
-                     shuffled_block_table)
+                     graph_calls, layers_for, measure, measure_ceiling, measure_providers, paginate,
+                     point_bytes, shuffled_block_table)
 
 FP8 = torch.float8_e4m3fn
 FP8_PROVIDER = "flashtile-fp8"
@@ -225,7 +225,9 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
     layers_fp8 = layers if together else fp8_layers(point, layers_override)
     record = {"model": point.model, "batch": point.batch, "heads": point.heads, "heads_k": point.heads_k,
               "context": point.context, "head_dim": point.head_dim, "layers_bf16": layers_bf16,
-              "layers_fp8": layers_fp8, "bytes_per_layer_bf16": nb16, "bytes_per_layer_fp8": nb8,
+              "layers_fp8": layers_fp8, "graph_calls_bf16": graph_calls(layers_bf16, device),
+              "graph_calls_fp8": graph_calls(layers_fp8, device),
+              "bytes_per_layer_bf16": nb16, "bytes_per_layer_fp8": nb8,
               "timing": "balanced rounds of both" if together else "one pass each, alone",
               "providers": {}}
     gen = torch.Generator().manual_seed(seed)
