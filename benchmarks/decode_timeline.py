@@ -9,12 +9,15 @@ previous kernel (PDL), when its first K/V tile had landed and when it had writte
 its SM's clock at the same three points and the SM's id. From those, per layer: the CTAs' start
 skew, the ramp to the first tile, the spread of the ends (the tail), the gap to the next layer's
 first CTA (the merge kernel's launch and run, and the next launch), against the time the layer's
-bytes take at the read ceiling of the same run. The graph holds bench decode's max(L, 32) layer
-calls cycling through the L caches; the per-layer time of a graph of L calls (each cache once, the
+bytes take at the read ceiling of the same run. The graph holds max(L, 32) layer calls cycling
+through the L caches (bench decode now holds up to that many, see bench.decode.graph_calls); the per-layer time of a graph of L calls (each cache once, the
 bench method until 2026-12-03) is timed beside it, and the kernel spans of the calls that read a
 cache again are compared with those of the first reads (equal if the repeated reads are as cold).
 
-    PYTHONPATH=src python benchmarks/decode_timeline.py --out $OUT [--points 'B,H,Hk,ctx;...']
+    PYTHONPATH=src python benchmarks/decode_timeline.py --out $OUT [--points 'B,H,Hk,ctx[,bf16];...']
+
+A point ending in ",bf16" times the bf16 cache (bench decode's call) where its plan takes the
+16-bit transposed consumer (``_decode_consumer_t``, instrumented the same way), else skips it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from flashtile.kernels import decode as dec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_gap import load_baseline, swapped  # noqa: E402
 
-POINTS = "16,32,8,16384;16,32,8,32768;16,12,2,65536;16,12,2,16384;1,32,8,32768"
+POINTS = "16,32,8,16384;16,32,8,32768;16,12,2,65536;16,12,2,16384;1,32,8,32768;1,32,8,32768,bf16;1,32,8,131072,bf16"
 FIELDS = ("gt_launch", "gt_start", "gt_first", "gt_end", "clk_start", "clk_first", "clk_end", "smid")
 
 # (anchor, replacement) pairs applied to kernels/gluon_decode.py's text, each anchor exactly once
@@ -52,6 +55,15 @@ PATCHES = [
      "    @gluon.jit\n    def _smid():\n"
      "        return gl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r\", [], dtype=gl.int32,\n"
      "                                         is_pure=False, pack=1)\n\n"
+     "    @gluon.jit\n    def _timeline_store(Timeline, gt_launch, gt_start, gt_first, clk_start, clk_first):\n"
+     "        gt_end = _now()\n        clk_end = _clock()\n"
+     "        prog = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) \\\n"
+     "            + gl.program_id(0)\n"
+     "        base = Timeline + prog.to(gl.int64) * 8\n"
+     "        gl.store(base, gt_launch)\n        gl.store(base + 1, gt_start)\n"
+     "        gl.store(base + 2, gt_first)\n        gl.store(base + 3, gt_end)\n"
+     "        gl.store(base + 4, clk_start)\n        gl.store(base + 5, clk_first)\n"
+     "        gl.store(base + 6, clk_end)\n        gl.store(base + 7, _smid().to(gl.int64))\n\n"
      "    @gluon.jit\n    def _decode_consumer_fp8("),
     # the consumer takes the timeline pointer and the CTA's launch time
     ("SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False):\n        \"\"\"4 warps, e4m3 cache",
@@ -76,14 +88,8 @@ PATCHES = [
     ("                        stride_lrh, SPLIT, WRITE_LSE, EMPTY_LSE, 1, 2)\n\n    @gluon.jit\n"
      "    def _attn_decode_gluon(",
      "                        stride_lrh, SPLIT, WRITE_LSE, EMPTY_LSE, 1, 2)\n"
-     "        if TIMELINE:\n            gt_end = _now()\n            clk_end = _clock()\n"
-     "            prog = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) \\\n"
-     "                + gl.program_id(0)\n"
-     "            base = Timeline + prog.to(gl.int64) * 8\n"
-     "            gl.store(base, gt_launch)\n            gl.store(base + 1, gt_start)\n"
-     "            gl.store(base + 2, gt_first)\n            gl.store(base + 3, gt_end)\n"
-     "            gl.store(base + 4, clk_start)\n            gl.store(base + 5, clk_first)\n"
-     "            gl.store(base + 6, clk_end)\n            gl.store(base + 7, _smid().to(gl.int64))\n\n"
+     "        if TIMELINE:\n"
+     "            _timeline_store(Timeline, gt_launch, gt_start, gt_first, clk_start, clk_first)\n\n"
      "    @gluon.jit\n    def _attn_decode_gluon("),
     # the kernel: a TIMELINE constexpr, the launch time before the PDL wait, passed on
     ("SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False):\n        \"\"\"Grid (splits, B, Hk).",
@@ -94,10 +100,35 @@ PATCHES = [
     ("                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS, V_PAIRS)),",
      "                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS, V_PAIRS, QDescale,\n"
      "                                          gt_launch, TIMELINE)),"),
+    # the 16-bit transposed consumer (_decode_consumer_t) the same way
+    ("HEADS_FIRST: gl.constexpr):\n        \"\"\"4 warps, 16-bit cache, every tile transposed",
+     "HEADS_FIRST: gl.constexpr, Timeline=None, gt_launch=0,\n"
+     "                           TIMELINE: gl.constexpr = False):\n"
+     "        \"\"\"4 warps, 16-bit cache, every tile transposed"),
+    ("        N: gl.constexpr = q_smem.shape[0]\n        dtype: gl.constexpr = k_bufs.dtype\n"
+     "        st_layout: gl.constexpr = _wgmma_layout(4, N, 16)  # S^T (keys, rows)\n",
+     "        N: gl.constexpr = q_smem.shape[0]\n        dtype: gl.constexpr = k_bufs.dtype\n"
+     "        st_layout: gl.constexpr = _wgmma_layout(4, N, 16)  # S^T (keys, rows)\n"
+     "        gt_start = _now()\n        clk_start = _clock()\n        gt_first = gt_start\n"
+     "        clk_first = clk_start\n"),
+    ("        if t_hi > t_lo:  # the first tile: no P V before it to overlap\n"
+     "            mbarrier.wait(ready.index(0), 0)\n",
+     "        if t_hi > t_lo:  # the first tile: no P V before it to overlap\n"
+     "            mbarrier.wait(ready.index(0), 0)\n"
+     "            gt_first = _now()\n            clk_first = _clock()\n"),
+    ("                    SPLIT, WRITE_LSE, EMPTY_LSE, 1)\n\n    @gluon.jit\n    def _s_part(",
+     "                    SPLIT, WRITE_LSE, EMPTY_LSE, 1)\n"
+     "        if TIMELINE:\n"
+     "            _timeline_store(Timeline, gt_launch, gt_start, gt_first, clk_start, clk_first)\n\n"
+     "    @gluon.jit\n    def _s_part("),
+    ("                                      BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE,\n"
+     "                                      HEADS_FIRST)),",
+     "                                      BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE,\n"
+     "                                      HEADS_FIRST, QDescale, gt_launch, TIMELINE)),"),
     # the host: the timeline buffer in QDescale's place (unread without Q_DESCALE), a slice a launch
     ("    launch(_attn_decode_gluon, grid, tensors, scalars,\n           _options(variant, split, need_lse), descriptors)",
      "    options = _options(variant, split, need_lse)\n"
-     "    if TIMELINE_BUF is not None and variant.fp8 and not variant.q_descale:\n"
+     "    if TIMELINE_BUF is not None and (variant.fp8 or variant.rows_n) and not variant.q_descale:\n"
      "        programs = grid[0] * grid[1] * grid[2]\n"
      "        start = TIMELINE_NEXT[0]\n"
      "        if 8 * (start + programs) > TIMELINE_BUF.numel():\n"
@@ -159,20 +190,27 @@ def layer_stats(rows, clock_ghz):
     }
 
 
-def probe(point: bench.Point, device, ceiling: float, module, clock_ghz: float) -> dict:
-    nbytes = fp8_point_bytes(point)
-    layers = max(1, math.ceil(bench.MIN_TOTAL_BYTES / nbytes))
-    caches = FP8Caches.allocate(point, layers, device)
+def probe(point: bench.Point, device, ceiling: float, module, clock_ghz: float, e4m3: bool = True) -> dict:
+    """``e4m3``: the e4m3 cache (bench decode-fp8's step), else the bf16 one (bench decode's)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(point.batch, 1, point.heads, point.head_dim, generator=gen).to(device, torch.bfloat16)
     lengths = torch.tensor(point.lengths(), dtype=torch.int32, device=device)
-    step = fp8_step(caches, q, lengths)
+    if e4m3:
+        nbytes = fp8_point_bytes(point)
+        layers = max(1, math.ceil(bench.MIN_TOTAL_BYTES / nbytes))
+        caches = FP8Caches.allocate(point, layers, device)
+        step = fp8_step(caches, q, lengths)
+    else:
+        nbytes = bench.point_bytes(point)
+        layers = bench.layers_for(point)
+        caches = bench.LayerCaches.allocate(point, layers, device)
+        step = bench.make_step(bench.CONTIGUOUS, caches, q, lengths, {})
 
     def run(layer):
         with swapped(module):
             return step.call(layer)
 
-    n_calls = bench.graph_calls(layers, device)
+    n_calls = max(layers, bench.GRAPH_CALLS)  # (bench decode-fp8: graph_calls, <= this many)
     shipped = bench.build_replay(step.call, layers, device)
     us_one_pass = 1e3 * bench.gpu_timer(shipped) / layers  # the graph of L calls (until 2026-12-03)
     del shipped
@@ -186,6 +224,10 @@ def probe(point: bench.Point, device, ceiling: float, module, clock_ghz: float) 
     module.TIMELINE_BUF = torch.zeros(8 * (n_calls + 4) * 1024, dtype=torch.int64, device=device)
     replay = bench.build_replay(run, layers, device, n_calls)
     calls = [c for c in module.TIMELINE_CALLS][-n_calls:]  # the captured launches
+    if len(calls) < n_calls:  # the plan took another kernel (the Triton one, or the 64-row consumer)
+        print(f"  {len(calls)} instrumented launches in a graph of {n_calls} calls: another kernel; "
+              "skipped", flush=True)
+        return {"point": point.__dict__, "e4m3": e4m3, "skipped": "not the instrumented kernels"}
     us_timed = 1e3 * bench.gpu_timer(replay) / n_calls
     module.TIMELINE_BUF.zero_()
     replay()
@@ -236,8 +278,12 @@ def probe(point: bench.Point, device, ceiling: float, module, clock_ghz: float) 
     print(f"  ends p10/p50/p90/max {', '.join(f'{x:.1f}' for x in summary['end_us_p10/p50/p90/max'])} us; "
           f"streaming (first tile to end, SM clock) p10/p50/p90 "
           f"{', '.join(f'{x:.1f}' for x in summary['body_clock_us_p10/p50/p90'])} us", flush=True)
-    return {"point": point.__dict__, "layers": layers, "bytes_per_layer": nbytes, "summary": summary,
-            "per_layer": per_layer, "calls": calls}
+    middle = calls[len(calls) // 2]  # one call's CTAs as they were, times from its first launch
+    rows = data[middle["first"]:middle["first"] + middle["programs"]]
+    t0 = min(r[0] for r in rows)
+    one_call = [[r[0] - t0, r[1] - t0, r[2] - t0, r[3] - t0, r[4], r[5], r[6], r[7]] for r in rows]
+    return {"point": point.__dict__, "e4m3": e4m3, "layers": layers, "bytes_per_layer": nbytes,
+            "summary": summary, "per_layer": per_layer, "calls": calls, "ctas_of_one_call": one_call}
 
 
 def main():
@@ -256,10 +302,13 @@ def main():
     module = instrumented_module()
     results = []
     for item in args.points.split(";"):
-        b, h, hk, ctx = (int(x) for x in item.split(","))
-        print(f"B{b} {h}/{hk} ctx{ctx}", flush=True)
+        fields = item.split(",")
+        b, h, hk, ctx = (int(x) for x in fields[:4])
+        e4m3 = fields[4:] != ["bf16"]
+        print(f"B{b} {h}/{hk} ctx{ctx} {'e4m3' if e4m3 else 'bf16'}", flush=True)
         with torch.no_grad():
-            results.append(probe(bench.Point("probe", b, h, hk, ctx), device, ceiling, module, clock_ghz))
+            results.append(probe(bench.Point("probe", b, h, hk, ctx), device, ceiling, module, clock_ghz,
+                                 e4m3))
         torch.cuda.empty_cache()
         with open(os.path.join(args.out, "decode-timeline.json"), "w") as f:
             json.dump({"ceiling_gbps": ceiling, "clock_ghz": clock_ghz, "fields": FIELDS,

@@ -122,16 +122,26 @@ def test_layers_give_at_least_a_gib_of_cold_cache():
 
 
 def test_graphs_hold_a_model_of_layer_calls():
-    # On a GPU every point's graph holds at least GRAPH_CALLS layer calls (cycling through its L
-    # caches), so a replay's fixed cost is spread as over a model's layers; off it, each layer once.
+    # On a GPU a point's graph cycles through its L caches until a replay reads GRAPH_BYTES, at most
+    # GRAPH_CALLS calls unless L is more, so a replay's fixed cost weighs as over a model's layers;
+    # off it, each layer once.
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert (decode.GRAPH_CALLS, decode.GRAPH_BYTES) == (32, 16e9)
     for item in decode.plan(decode.decode_points(quick=False)):
-        calls = decode.graph_calls(item.layers, gpu)
-        assert calls == max(item.layers, decode.GRAPH_CALLS) and decode.GRAPH_CALLS == 32
+        nbytes = decode.point_bytes(item.point)
+        calls = decode.graph_calls(item.layers, nbytes, gpu)
+        assert calls >= item.layers and (calls == item.layers or calls <= decode.GRAPH_CALLS)
+        # enough calls that a replay reads GRAPH_BYTES, or GRAPH_CALLS of them, or L
+        assert calls * nbytes >= decode.GRAPH_BYTES or calls == max(item.layers, decode.GRAPH_CALLS)
+        # no more than needed: one call fewer would read less, unless L calls are the floor
+        assert calls == item.layers or (calls - 1) * nbytes < decode.GRAPH_BYTES
         # a cache is read again only after >= 1 GiB of reads (itself, or the other layers')
-        assert item.layers * decode.point_bytes(item.point) >= decode.MIN_TOTAL_BYTES
-        assert decode.graph_calls(item.layers, cpu) == item.layers
-    assert decode.graph_calls(1024, gpu) == 1024
+        assert item.layers * nbytes >= decode.MIN_TOTAL_BYTES
+        assert decode.graph_calls(item.layers, nbytes, cpu) == item.layers
+    assert decode.graph_calls(2, 553e6, gpu) == 29  # the e4m3 B16 32/8 16k layers: 16 GB a replay
+    assert decode.graph_calls(16, 69e6, gpu) == 32
+    assert decode.graph_calls(1, 17.7e9, gpu) == 1
+    assert decode.graph_calls(1024, 1e6, gpu) == 1024
 
 
 def test_skip_logic_bounds_the_total_cache():

@@ -7,13 +7,13 @@ kernel's configs over 8 GiB, ``stream_read``; ``torch.sum``, the ceiling before,
 The method:
 
 * every provider runs as a CUDA graph of layer calls over L "layers", each with its own K/V cache, at
-  least 1 GiB of K+V in all, so no read hits L2; the graph holds max(L, ``GRAPH_CALLS`` = 32) calls,
-  cycling through the layers as a 32-layer model's decode step would (a cache is read again only
-  after >= 1 GiB of other reads: still cold), so that a replay's fixed cost outside its kernels
-  (~12-15 us) is spread over as many layers as a model has rather than over L = 1-2 at the largest
-  points; the graph replay is timed with ``triton.testing.do_bench`` (median) and divided by its
-  calls, the providers of a point in balanced rounds (``ROUNDS``), each taking the median of its
-  rounds;
+  least 1 GiB of K+V in all, so no read hits L2; the graph holds more calls than L where a replay
+  would read less than ``GRAPH_BYTES`` (16 GB), up to ``GRAPH_CALLS`` = 32 (a 32-layer model's decode
+  step), cycling through the layers (a cache is read again only after >= 1 GiB of other reads: still
+  cold), so that a replay's fixed cost outside its kernels (~12 us) weighs at most ~0.3% rather than
+  falling on L = 1-2 layers of 0.5-1.1 GB; the graph replay is timed with ``triton.testing.do_bench``
+  (median) and divided by its calls, the providers of a point in balanced rounds (``ROUNDS``), each
+  taking the median of its rounds;
 * bytes = the K+V bytes the step must read: sum over the batch of cache_seqlens[b] * Hk * D * 2 tensors
   * element size; every sequence holds exactly ``context`` tokens and every cache is exactly that long,
   so each provider reads the same bytes;
@@ -85,15 +85,17 @@ PAGE_SWEEP_CONTEXT = 32768  # in both the full and the quick context lists
 # (0.96x cuDNN as the median; 1.002x in decode-long-ab-h200-20261201.log's ten rounds, 0.995x in
 # twelve in decode-nvidia-h200-20261201-e).
 WARMUP_MS, REP_MS, ROUNDS = 10, 40, 10
-# Layer calls a captured graph holds at least, cycling through the L layers' caches (a cache is read
-# again only after >= 1 GiB of other reads, so every read stays cold), as in a 32-layer model's
-# decode step. A graph replay costs ~12-15 us outside its kernels (decode-timeline-h200-20261203:
-# first launch to last end against the replay's time), which graphs of L = 1-2 layers (0.5-18 GB a
-# layer) had charged to one or two layers (until 2026-12-03).
-GRAPH_CALLS = 32
-TIMING_WHAT = (f"replay of one CUDA graph of max(L, {GRAPH_CALLS}) layer calls cycling through L "
-               f"layers' K/V caches (>= {MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), "
-               f"divided by its calls; every "
+# A captured graph's layer calls cycle through the L layers' caches (a cache is read again only after
+# >= 1 GiB of other reads, so every read stays cold) until the replay reads GRAPH_BYTES, at most
+# GRAPH_CALLS calls (a 32-layer model's decode step) unless L is more. A graph replay costs ~12 us
+# outside its kernels (decode-timeline-h200-20261203: the first CTA's launch to the last one's end
+# against the replay's time, 11.6-12.0 us at 0.55 and 1.1 GB a layer), which graphs of L = 1-2
+# layers of 0.5-1.1 GB had charged to one or two layers (until 2026-12-03: 4-5% of such a layer).
+GRAPH_CALLS, GRAPH_BYTES = 32, 16e9
+TIMING_WHAT = (f"replay of one CUDA graph of layer calls cycling through L layers' K/V caches (>= "
+               f"{MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), max(L, min("
+               f"{GRAPH_CALLS}, {GRAPH_BYTES / 1e9:g} GB / bytes a layer)) calls (graph_calls), divided "
+               f"by its calls; every "
                f"provider of a point timed in at least {ROUNDS} rounds, a whole number of balanced "
                "orders (each provider in every position and right after every other one equally "
                "often), after one untimed pass of the first; replay_ms = median of the rounds' "
@@ -317,9 +319,12 @@ def make_step(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Te
     raise ValueError(f"unknown provider {name!r}")
 
 
-def graph_calls(layers: int, device: torch.device) -> int:
-    """Layer calls in a point's graph (GRAPH_CALLS); the Python loop off the GPU runs each layer once."""
-    return max(layers, GRAPH_CALLS) if device.type == "cuda" else layers
+def graph_calls(layers: int, layer_bytes: float, device: torch.device) -> int:
+    """Layer calls in a point's graph (GRAPH_CALLS, GRAPH_BYTES); the Python loop off the GPU runs
+    each layer once."""
+    if device.type != "cuda":
+        return layers
+    return max(layers, min(GRAPH_CALLS, math.ceil(GRAPH_BYTES / layer_bytes)))
 
 
 def build_replay(call: Callable[[int], object], layers: int, device: torch.device,
@@ -352,10 +357,11 @@ def gpu_timer(fn: Callable) -> float:
 
 
 def prepare_replay(name: str, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
-                   block_tables: dict, step: Step | None = None) -> tuple[Callable | None, Step | None, str | None]:
+                   block_tables: dict, step: Step | None = None,
+                   calls: int | None = None) -> tuple[Callable | None, Step | None, str | None]:
     """One provider's step (``step`` if given, else the named provider's) run once eagerly and
-    captured over every layer: (replay, step, None), or (None, step or None, error text) when it
-    cannot run here."""
+    captured over ``calls`` layer calls cycling through the layers (default: each once): (replay,
+    step, None), or (None, step or None, error text) when it cannot run here."""
     caught: list = []
     try:
         step = step or make_step(name, caches, q, lengths, block_tables)
@@ -364,8 +370,7 @@ def prepare_replay(name: str, caches: LayerCaches, q: torch.Tensor, lengths: tor
                 warnings.simplefilter("always")
                 step.call(0)  # compiles, and finds out whether the backend takes this shape
             try:
-                return (build_replay(step.call, caches.layers, q.device,
-                                     graph_calls(caches.layers, q.device)), step, None)
+                return build_replay(step.call, caches.layers, q.device, calls), step, None
             except Exception as exc:
                 raise RuntimeError(f"CUDA graph capture failed: {type(exc).__name__}: "
                                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -376,17 +381,20 @@ def prepare_replay(name: str, caches: LayerCaches, q: torch.Tensor, lengths: tor
 
 def measure_providers(names, caches: LayerCaches, q: torch.Tensor, lengths: torch.Tensor,
                       block_tables: dict, timer: Callable, nbytes: int, ceiling_gbps: float | None,
-                      rounds: int = 1, steps: dict | None = None) -> dict:
+                      rounds: int = 1, steps: dict | None = None, graph_bytes: float | None = None) -> dict:
     """Time each named provider's replay over every layer (``caches.layers``; ``steps[name]`` if
     given, else the named provider's step). With ``rounds`` > 1 the replays that ran are timed in
     balanced rounds (``time_in_rounds``: each provider in every position and right after every other
     one equally often) and each gets the median of its rounds (``replay_ms_rounds``). A provider that
-    cannot run is unavailable there with the reason, never fatal."""
+    cannot run is unavailable there with the reason, never fatal. Each graph holds graph_calls
+    layer calls, counted from ``graph_bytes`` a layer (default ``nbytes``)."""
     steps = steps or {}
     device = q.device
+    calls = graph_calls(caches.layers, graph_bytes or nbytes, device)
     replays, prepared, results = {}, {}, {}
     for name in names:
-        replay, step, error = prepare_replay(name, caches, q, lengths, block_tables, steps.get(name))
+        replay, step, error = prepare_replay(name, caches, q, lengths, block_tables, steps.get(name),
+                                             calls)
         if error is not None:
             results[name] = {"available": False, "error": error}
         else:
@@ -405,11 +413,12 @@ def measure_providers(names, caches: LayerCaches, q: torch.Tensor, lengths: torc
             results[name] = {"available": False, "error": _error_text(errors[name], [])}
             continue
         total_ms = statistics.median(times[name])
-        ms = total_ms / graph_calls(caches.layers, device)
+        ms = total_ms / calls
         rate = gbps(nbytes, ms)
         pct = None if ceiling_gbps is None or rate is None else 100.0 * rate / ceiling_gbps
         results[name] = {"available": True, "ms_per_layer": ms, "us_per_layer": ms * 1e3,
-                         "replay_ms": total_ms, "gbps": rate, "pct_ceiling": pct, **prepared[name].info}
+                         "replay_ms": total_ms, "graph_calls": calls, "gbps": rate, "pct_ceiling": pct,
+                         **prepared[name].info}
         if len(times[name]) > 1:
             results[name]["replay_ms_rounds"] = list(times[name])
     return {name: results[name] for name in names}
@@ -428,9 +437,8 @@ def run_point(planned: Planned, command: str, device: torch.device, timer: Calla
     point, layers = planned.point, planned.layers
     names = providers_for(point, command)
     nbytes = point_bytes(point)
-    record = {**asdict(point), "layers": layers, "graph_calls": graph_calls(layers, device),
-              "kv_bytes_per_layer": nbytes, "kv_bytes_all_layers": nbytes * layers,
-              "cache_seqlens": point.context}
+    record = {**asdict(point), "layers": layers, "kv_bytes_per_layer": nbytes,
+              "kv_bytes_all_layers": nbytes * layers, "cache_seqlens": point.context}
     reason = planned.skip or _memory_skip(nbytes * layers, device)
     if reason:
         record.update(skipped=reason, providers={n: {"available": False, "error": reason} for n in names})

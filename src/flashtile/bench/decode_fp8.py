@@ -3,8 +3,9 @@ key and KV head), next to the same decode against the bf16 cache, as GB/s of wha
 
 The bytes counted for the FP8 cache are its e4m3 K and V plus their descales (4 bytes per key and KV
 head, each): sum_b cache_seqlens[b] * Hk * (2 * D + 8). Both caches are timed like ``bench decode``:
-a CUDA graph over L layers, each with its own cache, at least 1 GiB of cache in all, so every read
-comes from DRAM, the two in balanced rounds (each the median of its rounds); the read ceiling is
+a CUDA graph of layer calls cycling through L layers, each with its own cache, at least 1 GiB of
+cache in all, so every read comes from DRAM (the calls: ``decode.graph_calls``, counted from the e4m3
+layers' bytes), the two in balanced rounds (each the median of its rounds); the read ceiling is
 ``bench decode``'s (a streaming read kernel), measured in the same run. With ``--page-size P`` (16 unless 0) the same e4m3 caches
 are also read as page pools of P keys through a shuffled block table, timed in the same rounds. A correctness check of
 the FP8 cache against float64 attention of the dequantized cache comes first.
@@ -22,7 +23,7 @@ from .common import (add_common_arguments, check_without_gpu, choose_device, env
                      format_seqlen, gbps, result_path, write_json)
 from .decode import (CONTIGUOUS, MAX_TOTAL_BYTES, MIN_TOTAL_BYTES, ROUNDS, LayerCaches, Point, Step,
                      _memory_skip, ceiling_line, ceiling_rate, ceiling_summary, decode_points, gpu_timer,
-                     graph_calls, layers_for, measure, measure_ceiling, measure_providers, paginate,
+                     layers_for, measure, measure_ceiling, measure_providers, paginate,
                      point_bytes, shuffled_block_table)
 
 FP8 = torch.float8_e4m3fn
@@ -225,9 +226,7 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
     layers_fp8 = layers if together else fp8_layers(point, layers_override)
     record = {"model": point.model, "batch": point.batch, "heads": point.heads, "heads_k": point.heads_k,
               "context": point.context, "head_dim": point.head_dim, "layers_bf16": layers_bf16,
-              "layers_fp8": layers_fp8, "graph_calls_bf16": graph_calls(layers_bf16, device),
-              "graph_calls_fp8": graph_calls(layers_fp8, device),
-              "bytes_per_layer_bf16": nb16, "bytes_per_layer_fp8": nb8,
+              "layers_fp8": layers_fp8, "bytes_per_layer_bf16": nb16, "bytes_per_layer_fp8": nb8,
               "timing": "balanced rounds of both" if together else "one pass each, alone",
               "providers": {}}
     gen = torch.Generator().manual_seed(seed)
@@ -248,7 +247,7 @@ def run_point(point: Point, device: torch.device, ceiling: float | None, layers_
         steps = fp8_steps(caches8)
         record["providers"] = measure_providers(
             [CONTIGUOUS, *steps], caches, q, lengths, {}, gpu_timer, nb16, ceiling,
-            rounds=ROUNDS, steps=steps)
+            rounds=ROUNDS, steps=steps, graph_bytes=nb8)  # (calls by the smaller layers: the e4m3 ones)
         for name in steps:
             _count_bytes(record["providers"][name], nb8, ceiling)
         del caches, caches8
