@@ -88,9 +88,10 @@ WARMUP_MS, REP_MS, ROUNDS = 10, 40, 10
 # A captured graph's layer calls cycle through the L layers' caches (a cache is read again only after
 # >= 1 GiB of other reads, so every read stays cold) until the replay reads GRAPH_BYTES, at most
 # GRAPH_CALLS calls (a 32-layer model's decode step) unless L is more. A graph replay costs ~12 us
-# outside its kernels (decode-timeline-h200-20261203: the first CTA's launch to the last one's end
-# against the replay's time, 11.6-12.0 us at 0.55 and 1.1 GB a layer), which graphs of L = 1-2
-# layers of 0.5-1.1 GB had charged to one or two layers (until 2026-12-03: 4-5% of such a layer).
+# beyond its calls (decode-timeline-h200-20261203: a graph of a point's L calls against one of 32
+# calls over the same caches, 11.6 and 12.0 us more a replay at 0.55 and 1.1 GB a layer), which
+# graphs of L = 1-2 layers of 0.5-1.1 GB had charged to one or two layers (until 2026-12-03: 4-5% of
+# such a layer).
 GRAPH_CALLS, GRAPH_BYTES = 32, 16e9
 TIMING_WHAT = (f"replay of one CUDA graph of layer calls cycling through L layers' K/V caches (>= "
                f"{MIN_TOTAL_BYTES / 2**30:g} GiB of K+V in all unless --layers), max(L, min("
