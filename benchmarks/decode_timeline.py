@@ -1,18 +1,20 @@
-"""Where a decode layer's fixed time goes: per-CTA timestamps from the e4m3-cache Gluon kernel.
+"""Where a decode layer's fixed time goes: per-CTA timestamps from the Gluon decode kernel's e4m3
+consumer (and its 16-bit transposed one).
 
 bench decode-fp8's per-layer times, fitted against the bytes, leave a fixed part of 7-20 us per
 layer that no kernel change so far has moved (NOTES, 2026-12-03). This probe runs the dispatched
-e4m3 plan through an instrumented copy of kernels/gluon_decode.py (made at run time by text
-patches; the shipped kernel is untouched) that records, for every CTA of every layer of the CUDA
-graph bench decode-fp8 replays: the global timer when the CTA started, after the wait for the
-previous kernel (PDL), when its first K/V tile had landed and when it had written its partials,
-its SM's clock at the same three points and the SM's id. From those, per layer: the CTAs' start
-skew, the ramp to the first tile, the spread of the ends (the tail), the gap to the next layer's
-first CTA (the merge kernel's launch and run, and the next launch), against the time the layer's
-bytes take at the read ceiling of the same run. The graph holds max(L, 32) layer calls cycling
-through the L caches (bench decode now holds up to that many, see bench.decode.graph_calls); the per-layer time of a graph of L calls (each cache once, the
-bench method until 2026-12-03) is timed beside it, and the kernel spans of the calls that read a
-cache again are compared with those of the first reads (equal if the repeated reads are as cold).
+plan through an instrumented copy of kernels/gluon_decode.py (made at run time by text patches;
+the shipped kernel is untouched) that records, for every CTA of every call in the CUDA graph: the
+global timer when the CTA was launched, when its consumer started (after the wait for the previous
+kernel, PDL), when its first K/V tile had landed and when it had written its partials, its SM's
+clock at the last three points and the SM's id. From those, per call: the CTAs' launch skew, the
+ramp to the first tile, the spread of the ends (the tail), the gap to the next call's first CTA
+(the merge kernel's launch and run, and the next launch), against the time the call's bytes take
+at the read ceiling of the same run. The graph holds max(L, 32) layer calls cycling through the L
+caches (bench decode holds up to that many, bench.decode.graph_calls); the per-layer time of a
+graph of L calls (each cache once, the bench method until 2026-12-03) is timed beside it, and the
+kernel spans of the calls that read a cache again are compared with those of the first reads
+(equal if the repeated reads are as cold).
 
     PYTHONPATH=src python benchmarks/decode_timeline.py --out $OUT [--points 'B,H,Hk,ctx[,bf16];...']
 
@@ -126,7 +128,8 @@ PATCHES = [
      "                                      BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE,\n"
      "                                      HEADS_FIRST, QDescale, gt_launch, TIMELINE)),"),
     # the host: the timeline buffer in QDescale's place (unread without Q_DESCALE), a slice a launch
-    ("    launch(_attn_decode_gluon, grid, tensors, scalars,\n           _options(variant, split, need_lse), descriptors)",
+    ("    launch(_attn_decode_gluon, grid, tensors, scalars,\n"
+     "           _options(variant, split, need_lse), descriptors)",
      "    options = _options(variant, split, need_lse)\n"
      "    if TIMELINE_BUF is not None and (variant.fp8 or variant.rows_n) and not variant.q_descale:\n"
      "        programs = grid[0] * grid[1] * grid[2]\n"
