@@ -1,7 +1,9 @@
 """How fast can one kernel a layer read a decode step's bytes? The streaming read (bench.stream_read,
 every config) over L per-layer buffers of a decode point's K+V size, replayed as one CUDA graph as
-bench decode times a step, against the 8 GiB ceiling of the same run: the bound a step of that
-size approaches with a single launch per layer and no attention at all.
+bench decode times a step (graph_calls layer calls cycling through the layers: since 2026-12-03;
+read-sizes-h200-20261201.log was timed with graphs of L calls), against the 8 GiB ceiling of the
+same run: the bound a step of that size approaches with a single launch per layer and no attention
+at all.
 
     PYTHONPATH=src python benchmarks/read_sizes.py --out $OUT [--points 'B,H,Hk,ctx;...']
 """
@@ -35,6 +37,7 @@ def main():
         point = bench.Point("read", b, h, hk, ctx)
         nbytes = bench.point_bytes(point)
         layers = bench.layers_for(point)
+        calls = bench.graph_calls(layers, nbytes, device)  # as bench decode's graphs (since 2026-12-03)
         words = [torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_() for _ in range(layers)]
         best = None
         for block, warps, per_sm in stream_read.CONFIGS:
@@ -43,14 +46,15 @@ def main():
             outs = [stream_read.stream_read(w, block, warps, per_sm) for w in words]
             replay = bench.build_replay(
                 lambda layer: stream_read.stream_read(words[layer], block, warps, per_sm, outs[layer]),
-                layers, device)
-            us = 1e3 * bench.gpu_timer(replay) / layers
+                layers, device, calls)
+            us = 1e3 * bench.gpu_timer(replay) / calls
             gbps = nbytes / us / 1e3
             if best is None or gbps > best["gbps"]:
                 best = {"block_words": block, "warps": warps, "per_sm": per_sm, "us": us, "gbps": gbps}
             del replay
         best["pct_ceiling"] = 100 * best["gbps"] / top
-        rows.append({"point": point.__dict__, "bytes_per_layer": nbytes, "layers": layers, "best": best})
+        rows.append({"point": point.__dict__, "bytes_per_layer": nbytes, "layers": layers,
+                     "graph_calls": calls, "best": best})
         print(f"B{b} {h}/{hk} {ctx // 1024}k: {nbytes / 1e6:.0f} MB a layer, L {layers}: best read "
               f"{best['us']:.1f} us, {best['gbps']:.0f} GB/s = {best['pct_ceiling']:.1f}% of the ceiling "
               f"({best['block_words']}-word blocks, {best['warps']} warps, {best['per_sm'] or 'no'} per SM)",
