@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 
+import numpy as np
 import torch
 
 from flashtile.bench import decode as bench
@@ -167,8 +168,8 @@ def instrumented_module():
 
 
 def quantiles(values, qs=(0.0, 0.1, 0.5, 0.9, 1.0)):
-    s = sorted(values)
-    return [s[min(len(s) - 1, int(round(q * (len(s) - 1))))] for q in qs]
+    """min, p10, p50, p90, max: each one of the values (the nearest rank)."""
+    return [float(x) for x in np.quantile(values, qs, method="nearest")]
 
 
 def layer_stats(rows, clock_ghz):
