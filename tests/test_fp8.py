@@ -48,8 +48,11 @@ def test_round_trip_within_e4m3_precision(hadamard):
         per_row = descale.repeat_interleave(block, dim=2)[:, :, :x8.shape[1]].transpose(1, 2).unsqueeze(-1)
         bound = 2.0 ** -4 * target.abs() + 2.0 ** -10 * per_row + 1e-7
         assert ((back - target).abs() <= bound).all()
-        # every block's largest magnitude lands on the top of the e4m3 range
-        assert torch.isclose(x8.float().abs().amax(dim=-1).amax(dim=1), torch.tensor(fp8.E4M3_MAX)).any()
+        top = x8.float().abs().amax(dim=-1).amax(dim=1)  # each (batch, head)'s largest magnitude
+        if x8 is z.v:  # power-of-two descales: the largest lands in the top binade, (224, 448]
+            assert ((top > fp8.E4M3_MAX / 2) & (top <= fp8.E4M3_MAX)).all()
+        else:  # the largest lands on the top of the e4m3 range
+            assert torch.isclose(top, torch.tensor(fp8.E4M3_MAX)).any()
 
 
 def test_v_block_descales_are_powers_of_two_so_the_kernels_p_stays_exact():
