@@ -4,7 +4,8 @@ SM, and SDPA cuDNN, in many balanced rounds (each round's time kept, to see drif
 
     PYTHONPATH=src python benchmarks/decode_long_ab.py --out $OUT [--points 'B,H,Hk,ctx;...'] [--rounds 10]
 
-Every provider is a CUDA graph over L layers with their own caches (>= 1 GiB, as bench decode);
+Every provider is a CUDA graph of bench decode's calls (bench.decode.graph_calls, cycling through L
+layers with their own caches of >= 1 GiB in all);
 the flashtile providers' outputs are checked against float64 first. Writes decode-long-ab.json.
 """
 
@@ -34,9 +35,15 @@ CONFIGS = (("n64 w8 s4, unsplit", dec.DecodeConfig(64, 8, 4, waves=1, min_split_
            ("n32 w2 s3, 3 splits", dec.DecodeConfig(32, 2, 3, waves=2, min_split_keys=128, pdl=True,
                                                     resident_per_sm=4), 3),
            ("n64 w4 s3, 2 splits", dec.DecodeConfig(64, 4, 3, waves=2, min_split_keys=128, pdl=True), 2))
+# the Gluon TMA kernel's transposed consumer (as B1 32/8 runs it) forced onto these pair counts:
+# one CTA per SM, 4 stages, splits filling one wave (SMs // pairs)
+GLUON_CONFIGS = (("gluon-t8-one-per-sm", {"T16_CONTIGUOUS_PAIRS": 1 << 20}),)
 # SDPA's FlashAttention-2 too: in bench decode the unsplit plan ran 4-16% slower in the rounds
 # right after it (the GPU at its power cap), so it stays in the rounds here
 ANCHORS = ("sdpa-flash", "sdpa-cudnn")
+
+
+ONLY = None  # --only
 
 
 def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
@@ -56,7 +63,12 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
 
     steps = {"plan": bench.make_step(bench.CONTIGUOUS, caches, q, lengths, {})}
     for name, config, splits in CONFIGS:
-        steps[name] = bench.Step(forced(call_with(splits), False, decode_config=lambda *a, c=config, **k: c))
+        if ONLY is None or name in ONLY:
+            steps[name] = bench.Step(forced(call_with(splits), False,
+                                            decode_config=lambda *a, c=config, **k: c))
+    for name, settings in GLUON_CONFIGS:
+        if ONLY is None or name in ONLY:
+            steps[name] = bench.Step(forced(call_with(0), True, **settings))
     record = {"point": point.__dict__, "layers": layers,
               "check": check(steps, q, *caches.nhd(0), point.lengths())}
     for name in ANCHORS:
@@ -68,7 +80,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
         if not r.get("available"):
             print(f"  {name:24s} unavailable: {r.get('error')}", flush=True)
             continue
-        rounds_us = [1e3 * t / layers for t in r["replay_ms_rounds"]]
+        rounds_us = [1e3 * t / r["graph_calls"] for t in r["replay_ms_rounds"]]
         print(f"  {name:24s} {r['us_per_layer']:8.1f} us {r['gbps']:6.0f} GB/s {r['pct_ceiling']:5.1f}% "
               f"{base['ms_per_layer'] / r['ms_per_layer']:.3f}x cudnn  rounds "
               + " ".join(f"{t:.0f}" for t in rounds_us), flush=True)
@@ -81,7 +93,13 @@ def main():
     parser.add_argument("--out", default=".")
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--only", default=None,
+                        help="comma-separated config names to time beside the plan and the anchors "
+                             "(default: all of CONFIGS and GLUON_CONFIGS)")
     args = parser.parse_args()
+    if args.only is not None:
+        global ONLY
+        ONLY = set(args.only.split(","))
     run_points(args.points, lambda point, device, ceiling: probe(point, device, ceiling, args.rounds),
                args.out, "decode-long-ab.json", rounds=args.rounds)
 
