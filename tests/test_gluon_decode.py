@@ -221,11 +221,13 @@ def test_e4m3_supported_is_false_on_cpu():
 
 @pytest.mark.parametrize("paged,pairs,capacity,rows,wanted,stages,transposed", [
     # contiguous caches: long splits (>= T16_LONG_SPLIT keys a split at one CTA per SM) of at most
-    # 8 pairs take the transposed consumer; the rest keep the earlier rule and consumer
+    # 32 pairs take the transposed consumer; the rest keep the earlier rule and consumer
     (False, 8, 32768, 4, True, 4, True), (False, 2, 32768, 6, False, None, False),
     (False, 2, 131072, 6, True, 3, True), (False, 8, 32768, 64, False, None, False),
     (False, 8, 16384, 4, True, 4, True), (False, 8, 8192, 4, False, None, False),
-    (False, 132, 32768, 4, False, None, False), (False, 32, 32768, 6, False, None, False),
+    (False, 132, 32768, 4, False, None, False), (False, 32, 32768, 6, True, 4, True),
+    (False, 32, 4096, 6, False, None, False), (False, 16, 65536, 4, True, 4, True),
+    (False, 64, 32768, 4, False, None, False), (False, 128, 32768, 4, False, None, False),
     (False, 128, 1024, 4, True, 4, False),
     # paged: every pair count under the SMs, two per SM where the splits would be short
     (True, 2, 32768, 6, True, 3, True), (True, 32, 32768, 6, True, 4, True),
@@ -242,16 +244,32 @@ def test_transposed_16bit_rule(monkeypatch, paged, pairs, capacity, rows, wanted
         assert variant.stages == stages
 
 
-@pytest.mark.parametrize("paged,pairs,capacity,splits,stages", [
-    (True, 2, 16384, 66, 3),  # two per SM would split below 256 keys: one per SM, 3 stages
-    (True, 2, 32768, 128, 3),  # 1-2 pairs: two per SM (capped at 128 splits)
-    (False, 2, 131072, 128, 3),  # ... also where the splits are long
-    (True, 8, 16384, 16, 4),  # 8 pairs: 16 one-per-SM splits of 1024 keys are long
-    (True, 8, 8192, 33, 3),  # ... 512 keys are not: two per SM
+@pytest.mark.parametrize("paged,pairs,capacity,splits,stages,one_per_sm", [
+    (True, 2, 16384, 66, 3, True),  # two per SM would split below 256 keys: one per SM, 3 stages
+    (True, 2, 32768, 128, 3, False),  # 1-2 pairs: two per SM (capped at 128 splits)
+    (False, 2, 131072, 128, 3, False),  # ... also where the splits are long
+    (True, 8, 16384, 16, 4, True),  # 8 pairs: 16 one-per-SM splits of 1024 keys are long
+    (True, 8, 8192, 33, 3, False),  # ... 512 keys are not: two per SM
 ])
-def test_transposed_16bit_plans_for_few_pairs(monkeypatch, paged, pairs, capacity, splits, stages):
+def test_transposed_16bit_plans_for_few_pairs(monkeypatch, paged, pairs, capacity, splits, stages,
+                                              one_per_sm):
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     got, _, _, merge, variant = decode._gluon_plan(pairs, 1, 128, torch.bfloat16, torch.device("cpu"),
                                                    capacity, 0, 16 if paged else 0, False, False,
                                                    False, False, 6)
     assert variant.rows_n == 8 and (got, variant.stages) == (splits, stages) and merge is not None
+    # the merge lets the next kernel launch as it starts after plans of one CTA per SM only
+    assert merge["LAUNCH_DEPENDENTS"] == one_per_sm
+
+
+def test_merge_launches_dependents_after_16bit_one_per_sm_plans_only(monkeypatch):
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+
+    def merge(batch, heads_k, capacity, fp8=False):
+        return decode._gluon_plan(batch, heads_k, 128, torch.bfloat16, torch.device("cpu"), capacity, 0, 0,
+                                  False, False, False, fp8, 4)[3]
+    assert merge(1, 8, 32768)["LAUNCH_DEPENDENTS"]  # B1 32/8: 16 splits, one CTA per SM
+    assert merge(16, 2, 65536)["LAUNCH_DEPENDENTS"]  # 32 pairs, 4 splits, one per SM
+    assert not merge(1, 2, 131072)["LAUNCH_DEPENDENTS"]  # 1-2 pairs: two per SM
+    assert not merge(1, 8, 32768, fp8=True)["LAUNCH_DEPENDENTS"]  # e4m3: three or four per SM
+    assert not merge(16, 8, 65536, fp8=True)["LAUNCH_DEPENDENTS"]

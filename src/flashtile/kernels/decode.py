@@ -348,10 +348,11 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
     if PDL:  # resident while the splits finish; reads their partials only after they all have
         gdc_wait()
         if LAUNCH_DEPENDENTS:
-            # The next kernel may launch now and wait for this grid in its turn. Off by default:
-            # B1 32/8 gained (12.5 -> 11.9 us at 4k) but B16 12/2 lost 9-25% (24.6 -> 28.9 us at
-            # 4k, 131 -> 143 at 32k; decode-probe-trigger-h200-20261130.json), and B1 12/2 at 32k
-            # read 11% slower with it (bench decode) than without it earlier the same day.
+            # The next kernel may launch now and wait for this grid in its turn. Only after the
+            # 16-bit Gluon plans of one CTA per SM (_gluon_plan): B1 32/8 gained (12.5 -> 11.9 us
+            # at 4k) but B16 12/2 lost 9-25% (24.6 -> 28.9 us at 4k, 131 -> 143 at 32k;
+            # decode-probe-trigger-h200-20261130.json), and B1 12/2 at 32k read 11% slower with it
+            # (bench decode) than without it earlier the same day.
             gdc_launch_dependents()
     qi = tl.program_id(0)
     head = tl.program_id(1)
@@ -460,9 +461,11 @@ def _next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) -> dict:
+def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool,
+                     launch_dependents: bool = False) -> dict:
     """The combine kernel's constexprs and launch options (one dict per value: ``launch`` keys
-    options by identity; never mutated)."""
+    options by identity; never mutated). ``launch_dependents`` (with ``pdl``): the next kernel may
+    launch as soon as the merge starts (see _combine)."""
     splits_pad, head_dim_pad = max(2, _next_power_of_2(splits)), head_dim_padded(head_dim)
     # As few warps as hold the partials in 128 floats a thread: the reductions over the splits then
     # stay within a warp (shuffles) or cross few, and every load is issued before the first use
@@ -471,7 +474,8 @@ def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool) ->
     # splits spilled, +2%).
     warps = max(1, min(4, splits_pad * head_dim_pad // 4096))
     return dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                EMPTY_LSE=empty_lse, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+                EMPTY_LSE=empty_lse, PDL=pdl, LAUNCH_DEPENDENTS=pdl and launch_dependents, num_warps=warps,
+                **({"launch_pdl": True} if pdl else {}))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1000,7 +1004,7 @@ E4M3_ROWS32_DS_RING = True
 # 0.995/1.030x, one per SM 4 stages 0.975/1.000x), and below 256 keys a split of two per SM one
 # per SM with 3 stages (B1 12/2 16k 1.062x in two runs, two per SM 0.971/0.974x, one per SM with 4
 # stages 0.928x; at 32k two per SM stays ahead: 1.022 against 0.996x). With at most
-# T16_CONTIGUOUS_PAIRS pairs "long" counts the keys of the splits the one-per-SM plan makes: B1
+# T16_FEW_PAIRS pairs "long" counts the keys of the splits the one-per-SM plan makes: B1
 # 32/8 16k has 16 of 1024 keys (short by 16384 x 8 < 1024 x 132); paged, one per SM ran 1.047x,
 # two per SM 0.977x (0.967x in bench paged, paged-nvidia-h200-20261201-c.json); contiguous, the
 # transposed consumer then took 20.7 us against the Triton plan's 22.6 (decode-...-20261201-b).
@@ -1009,7 +1013,13 @@ GLUON_T16_LONG = GLUON_ONE_PER_SM
 GLUON_T16_SHORT = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True, programs_per_sm=2)
 GLUON_T16_FEW = DecodeConfig(64, 4, 3, waves=1, min_split_keys=128, pdl=True)  # one per SM
 T16_LONG_SPLIT = 1024
-T16_CONTIGUOUS_PAIRS = 8
+T16_FEW_PAIRS = 8
+# Contiguous caches take the transposed consumer up to this many pairs (long splits only): with 16
+# and 32 pairs it read 1.003-1.022x the Triton split plans from 16k
+# (decode-long-ab-h200-20261203-b: B16 12/2 16k/32k/64k 1.022/1.010/1.003x, B4 32/8 32k 1.009x,
+# B2 32/8 64k 1.015x; B16 12/2 128k 1.015x in -20261203); at 128 pairs (B16 32/8, B64 12/2) it
+# was 0.98-0.99x the Triton plan's fast rounds (-b), steadier where those slowed (-20261203).
+T16_CONTIGUOUS_PAIRS = 32
 T16_TWO_PER_SM_PAIRS = 2  # up to this many pairs two per SM at every length
 T16_TWO_PER_SM_SPLIT = 256  # ... where their splits read this many keys or more
 
@@ -1017,7 +1027,7 @@ T16_TWO_PER_SM_SPLIT = 256  # ... where their splits read this many keys or more
 def _t16_long(pairs: int, sms: int, capacity: int) -> bool:
     """Whether one CTA per SM, one wave of splits, gives each split T16_LONG_SPLIT keys or more (by
     the plan's own split count for few pairs, by the SMs' share of the keys for more)."""
-    if pairs <= T16_CONTIGUOUS_PAIRS:
+    if pairs <= T16_FEW_PAIRS:
         return capacity >= T16_LONG_SPLIT * max(1, min(128, sms // pairs))
     return capacity * pairs >= T16_LONG_SPLIT * sms
 
@@ -1129,7 +1139,11 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
         rows_n=next(n for n in (8, 16, 32) if rows <= n) if transposed else 0,
         v_regs=v_regs, regs=64 if v_regs and base.programs_per_sm == 4 else 0, ds_ring=ds_ring,
         q_fp8=dtype == torch.float8_e4m3fn, q_descale=q_descale, seq_ds=fp8 and seq_descales)
-    merge = _combine_options(splits, head_dim, math.inf, True) if splits > 1 else None
+    # The merge of a 16-bit plan of one CTA per SM lets the next kernel launch as it starts: 0.4-0.6
+    # us less a layer at B1 32/8 from 4k, contiguous and on 16-key pages; two CTAs per SM lost 0.9
+    # us at B1 12/2 128k, e4m3 plans gained or lost up to 7 us (merge-share-h200-20261203-b/-c)
+    trigger = not fp8 and base.programs_per_sm == 1
+    merge = _combine_options(splits, head_dim, math.inf, True, trigger) if splits > 1 else None
     return splits, False, None, merge, variant
 
 

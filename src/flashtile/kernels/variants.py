@@ -290,6 +290,9 @@ def compile_decode(variant: Variant, arch: int) -> list:
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1),
+            # (after the 16-bit Gluon plans of one CTA per SM)
+            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": arch >= 90}, variant, arch,
+                     4, 1),
             # stream-K (decode.STREAM_CONFIG): each program a share of every pair's key tiles
             # (batches up to 64), its merge
             _compile(_attn_decode, {**decode, **split_pages, "BLOCK_N": STREAM_CONFIG.block_n, "SPLIT": True,
