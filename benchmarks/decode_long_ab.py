@@ -36,8 +36,9 @@ CONFIGS = (("n64 w8 s4, unsplit", dec.DecodeConfig(64, 8, 4, waves=1, min_split_
                                                     resident_per_sm=4), 3),
            ("n64 w4 s3, 2 splits", dec.DecodeConfig(64, 4, 3, waves=2, min_split_keys=128, pdl=True), 2))
 # the Gluon TMA kernel's transposed consumer (as B1 32/8 runs it) forced onto these pair counts:
-# one CTA per SM, 4 stages, splits filling one wave (SMs // pairs)
-GLUON_CONFIGS = (("gluon-t8-one-per-sm", {"T16_CONTIGUOUS_PAIRS": 1 << 20}),)
+# one CTA per SM, 4 stages, splits filling one wave (SMs // pairs), "long" by those splits' keys
+# (as decode-long-ab-h200-20261203(-b) ran it)
+GLUON_CONFIGS = (("gluon-t8-one-per-sm", {"T16_CONTIGUOUS_PAIRS": 1 << 20, "T16_FEW_PAIRS": 1 << 20}),)
 # SDPA's FlashAttention-2 too: in bench decode the unsplit plan ran 4-16% slower in the rounds
 # right after it (the GPU at its power cap), so it stays in the rounds here
 ANCHORS = ("sdpa-flash", "sdpa-cudnn")

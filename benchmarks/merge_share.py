@@ -1,7 +1,7 @@
 """What the split-KV merge costs a decode step: each point's shipped call (split kernel + merge)
 against the same split kernel with the merge launch skipped (wrong output, timing only) and
 against the merge letting the next kernel launch as soon as it starts (``_combine``'s
-LAUNCH_DEPENDENTS), in balanced rounds (bench.common.time_in_rounds), each a CUDA graph of the
+LAUNCH_DEPENDENTS) and only at its end (either way whatever the plan ships), in balanced rounds (bench.common.time_in_rounds), each a CUDA graph of the
 bench's calls (``bench.decode.graph_calls``, cycling through L layers with their own caches of
 >= 1 GiB in all). (merge-share-h200-20261201 was timed in plain alternating rounds over graphs of
 the L layers once.)
@@ -81,13 +81,15 @@ def main() -> int:
         if merges:
             variants["no merge launch"] = "skip"
             variants["merge launches dependents"] = "trigger"
+            variants["merge launches at its end"] = "no trigger"
         replays = {}
         original_options = dec._combine_options
         for name, patch in variants.items():
             if patch == "skip":
                 dec._launch_combine = lambda *a, **k: None
-            elif patch == "trigger":
-                dec._combine_options = lambda *a: dict(original_options(*a), LAUNCH_DEPENDENTS=True)
+            elif patch in ("trigger", "no trigger"):
+                dec._combine_options = lambda *a, t=patch == "trigger": dict(original_options(*a),
+                                                                             LAUNCH_DEPENDENTS=t)
             dec._PLANS.clear()
             try:
                 call(0)
