@@ -76,17 +76,22 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
         steps[name] = bench.make_step(name, caches, q, lengths, {})
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer,
                                       bench.point_bytes(point), ceiling, rounds=rounds, steps=steps)
+    report(results)
+    record["results"] = results
+    return record
+
+
+def report(results: dict, width: int = 24) -> None:
+    """One line a provider: us per layer, GB/s, % of the ceiling, x cuDNN, every round's us."""
     base = results["sdpa-cudnn"]
     for name, r in results.items():
         if not r.get("available"):
-            print(f"  {name:24s} unavailable: {r.get('error')}", flush=True)
+            print(f"  {name:{width}s} unavailable: {r.get('error')}", flush=True)
             continue
         rounds_us = [1e3 * t / r["graph_calls"] for t in r["replay_ms_rounds"]]
-        print(f"  {name:24s} {r['us_per_layer']:8.1f} us {r['gbps']:6.0f} GB/s {r['pct_ceiling']:5.1f}% "
+        print(f"  {name:{width}s} {r['us_per_layer']:8.1f} us {r['gbps']:6.0f} GB/s {r['pct_ceiling']:5.1f}% "
               f"{base['ms_per_layer'] / r['ms_per_layer']:.3f}x cudnn  rounds "
               + " ".join(f"{t:.0f}" for t in rounds_us), flush=True)
-    record["results"] = results
-    return record
 
 
 def main():

@@ -826,3 +826,75 @@ def test_one_query_row_plans_causal_as_full_attention():
     with_alibi = [decode.prepare_decode(q, k_cache, v_cache, softmax_scale=0.1, window_left=-1,
                                         window_right=right, alibi_slopes=slopes) for right in (0, -1)]
     assert with_alibi[0] != with_alibi[1]
+
+
+@pytest.fixture
+def warp_split_plans(monkeypatch):
+    """The Triton decode kernel's unsplit plans with the warp-split loop at every cache length: the
+    H200's 64-key, 4-warp steps (the interpreter's own plans take 32-key steps, 8 keys a warp)."""
+    from flashtile.kernels import decode
+    monkeypatch.setattr(decode, "WARP_SPLIT_MIN_KEYS", 0)
+    monkeypatch.setattr(decode, "decode_config",
+                        lambda *a, **k: decode.DecodeConfig(64, 4, 2, waves=1, min_split_keys=128, max_splits=1))
+    decode._PLANS.clear()
+    yield decode
+    decode._PLANS.clear()
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("seqlen_q,heads,heads_k,kw", [(1, 8, 2, dict(causal=True)), (3, 8, 2, dict(causal=True)),
+                                                        (2, 2, 2, dict()), (1, 16, 1, dict(causal=True))],
+                         ids=["decode", "speculative-causal", "MHA-full", "MQA"])
+def test_warp_split_loop_matches_reference(warp_split_plans, nan_empty, dtype, seqlen_q, heads, heads_k, kw):
+    # Each key tile's keys split among the warps, every warp its own softmax state, merged at the
+    # end: lengths that end inside a tile and inside a warp's slice, one sequence as short as its
+    # queries, outputs allocated NaN-filled.
+    decode = warp_split_plans
+    # (at most one program per SM: the interpreter's 4 "SMs" hold 4 (sequence, KV head) pairs)
+    q, k_cache, v_cache, lengths = cache_case(batch=4 // heads_k, seqlen_q=seqlen_q, heads=heads, heads_k=heads_k,
+                                              head_dim=128, capacity=200, dtype=dtype)
+    lengths[1] = 70  # 64 + 6: the second tile's first warp slice, partly
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                 return_softmax_lse=True, **kw)
+    assert [p[2]["WARPS"] for p in decode._PLANS.values()] == [4]
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, **kw)
+
+
+def test_warp_split_plans(h200_plans):
+    # Only unsplit plans of contiguous 16-bit caches with head dim 128, from WARP_SPLIT_MIN_KEYS keys
+    # and at most one program per SM, without left windows, softcap or ALiBi.
+    decode, dev = h200_plans
+
+    def warps(batch=16, heads=32, heads_k=8, capacity=32768, paged=False, fp8=False, left=False, softcap=False,
+              head_dim=128, seqlen_q=1, num_splits=0):
+        kernel = decode._plan(batch, seqlen_q, heads, heads_k, head_dim, torch.bfloat16, dev, paged, capacity,
+                              num_splits, None, left, True, softcap, False, False, False, fp8, False, False,
+                              16 if paged else 1, gluon_ok=False, causal=True)[2]
+        return kernel["WARPS"]
+    assert warps() == 4 and warps(capacity=16384) == 4 and warps(batch=64, heads=12, heads_k=2) == 4
+    assert warps(capacity=8192) == 0  # shorter caches: the 2-D loop
+    assert warps(batch=64) == 0  # 512 pairs: more than one program per SM
+    assert warps(paged=True) == 0 and warps(fp8=True) == 0 and warps(head_dim=256) == 0
+    assert warps(left=True) == 0 and warps(softcap=True) == 0
+    assert warps(num_splits=2) == 0
+    assert warps(seqlen_q=4) == 4 and warps(seqlen_q=5) == 0  # 16 rows a tile at most
+
+
+def test_warp_split_loop_with_leftpad_batch_idx_and_an_empty_sequence(warp_split_plans, nan_empty, monkeypatch):
+    # cache_leftpad and cache_batch_idx move the rows the warps read; a sequence without keys gives
+    # rows of 0 (no NaN from the merge of warps that saw nothing). Against the 2-D loop's call.
+    decode = warp_split_plans
+    q, k_cache, v_cache, _ = cache_case(batch=2, heads=8, heads_k=2, head_dim=128, capacity=160, dtype=BF16)
+    big_k, big_v = torch.randn(5, 160, 2, 128, dtype=BF16), torch.randn(5, 160, 2, 128, dtype=BF16)
+    kw = dict(cache_seqlens=torch.tensor([150, 0], dtype=torch.int32), causal=True,
+              cache_leftpad=torch.tensor([37, 0], dtype=torch.int32),
+              cache_batch_idx=torch.tensor([4, 1], dtype=torch.int32))
+    out = flashtile.flash_attn_with_kvcache(q, big_k, big_v, **kw)
+    assert [p[2]["WARPS"] for p in decode._PLANS.values()] == [4]
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_matches_reference(out[:1], None, q[:1], big_k[4:5, 37:150], big_v[4:5, 37:150], causal=True)
+    monkeypatch.setattr(decode, "WARP_SPLIT", False)
+    decode._PLANS.clear()
+    two_d = flashtile.flash_attn_with_kvcache(q, big_k, big_v, **kw)
+    assert [p[2]["WARPS"] for p in decode._PLANS.values()] == [0]
+    torch.testing.assert_close(out, two_d, atol=2e-2, rtol=0)

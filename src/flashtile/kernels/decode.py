@@ -30,7 +30,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import key_blocks
+from .common import key_blocks, visible
 from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting, small_shared_memory
 from .launch import launch
 
@@ -80,7 +80,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
                  PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False,
                  Q_DESCALE: tl.constexpr = False, SEQ_DS: tl.constexpr = False,
-                 STREAM: tl.constexpr = False, BLOCK_B: tl.constexpr = 1):
+                 STREAM: tl.constexpr = False, BLOCK_B: tl.constexpr = 1, WARPS: tl.constexpr = 0):
     """Grid (splits, B, Hk x row blocks): program (split, b, h) takes its split of the key tiles
     sequence b's rows see in KV head h. STREAM (stream-K): grid (programs,), every program an
     equal share of all pairs' key tiles laid end to end (``_stream_layout``), as segments of at
@@ -140,7 +140,79 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                      tl.program_id(0), tl.num_programs(0), tl.program_id(1), kv_head, row_block,
                      0, 0, ROWS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                      ALIBI, PAGED, BATCH_IDX, LEFTPAD, UPCAST, SPLIT, EMPTY_LSE, FP8, WRITE_LSE,
-                     Q_FP16, PAGE_SHIFT, ROW_BLOCKS, Q_DESCALE, SEQ_DS, False)
+                     Q_FP16, PAGE_SHIFT, ROW_BLOCKS, Q_DESCALE, SEQ_DS, False, WARPS)
+
+
+@triton.jit
+def _warp_split_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, keys, rows_pos, blk_lo,
+                      blk_hi, seqlen_k, window_right, qk_scale, BLOCK_N: tl.constexpr,
+                      MASKED: tl.constexpr, HAS_RIGHT: tl.constexpr, UPCAST: tl.constexpr):
+    """Key tiles [blk_lo, blk_hi) with the tile's keys split among the warps (``keys`` [WARPS, SUB]:
+    warp w's offsets in a tile), every warp its own running max, sum and output ([WARPS, ...]
+    states): the row reductions stay inside a warp (the 3-D dots put one warp on each slice)."""
+    k_ptrs += (blk_lo * BLOCK_N).to(tl.int64) * stride_ks
+    v_ptrs += (blk_lo * BLOCK_N).to(tl.int64) * stride_vs
+    for blk in range(blk_lo, blk_hi):
+        if MASKED:
+            cols = blk * BLOCK_N + keys
+            ok = cols < seqlen_k
+            k = tl.load(k_ptrs, mask=ok[:, :, None], other=0.0)
+            v = tl.load(v_ptrs, mask=ok[:, :, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k, (0, 2, 1)))
+        if MASKED:
+            keep = visible(rows_pos[None, :, None], cols[:, None, :], seqlen_k, 0, window_right,
+                           False, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, :, None])
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _warp_split_loop(q, k_base, v_base, stride_ks, stride_vs, rows_pos, s_lo, full_lo, full_hi, s_hi,
+                     seqlen_k, window_right, qk_scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, WARPS: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """The key tiles [s_lo, s_hi) of plain calls (contiguous 16-bit cache, head dim a power of two,
+    no left window, softcap or ALiBi, one row block) with each tile's keys split among WARPS warps,
+    their states merged once at the end: (acc, l_i, m_i) as the 2-D loop leaves them. On sm_90 the
+    2-D loop runs ~350 instructions and 10 barriers per warp and 64-key tile (cross-warp row max and
+    sum, P's layout change), one warp per SM sub-partition: near the tile's memory time, so its
+    rounds slowed by up to 40% when the GPU lowered its clock at the power cap; this one ~300 and 2."""
+    SUB: tl.constexpr = BLOCK_N // WARPS
+    w = tl.arange(0, WARPS)
+    keys = w[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB]
+    d = tl.arange(0, HEAD_DIM)[None, None, :]
+    k_ptrs = k_base + keys[:, :, None] * stride_ks + d
+    v_ptrs = v_base + keys[:, :, None] * stride_vs + d
+    q3 = tl.broadcast_to(q[None, :, :], (WARPS, ROWS, HEAD_DIM))
+    m_i = tl.full([WARPS, ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
+    acc = tl.zeros([WARPS, ROWS, HEAD_DIM], dtype=tl.float32)
+    acc, l_i, m_i = _warp_split_tiles(acc, l_i, m_i, q3, k_ptrs, v_ptrs, stride_ks, stride_vs, keys,
+                                      rows_pos, s_lo, full_lo, seqlen_k, window_right, qk_scale,
+                                      BLOCK_N, True, HAS_RIGHT, UPCAST)
+    acc, l_i, m_i = _warp_split_tiles(acc, l_i, m_i, q3, k_ptrs, v_ptrs, stride_ks, stride_vs, keys,
+                                      rows_pos, full_lo, full_hi, seqlen_k, window_right, qk_scale,
+                                      BLOCK_N, False, HAS_RIGHT, UPCAST)
+    acc, l_i, m_i = _warp_split_tiles(acc, l_i, m_i, q3, k_ptrs, v_ptrs, stride_ks, stride_vs, keys,
+                                      rows_pos, full_hi, s_hi, seqlen_k, window_right, qk_scale,
+                                      BLOCK_N, True, HAS_RIGHT, UPCAST)
+    m_all = tl.max(m_i, 0)
+    share = tl.exp2(m_i - m_all[None, :])
+    return tl.sum(acc * share[:, :, None], 0), tl.sum(l_i * share, 0), m_all
 
 
 @triton.jit
@@ -160,7 +232,8 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  LEFTPAD: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
                  EMPTY_LSE: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
                  Q_FP16: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                 Q_DESCALE: tl.constexpr, SEQ_DS: tl.constexpr, STREAM: tl.constexpr):
+                 Q_DESCALE: tl.constexpr, SEQ_DS: tl.constexpr, STREAM: tl.constexpr,
+                 WARPS: tl.constexpr = 0):
     """Rows ``row_block`` of (sequence ``batch``, KV head ``kv_head``) against split ``split`` of
     ``num_splits`` of the key tiles they see, or (STREAM) against tiles [first, first + count) of
     them, writing partials at index ``split`` or, when that is all of them, the output."""
@@ -223,11 +296,13 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
         k_src = K + kv_head.to(tl.int64) * stride_kh + offs_d[None, :]
         v_src = V + kv_head.to(tl.int64) * stride_vh + offs_d[None, :]
         block_table_row = BlockTable + batch.to(tl.int64) * stride_btb
-    else:
-        k_src = (K + cache_row.to(tl.int64) * stride_kb + key_start.to(tl.int64) * stride_ks
-                 + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :])
-        v_src = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
-                 + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :])
+    else:  # (k_base, v_base: key 0 of the sequence's rows in this KV head)
+        k_base = (K + cache_row.to(tl.int64) * stride_kb + key_start.to(tl.int64) * stride_ks
+                  + kv_head.to(tl.int64) * stride_kh)
+        v_base = (V + cache_row.to(tl.int64) * stride_vb + key_start.to(tl.int64) * stride_vs
+                  + kv_head.to(tl.int64) * stride_vh)
+        k_src = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_src = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
 
     # An e4m3 cache (FP8 >= 2): descales (B_cache or pages, S_max or page_size, Hk), one per key
     # and KV head, walked like the cache itself; SEQ_DS: FlashAttention-3's (B, Hk), the sequence's
@@ -279,27 +354,32 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
 
-    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
-        full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-        v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
-        full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-        v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
-        s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
-        0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
-        v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
+    if WARPS > 0:
+        acc, l_i, m_i = _warp_split_loop(q, k_base, v_base, stride_ks, stride_vs, rows_pos, s_lo,
+                                         full_lo, full_hi, s_hi, seqlen_k, window_right, qk_scale,
+                                         ROWS, BLOCK_N, HEAD_DIM, WARPS, HAS_RIGHT, UPCAST)
+    else:
+        m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, s_lo,
+            full_lo, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+            0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+            v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_lo,
+            full_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+            0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+            v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, q_lo, k_src, v_src, stride_ks, stride_vs, rows_pos, offs_n, offs_d, full_hi,
+            s_hi, seqlen_k, window_left, window_right, qk_scale, softcap_in, alibi_slope[:, None],
+            0, rows_pos, 0.0, block_table_row, page_size, num_pages, stride_kb, stride_vb, k_descale,
+            v_descale, stride_scale_n, stride_scale_page, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -835,6 +915,20 @@ def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype
 
 
+# Unsplit Triton plans with at most one program per SM (128 pairs: B16 32/8, B64 12/2) on contiguous
+# 16-bit caches of at least WARP_SPLIT_MIN_KEYS keys split each key tile among the warps
+# (_warp_split_loop). benchmarks/warp_split_probe.py, balanced rounds beside SDPA flash and cuDNN,
+# x cuDNN at B16 32/8 16k / 32k / 128k and B64 12/2 32k: on GPUs whose streaming read gave 4,604-4,605
+# GB/s, where the 2-D loop's rounds slowed by up to 8% (40% in bench decode -d), warp split 1.004-1.007
+# / 1.001 / 0.991 / 1.001x against the 2-D loop's 1.003-1.006 / 0.974-0.981 / 0.965-0.973 / 0.975-0.981x
+# (warp-split-probe-h200-20261203, -c); on GPUs at 4,680 GB/s, where the 2-D loop's rounds held, 0.996-
+# 1.001 / 0.995-0.998 / 0.990 / 0.996x (B64 12/2 128k 1.001x) against 1.007-1.009 / 1.004-1.006 /
+# 1.002-1.004 / 1.005x (1.002x) (-b, -layouts). The warp split's rounds stay within 1%: the smaller
+# worst case, taken.
+WARP_SPLIT = True
+WARP_SPLIT_MIN_KEYS = 16384
+
+
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
           one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False,
@@ -881,6 +975,16 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
             page_shift = page_size.bit_length() - 1  # a tile fits in a page
             if cfg.page_prefetch and page_size >= block_n:
                 paged_mode = 3
+    # Unsplit plans of at most one CTA per SM on long contiguous 16-bit caches (sm_90, where it was
+    # measured, and the interpreter): the tile's keys split among the warps (_warp_split_loop)
+    hopper = device.type == "cuda" and _arch(
+        device.index if device.index is not None else torch.cuda.current_device()) >= 90
+    warps = cfg.num_warps if (
+        WARP_SPLIT and (hopper or interpreting()) and config is None and not paged and not fp8_cache
+        and not stream and splits == 1 and not (has_left or has_softcap or has_alibi)
+        and rows <= tile_rows <= 16 and head_dim == 128 and dtype in (torch.float16, torch.bfloat16)
+        and capacity >= WARP_SPLIT_MIN_KEYS
+        and batch * heads_k_blocks <= _sm_count(device) and block_n // cfg.num_warps >= 16) else 0
     kernel = dict(
         ROWS=tile_rows, ROW_BLOCKS=rows > tile_rows, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), HAS_LEFT=has_left,
@@ -891,7 +995,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         WRITE_LSE=write_lse or splits > 1 or stream,
         Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
         Q_DESCALE=q_descale, SEQ_DS=fp8_cache and seq_descales,
-        STREAM=stream, BLOCK_B=_next_power_of_2(batch) if stream else 1,
+        STREAM=stream, BLOCK_B=_next_power_of_2(batch) if stream else 1, WARPS=warps,
         num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.

@@ -252,7 +252,7 @@ def compile_decode(variant: Variant, arch: int) -> list:
               "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
               "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
-              "Q_DESCALE": False, "SEQ_DS": False, "STREAM": False, "BLOCK_B": 1}
+              "Q_DESCALE": False, "SEQ_DS": False, "STREAM": False, "BLOCK_B": 1, "WARPS": 0}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
             "EMPTY_LSE": float("inf")}
@@ -318,7 +318,7 @@ _PLAN_GRID = dict(batch=(1, 4, 16, 64, 128), heads=((32, 8), (48, 8), (12, 2), (
                   head_dim=(128, 256), page=(0, 1, 16, 256), fp8_cache=(False, True),
                   capacity=(1024, 131072), one_launch=(False, True))
 # the constexprs and options that size the decode kernel's shared memory (PAGED: whether, not how)
-_PLAN_SHAPE = ("BLOCK_N", "HEAD_DIM_PAD", "ROWS", "num_stages", "num_warps", "FP8", "PAGED", "STREAM")
+_PLAN_SHAPE = ("BLOCK_N", "HEAD_DIM_PAD", "ROWS", "num_stages", "num_warps", "FP8", "PAGED", "STREAM", "WARPS")
 
 
 def decode_plan_kernels(arch: int, sms: int = 132) -> list[tuple[str, dict]]:
