@@ -21,7 +21,7 @@ def seed_for(generator_seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_kept_fraction(p):
-    keep = dropout_mask(seed_for(3), 2, 4, 600, 600, p)
+    keep = dropout_mask(seed_for(3), 2, 4, 256, 256, p)  # 524k draws: 0.01 is 14 sigma at p 0.5
     assert abs(keep.float().mean().item() - (1 - p)) < 0.01
     # Per (batch, head) streams differ: no two heads draw the same mask.
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
