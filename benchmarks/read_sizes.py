@@ -3,7 +3,9 @@ every config) over L per-layer buffers of a decode point's K+V size, replayed as
 bench decode times a step (graph_calls layer calls cycling through the layers: since 2026-12-03;
 read-sizes-h200-20261201.log was timed with graphs of L calls), against the 8 GiB ceiling of the
 same run: the bound a step of that size approaches with a single launch per layer and no attention
-at all.
+at all. Each point also times the best config as a PDL chain (every layer's read launched while
+the one before runs, waiting for it before its first load and letting the next one launch at once):
+the closest a kernel that must wait for the previous layer can follow it.
 
     PYTHONPATH=src python benchmarks/read_sizes.py --out $OUT [--points 'B,H,Hk,ctx;...']
 """
@@ -15,9 +17,38 @@ import json
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.bench import decode as bench
 from flashtile.bench import stream_read
+
+@triton.jit
+def _stream_read_pdl(src, out, num_blocks, BLOCK: tl.constexpr):
+    """bench.stream_read's kernel behind the wait for the previous kernel, the next one let in first."""
+    gdc_wait()
+    gdc_launch_dependents()
+    pid = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    ptrs = src + pid.to(tl.int64) * BLOCK + offsets
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for _ in range(pid, num_blocks, tl.num_programs(0)):
+        acc ^= tl.load(ptrs)
+        ptrs += step
+    tl.store(out + pid, tl.xor_sum(acc, 0))
+
+
+def stream_read_pdl(words, block, warps, per_sm, out=None):
+    num_blocks = words.numel() // block
+    grid = stream_read.grid_size(num_blocks, per_sm, torch.cuda.get_device_properties(words.device)
+                                 .multi_processor_count)
+    if out is None:
+        out = torch.empty(grid, dtype=torch.int32, device=words.device)
+    _stream_read_pdl[(grid,)](words, out, num_blocks, BLOCK=block, num_warps=warps, launch_pdl=True)
+    return out
+
 
 POINTS = "1,32,8,16384;1,32,8,32768;1,32,8,65536;1,32,8,131072;1,12,2,32768;1,12,2,131072;16,12,2,16384"
 
@@ -53,12 +84,20 @@ def main():
                 best = {"block_words": block, "warps": warps, "per_sm": per_sm, "us": us, "gbps": gbps}
             del replay
         best["pct_ceiling"] = 100 * best["gbps"] / top
+        block, warps, per_sm = best["block_words"], best["warps"], best["per_sm"]
+        outs = [stream_read_pdl(w, block, warps, per_sm) for w in words]
+        replay = bench.build_replay(
+            lambda layer: stream_read_pdl(words[layer], block, warps, per_sm, outs[layer]), layers, device,
+            calls)
+        us = 1e3 * bench.gpu_timer(replay) / calls
+        del replay
+        pdl = {"us": us, "gbps": nbytes / us / 1e3, "pct_ceiling": 100 * nbytes / us / 1e3 / top}
         rows.append({"point": point.__dict__, "bytes_per_layer": nbytes, "layers": layers,
-                     "graph_calls": calls, "best": best})
+                     "graph_calls": calls, "best": best, "best_config_pdl_chain": pdl})
         print(f"B{b} {h}/{hk} {ctx // 1024}k: {nbytes / 1e6:.0f} MB a layer, L {layers}: best read "
               f"{best['us']:.1f} us, {best['gbps']:.0f} GB/s = {best['pct_ceiling']:.1f}% of the ceiling "
-              f"({best['block_words']}-word blocks, {best['warps']} warps, {best['per_sm'] or 'no'} per SM)",
-              flush=True)
+              f"({best['block_words']}-word blocks, {best['warps']} warps, {best['per_sm'] or 'no'} per SM); "
+              f"as a PDL chain {pdl['us']:.1f} us = {pdl['pct_ceiling']:.1f}%", flush=True)
         words = None
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "read-sizes.json"), "w") as f:
