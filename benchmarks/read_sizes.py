@@ -17,38 +17,9 @@ import json
 import os
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.bench import decode as bench
 from flashtile.bench import stream_read
-
-@triton.jit
-def _stream_read_pdl(src, out, num_blocks, BLOCK: tl.constexpr):
-    """bench.stream_read's kernel behind the wait for the previous kernel, the next one let in first."""
-    gdc_wait()
-    gdc_launch_dependents()
-    pid = tl.program_id(0)
-    offsets = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    ptrs = src + pid.to(tl.int64) * BLOCK + offsets
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    for _ in range(pid, num_blocks, tl.num_programs(0)):
-        acc ^= tl.load(ptrs)
-        ptrs += step
-    tl.store(out + pid, tl.xor_sum(acc, 0))
-
-
-def stream_read_pdl(words, block, warps, per_sm, out=None):
-    num_blocks = words.numel() // block
-    grid = stream_read.grid_size(num_blocks, per_sm, torch.cuda.get_device_properties(words.device)
-                                 .multi_processor_count)
-    if out is None:
-        out = torch.empty(grid, dtype=torch.int32, device=words.device)
-    _stream_read_pdl[(grid,)](words, out, num_blocks, BLOCK=block, num_warps=warps, launch_pdl=True)
-    return out
-
 
 POINTS = "1,32,8,16384;1,32,8,32768;1,32,8,65536;1,32,8,131072;1,12,2,32768;1,12,2,131072;16,12,2,16384"
 
@@ -85,10 +56,10 @@ def main():
             del replay
         best["pct_ceiling"] = 100 * best["gbps"] / top
         block, warps, per_sm = best["block_words"], best["warps"], best["per_sm"]
-        outs = [stream_read_pdl(w, block, warps, per_sm) for w in words]
+        outs = [stream_read.stream_read(w, block, warps, per_sm, pdl=True) for w in words]
         replay = bench.build_replay(
-            lambda layer: stream_read_pdl(words[layer], block, warps, per_sm, outs[layer]), layers, device,
-            calls)
+            lambda layer: stream_read.stream_read(words[layer], block, warps, per_sm, outs[layer], pdl=True),
+            layers, device, calls)
         us = 1e3 * bench.gpu_timer(replay) / calls
         del replay
         pdl = {"us": us, "gbps": nbytes / us / 1e3, "pct_ceiling": 100 * nbytes / us / 1e3 / top}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # (words per block, warps, programs per SM; 0 = one program per block, no grid-stride loop). On the
 # H200 (2026-12-01, 8 GiB) one program per 8192-word block with 8 warps was fastest (4,603 GB/s),
@@ -27,8 +28,12 @@ CONFIGS = ((1024, 1, 0), (2048, 2, 0), (2048, 4, 0), (4096, 2, 0), (4096, 4, 0),
 
 
 @triton.jit
-def _stream_read(src, out, num_blocks, BLOCK: tl.constexpr):
-    """Program p XORs blocks p, p + grid, p + 2 grid, ... of ``src`` and writes the result."""
+def _stream_read(src, out, num_blocks, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p XORs blocks p, p + grid, p + 2 grid, ... of ``src`` and writes the result. ``PDL``:
+    launched while the previous kernel runs, it waits for it before any load and lets the next one in."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -45,8 +50,9 @@ def grid_size(num_blocks: int, per_sm: int, sm_count: int) -> int:
 
 
 def stream_read(words: torch.Tensor, block: int, warps: int, per_sm: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """XOR of ``words`` (1-D int32, a whole number of blocks) per program: (grid,) int32."""
+                out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """XOR of ``words`` (1-D int32, a whole number of blocks) per program: (grid,) int32. ``pdl``: a
+    programmatic dependent launch (read_sizes.py's chained layers)."""
     if words.dtype != torch.int32 or words.dim() != 1 or words.numel() % block:
         raise ValueError("words: a 1-D int32 tensor of a whole number of blocks")
     num_blocks = words.numel() // block
@@ -55,7 +61,8 @@ def stream_read(words: torch.Tensor, block: int, warps: int, per_sm: int,
     grid = grid_size(num_blocks, per_sm, sm_count)
     if out is None:
         out = torch.empty(grid, dtype=torch.int32, device=words.device)
-    _stream_read[(grid,)](words, out, num_blocks, BLOCK=block, num_warps=warps)
+    _stream_read[(grid,)](words, out, num_blocks, BLOCK=block, PDL=pdl, num_warps=warps,
+                          **({"launch_pdl": True} if pdl else {}))
     return out
 
 
