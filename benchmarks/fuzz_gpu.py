@@ -9,8 +9,9 @@ the cases, some deterministic: run twice, the gradients must match bit for bit; 
 its mask taken from S_dmask), ``varlen`` (flash_attn_varlen_func: backward on some cases,
 deterministic ones twice, or keys on page pools of any page size through block_table), ``kvcache``
 (flash_attn_with_kvcache on contiguous or paged caches of any page size, appends, rotary, leftpad,
-cache_batch_idx, splits, Sq 1..48), ``kvcache-fp8`` (the same on e4m3 caches with per-key
-descales, paged ones included, appends quantized in place), ``prefill-fp8`` (the e4m3 forward:
+cache_batch_idx, splits, Sq 1..48), ``kvcache-long`` (the same at 32-128 sequence x KV-head pairs
+with 16k-40k keys, contiguous or pages of 16: the long-cache plans), ``kvcache-fp8`` (the same on
+e4m3 caches with per-key descales, paged ones included, appends quantized in place), ``prefill-fp8`` (the e4m3 forward:
 flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or without the Hadamard
 rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences through
 flash_attn_varlen_func with per-sequence descales, keys contiguous or on page pools; the LSE
@@ -245,18 +246,31 @@ def _gather(pool, table, capacity):
     return pool[table.long().flatten()].view(batch, per_seq * pool.shape[1], *pool.shape[2:])[:, :capacity]
 
 
-def kvcache_case(rng):
-    b = rng.choice([1, 2, 3, 5, 8, 16])
-    hk = rng.choice([1, 2, 8])
-    h = hk * rng.choice([1, 4, 6])
-    sq = rng.choice([1, 1, 1, 2, 4, 8, rng.randint(1, 48)])
-    d = rng.choice([64, 128, 128, 128, 96, 256])
-    dtype = rng.choice([torch.bfloat16, torch.float16])
-    capacity = rng.choice([rng.randint(sq + 8, sq + 8 + _n(600)), rng.randint(sq + 8 + _n(600), sq + 8 + _n(6000))])
-    page = rng.choice([None, None, 1, 3, 8, 16, 16, 64, 256])
+def kvcache_case(rng, long=False):
+    """``long``: the long-cache plans of the serving shapes (32-128 sequence x KV-head pairs, head dim
+    128, 16k-40k keys a sequence, contiguous or pages of 16): the warp-split and transposed plans."""
+    if long:
+        hk = rng.choice([2, 8])
+        b = rng.choice([16, 32, 48, 64] if hk == 2 else [4, 8, 12, 16])
+        h = hk * rng.choice([4, 6])
+        sq = rng.choice([1, 1, 2, 3])
+        d = 128
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        capacity = rng.randint(sq + _n(16384), sq + _n(40000))
+        page = rng.choice([None, None, 16])
+    else:
+        b = rng.choice([1, 2, 3, 5, 8, 16])
+        hk = rng.choice([1, 2, 8])
+        h = hk * rng.choice([1, 4, 6])
+        sq = rng.choice([1, 1, 1, 2, 4, 8, rng.randint(1, 48)])
+        d = rng.choice([64, 128, 128, 128, 96, 256])
+        dtype = rng.choice([torch.bfloat16, torch.float16])  # (drawn here: the seeds before kvcache-long)
+        capacity = rng.choice([rng.randint(sq + 8, sq + 8 + _n(600)),
+                               rng.randint(sq + 8 + _n(600), sq + 8 + _n(6000))])
+        page = rng.choice([None, None, 1, 3, 8, 16, 16, 64, 256])
     new = rng.choice([0, 0, sq])
     kw = _mask_options(rng, causal_p=0.7 if sq > 1 else 0.3)
-    splits = rng.choice([0, 0, 0, 1, 3])
+    splits = rng.choice([0, 0, 0, 1] if long else [0, 0, 0, 1, 3])
     leftpad = page is None and rng.random() < 0.2
     batch_idx = page is None and rng.random() < 0.2
     rotary = rng.random() < 0.2 and new > 0
@@ -264,7 +278,8 @@ def kvcache_case(rng):
     rotary_dim -= rotary_dim % 16
     rotary = rotary and rotary_dim > 0
     interleaved = rng.random() < 0.5
-    params = dict(family="kvcache", b=b, h=h, hk=hk, sq=sq, d=d, dtype=str(dtype), capacity=capacity,
+    params = dict(family="kvcache-long" if long else "kvcache", b=b, h=h, hk=hk, sq=sq, d=d, dtype=str(dtype),
+                  capacity=capacity,
                   page=page, new=new, splits=splits, leftpad=leftpad, batch_idx=batch_idx,
                   rotary_dim=rotary_dim if rotary else 0, interleaved=interleaved, **kw)
 
@@ -618,6 +633,7 @@ def varlen_fp8_case(rng):
 
 
 FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case,
+            "kvcache-long": lambda rng: kvcache_case(rng, long=True),
             "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case,
             "varlen-fp8": varlen_fp8_case}
 
