@@ -11,7 +11,8 @@ deterministic ones twice, or keys on page pools of any page size through block_t
 (flash_attn_with_kvcache on contiguous or paged caches of any page size, appends, rotary, leftpad,
 cache_batch_idx, splits, Sq 1..48), ``kvcache-long`` (the same at 32-128 sequence x KV-head pairs
 with 16k-40k keys, contiguous or pages of 16: the long-cache plans), ``kvcache-fp8`` (the same on
-e4m3 caches with per-key descales, paged ones included, appends quantized in place), ``prefill-fp8`` (the e4m3 forward:
+e4m3 caches with per-key descales, paged ones included, appends quantized in place),
+``kvcache-fp8-long`` (that at batch 1-64 with 16k-40k keys), ``prefill-fp8`` (the e4m3 forward:
 flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or without the Hadamard
 rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences through
 flash_attn_varlen_func with per-sequence descales, keys contiguous or on page pools; the LSE
@@ -369,25 +370,36 @@ def e4m3_cache_call(q, k8, v8, kd, vd, page, describe=False, fill=float("nan"), 
     return out, k8.float() * kd[..., None], v8.float() * vd[..., None], plan
 
 
-def kvcache_fp8_case(rng):
+def kvcache_fp8_case(rng, long=False):
     """An e4m3 cache with per-key descales (fp8.quantize_per_key), contiguous or paged (descales
     through the same table, NaN in every slot past the cache), appends of bf16 keys quantized in place;
     the reference is float64 attention on the dequantized cache after the call, the budget 2x the same
-    attention in the query's dtype (tests/test_fp8.py's rule)."""
+    attention in the query's dtype (tests/test_fp8.py's rule). ``long``: batch 1-64 with 16k-40k keys
+    a sequence at head dim 128 (the e4m3 plans of bench decode-fp8's points, wave splits among them)."""
     from flashtile import fp8
-    b = rng.choice([1, 2, 4, 16])
-    hk = rng.choice([1, 2, 8])
-    h = hk * rng.choice([1, 4, 6])
-    sq = rng.choice([1, 1, 2, 4, rng.randint(1, 32)])
-    d = rng.choice([64, 128, 128, 256])
-    capacity = rng.choice([rng.randint(sq + 8, sq + 8 + _n(600)), rng.randint(sq + 8 + _n(600), sq + 8 + _n(8000))])
-    page = rng.choice([None, None, 1, 8, 16, 64, 256])
+    if long:
+        hk = rng.choice([2, 8])
+        b = rng.choice([1, 16, 32, 64] if hk == 2 else [1, 4, 16])
+        h = hk * rng.choice([4, 6])
+        sq = rng.choice([1, 1, 2, 4])
+        d = 128
+        capacity = rng.randint(sq + _n(16384), sq + _n(40000))
+        page = rng.choice([None, None, 16, 64])
+    else:
+        b = rng.choice([1, 2, 4, 16])
+        hk = rng.choice([1, 2, 8])
+        h = hk * rng.choice([1, 4, 6])
+        sq = rng.choice([1, 1, 2, 4, rng.randint(1, 32)])
+        d = rng.choice([64, 128, 128, 256])
+        capacity = rng.choice([rng.randint(sq + 8, sq + 8 + _n(600)),
+                               rng.randint(sq + 8 + _n(600), sq + 8 + _n(8000))])
+        page = rng.choice([None, None, 1, 8, 16, 64, 256])
     new = rng.choice([0, 0, sq])
     causal = rng.random() < (0.7 if sq > 1 else 0.3)
     softcap = rng.choice([0.0, 0.0, 0.0, 20.0])
     splits = rng.choice([0, 0, 1, 3])
-    params = dict(family="kvcache-fp8", b=b, h=h, hk=hk, sq=sq, d=d, capacity=capacity, page=page, new=new,
-                  causal=causal, softcap=softcap, splits=splits)
+    params = dict(family="kvcache-fp8-long" if long else "kvcache-fp8", b=b, h=h, hk=hk, sq=sq, d=d,
+                  capacity=capacity, page=page, new=new, causal=causal, softcap=softcap, splits=splits)
 
     def run():
         q = torch.randn(b, sq, h, d, device=DEV, dtype=torch.bfloat16)
@@ -634,6 +646,7 @@ def varlen_fp8_case(rng):
 
 FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case,
             "kvcache-long": lambda rng: kvcache_case(rng, long=True),
+            "kvcache-fp8-long": lambda rng: kvcache_fp8_case(rng, long=True),
             "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case,
             "varlen-fp8": varlen_fp8_case}
 
