@@ -182,11 +182,6 @@ class GluonVariant:
     # the block table (flash_attn_varlen_func's block_table), sequence b's keys the first
     # cu_seqlens_k[b + 1] - cu_seqlens_k[b] slots of its pages (clamped to the table's capacity).
     varlen: bool = False
-    # e4m3 with P through shared memory: each row's running sum from the tensor cores (P of a key tile
-    # times a column of ones, one m64n8 wgmma beside P V) instead of 2 x 63 FADDs per thread on the
-    # softmax's path. The sum is then of the e4m3-rounded P that P V weighs V with (the output's
-    # normalization consistent with its numerator; the LSE moves by the rounding's mean).
-    rowsum_mma: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -206,8 +201,6 @@ class GluonVariant:
         if self.varlen and (not self.warp_specialize or self.prefetch_q):
             # (the Q prefetch would load a skipped work tile's Q; not written)
             raise ValueError("varlen: warp specialized, without the Q prefetch")
-        if self.rowsum_mma and (not self.fp8 or self.p_in_registers or not self.warp_specialize):
-            raise ValueError("rowsum_mma: e4m3 with P through shared memory, warp specialized")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -253,8 +246,6 @@ class GluonVariant:
             sched += f"-pr{self.page_rows}"
         if self.varlen:
             sched += "-varlen"
-        if self.rowsum_mma:
-            sched += "-rsum"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -490,8 +481,6 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # pipe (exp2_poly 1 / 2)
                   + [dataclasses.replace(default_variant(128, "fp8", c), exp2_poly=k)
                      for c in (False, True) for k in (0, 3 - default_variant(128, "fp8", c).exp2_poly)]
-                  # the d128 e4m3 defaults with the row sums from the tensor cores (rowsum_mma)
-                  + [dataclasses.replace(default_variant(128, "fp8", c), rowsum_mma=True) for c in (False, True)]
                   # 16-bit P converted by Triton (a PRMT per pair), the defaults before 2026-11-30
                   + [dataclasses.replace(default_variant(d, "bf16", c), p_pack_asm=False)
                      for d in (64, 128, 256) for c in (False, True)]
@@ -876,15 +865,13 @@ if _GLUON:
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
                       MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
-                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      ROWSUM: gl.constexpr = False):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
         visible key so far gets alpha = 1 and p = exp2(-inf) = 0 rather than NaN.
         FP8: p comes out times V's relative descale ``v_rel`` (in (0, 256], so P still fits e4m3), by
         shifting the exponent; the running sum takes p without it.
-        ROWSUM (e4m3): no sum here; l_i, a (rows, 8) accumulator, passes through unchanged.
         LAZY: each row's m is a reference that moves only when the row's max exceeds it by more
         than RESCALE_THRESHOLD (p stays below 2^RESCALE_THRESHOLD); alpha is exactly 1 where it
         did not move. A decision per row needs no exchange between the warps here, on the
@@ -904,20 +891,11 @@ if _GLUON:
             # One FMA per score (LLVM left this one as a multiply and a subtract).
             shift = gl.expand_dims(gl.log2(v_rel) - m_new, 1)
             p = _exp2(gl.fma(s, qk_scale, shift), 0 if MASKED else EXP_POLY)
-            if ROWSUM:  # the tensor cores sum P (see _fold_rowsum)
-                l_new = l_i
-            else:
-                l_new = l_i * alpha + gl.sum(p, 1) * (1.0 / v_rel)
+            l_new = l_i * alpha + gl.sum(p, 1) * (1.0 / v_rel)
         else:
             p = _exp2(s * qk_scale - gl.expand_dims(m_new, 1), 0 if MASKED else EXP_POLY)
             l_new = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_new, alpha
-
-    @gluon.jit
-    def _fold_rowsum(l_acc, t, v_rel, alpha):
-        """l = (l + T / v_rel) * alpha in T's layout (P carried V's relative descale v_rel)."""
-        l_acc = l_acc + t * (1.0 / v_rel)
-        return l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, t.type.layout)), 1)
 
     @gluon.jit
     def _v_operand(v_bufs, slot, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FP8: gl.constexpr):
@@ -968,12 +946,6 @@ if _GLUON:
         return o
 
     @gluon.jit
-    def _pv_sum_wait(o_tok, t_tok, p_op, v_tile, ones):
-        """Wait for P V and the row-sum wgmma beside it (ROWSUM); returns (O, T)."""
-        o, t, _, _, _ = warpgroup_mma_wait(0, deps=(o_tok, t_tok, p_op, v_tile, ones))
-        return o, t
-
-    @gluon.jit
     def _p_operand(p_op, p_bufs, j, WG: gl.constexpr, FP8: gl.constexpr):
         """The A operand holding P of key tile j (see _stage_p)."""
         if FP8 == 1 or FP8 == 3:
@@ -1007,11 +979,9 @@ if _GLUON:
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0,
-                      ones=None, zero_t=None, ROWSUM: gl.constexpr = False):
+                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0):
         """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
-        of S_j while the second runs, then O rescaled to the new running max. ROWSUM: P_{j-1}'s
-        row sums by a wgmma beside P V, folded into l (then a (rows, 8) accumulator) with O."""
+        of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
         HEAD_DIM: gl.constexpr = q_tile.shape[1]
         ring = ring0 + j
@@ -1027,16 +997,10 @@ if _GLUON:
         v_tile = _v_operand(v_bufs, prev, BLOCK_N, HEAD_DIM, FP8)
         p_prev = _p_operand(p_op, p_bufs, j - 1, WG, FP8)
         o_tok = warpgroup_mma(p_prev, v_tile, o, is_async=True)
-        if ROWSUM:  # P_{j-1} 1 beside P_{j-1} V
-            t_tok = warpgroup_mma(p_prev, ones.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
         # The older of the two groups (S_j) is done; P V keeps running through the softmax.
         if Q_REGS > 0:
             s, _, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile, q_lo))
-        elif ROWSUM:
-            s, _, _ = warpgroup_mma_wait(2, deps=(s_tok, q_tile, k_tile))
-            _, v_rel_prev = _tile_scales(k_scales, v_scales, j - 1, scale_shift_k, qk_scale, BLOCK_N,
-                                         FP8)
         else:
             s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_tile, k_tile))
         if not JOINT:
@@ -1046,23 +1010,15 @@ if _GLUON:
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
                                            tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY,
-                                           EXP_POLY, ROWSUM)
+                                           EXP_POLY)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
-            if ROWSUM:
-                o, t = _pv_sum_wait(o_tok, t_tok, p_prev, v_tile, ones)
-            else:
-                o = _pv_wait(o_tok, p_prev, v_tile, FP8)
+            o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
         else:
             p_next = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, j, WG, FP8)
             if LAZY:  # whether any row's reference moved: warps exchange it while P V still runs
                 rescale = gl.min(alpha, 0) < 1.0
-            if ROWSUM:
-                o, t = _pv_sum_wait(o_tok, t_tok, p_prev, v_tile, ones)
-            else:
-                o = _pv_wait(o_tok, p_prev, v_tile, FP8)
-        if ROWSUM:
-            l_i = _fold_rowsum(l_i, t, v_rel_prev, alpha)
+            o = _pv_wait(o_tok, p_prev, v_tile, FP8)
         mbarrier.arrive(v_empty.index(prev))
         if LOADS:
             _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, batch, kv_head, j - 1 + STAGES,
@@ -1088,8 +1044,7 @@ if _GLUON:
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
                       P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
                       ZERO_TAIL: gl.constexpr = False, SeqlensK=None, CuSeqlensQ=None, Out=None,
-                      num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0, ones=None,
-                      ROWSUM: gl.constexpr = False):
+                      num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
@@ -1117,7 +1072,6 @@ if _GLUON:
         K_WIDTH: gl.constexpr = 4 if FP8 else 2
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        t_layout: gl.constexpr = _wgmma_layout(NUM_WARPS, 8, INSTR_K)  # ROWSUM's P 1
 
         coord = _batch_coord(batch, VARLEN)
         q_start = _sequence_start(CuSeqlensQ, batch, q_desc.shape[1], VARLEN)
@@ -1147,12 +1101,7 @@ if _GLUON:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         m_i = gl.full([ROWS], -1.0e30, gl.float32, row_layout)
-        if ROWSUM:
-            l_i = gl.zeros([ROWS, 8], gl.float32, t_layout)
-            zero_t = l_i
-        else:
-            l_i = gl.zeros([ROWS], gl.float32, row_layout)
-            zero_t = None
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
         o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
         # Key tile 0 on its own (it has no P V to overlap with); always masked, which also makes
@@ -1174,7 +1123,7 @@ if _GLUON:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES,
                              ring0 + STAGES, BLOCK_N, STAGES, STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, tile_scale,
-                                           v_rel, True, CAUSAL, FP8, ROWSUM=ROWSUM)
+                                           v_rel, True, CAUSAL, FP8)
         if FP8 == 1 or FP8 == 3:  # p_op only rides along (P is in p_bufs)
             p_op = gl.zeros([ROWS], gl.float32, row_layout)
         else:
@@ -1199,14 +1148,14 @@ if _GLUON:
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                 STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                q_lo, Q_REGS, ones, zero_t, ROWSUM)
+                q_lo, Q_REGS)
         for j in range(gl.maximum(num_full, 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                 STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                q_lo, Q_REGS, ones, zero_t, ROWSUM)
+                q_lo, Q_REGS)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -1222,18 +1171,9 @@ if _GLUON:
         v_tile = _v_operand(v_bufs, slot, BLOCK_N, HEAD_DIM, FP8)
         p_last = _p_operand(p_op, p_bufs, num_tiles - 1, WG, FP8)
         o_tok = warpgroup_mma(p_last, v_tile, o, is_async=True)
-        if ROWSUM:
-            t_tok = warpgroup_mma(p_last, ones.permute((1, 0)), zero_t, use_acc=False, is_async=True)
         _pass_turn(turn_bars, WG, PINGPONG)
-        if ROWSUM:
-            o, t = _pv_sum_wait(o_tok, t_tok, p_last, v_tile, ones)
-        else:
-            o = _pv_wait(o_tok, p_last, v_tile, FP8)
+        o = _pv_wait(o_tok, p_last, v_tile, FP8)
         mbarrier.arrive(v_empty.index(slot))
-        if ROWSUM:  # the last tile's sums, then one column of the 8 equal ones
-            _, v_rel_last = _tile_scales(k_scales, v_scales, num_tiles - 1, scale_shift_k, qk_scale,
-                                         BLOCK_N, FP8)
-            l_i = gl.convert_layout(gl.max(l_i + t * (1.0 / v_rel_last), 1), row_layout)
         if OWN_RANGE:
             # The block's tiles past these rows' diagonal: release each once it has landed (its
             # ready phase is the proof that the slot's previous occupant is released by everyone).
@@ -1312,7 +1252,7 @@ if _GLUON:
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
                   Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                  VARLEN: gl.constexpr = False, ROWSUM: gl.constexpr = False):
+                  VARLEN: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1323,16 +1263,8 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out,
-         ones_smem) = shared
+         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
-        if ROWSUM:  # this consumer's column of ones (8 of them: the smallest wgmma N)
-            ones = ones_smem.index(WG)
-            fill: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [gl.num_warps(), 1], [1, 0])
-            ones.store(gl.full([8, BLOCK_N], 1.0, gl.float32, fill).to(ones_smem.dtype))
-            fence_async_shared()
-        else:
-            ones = None
         num_bh = num_heads * batch_size
         count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
         ring = 0
@@ -1379,7 +1311,7 @@ if _GLUON:
                                   v_scales, scale_shift_q, scale_shift_k, v_max_index, BLOCK_N,
                                   HEAD_DIM, STAGES, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, False,
                                   OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK,
-                                  CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k, ones, ROWSUM)
+                                  CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k)
                     ring += num_tiles
                     event += num_tiles + 1
                     live += 1  # Q loads so far: the parity of this consumer's Q barrier
@@ -1391,7 +1323,7 @@ if _GLUON:
                               num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                               scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
                               CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                              EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK, ones=ones, ROWSUM=ROWSUM)
+                              EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK)
                 ring += num_tiles
                 event += num_tiles + 1
         if Q_BUFS == 2:
@@ -1417,8 +1349,7 @@ if _GLUON:
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                        PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False,
-                        ROWSUM_MMA: gl.constexpr = False):
+                        PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1461,11 +1392,6 @@ if _GLUON:
                                                p_layout)
         else:  # never used
             p_smem = q_smem
-        if ROWSUM_MMA:
-            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
-            ones_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)
-        else:  # never used
-            ones_smem = q_smem
         q_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS * Q_BUFS, 1],
                                            mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -1485,7 +1411,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK, CuSeqlensQ, Out, ones_smem)
+                  head_group, SeqlensK, CuSeqlensQ, Out)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1518,12 +1444,10 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             ROWSUM_MMA)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             ROWSUM_MMA)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
@@ -1579,7 +1503,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
-            "VARLEN": variant.varlen, "ROWSUM_MMA": variant.rowsum_mma}
+            "VARLEN": variant.varlen}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
