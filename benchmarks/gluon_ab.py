@@ -55,12 +55,9 @@ def _runs(entries, b, s, by_name, h=16):
     runs = {}
     if variants[0].fp8:
         z, blocks, descales = fp8_inputs(q, k, v, variants)
-        from flashtile.kernels.gluon_forward import permute_keys_for_p_vec
-        v_pvec = {var.p_vec: permute_keys_for_p_vec(z.v, var.p_vec) for var in variants if var.p_vec}
         for entry, (var, order) in parsed.items():
             runs[entry] = (lambda var=var, order=order: gluon_attention_forward(
-                z.q, z.k, v_pvec.get(var.p_vec, z.v), softmax_scale=scale, causal=causal,
-                variant=var, descales=descales,
+                z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=var, descales=descales,
                 scale_blocks=blocks, **order))
         # The portable e4m3 kernel on the same tensors: what dispatch runs where Gluon does not.
         from flashtile.kernels.forward import attention_forward, pick_config

@@ -151,9 +151,7 @@ def _check_case_fp8(q, k, v, causal, variant, order=None):
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32,
                      device=q.device)
-    from flashtile.kernels.gluon_forward import permute_keys_for_p_vec
-    v_in = permute_keys_for_p_vec(z.v, variant.p_vec) if variant.p_vec else z.v
-    gluon_attention_forward(z.q, z.k, v_in, softmax_scale=scale, causal=causal, variant=variant, out=out,
+    gluon_attention_forward(z.q, z.k, z.v, softmax_scale=scale, causal=causal, variant=variant, out=out,
                             lse=lse, descales=fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale),
                             scale_blocks=blocks, **(order or {}))
     torch.cuda.synchronize()

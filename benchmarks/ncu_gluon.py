@@ -33,7 +33,7 @@ PIPES = ["--metrics", ",".join([
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
     "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active",
     "smsp__issue_active.avg.pct_of_peak_sustained_active"])]
-CASES = ("bf16", "fp8-full-n128-s3-ws-pingpong", "fp8-full-n128-s3-ws")  # NCU_CASES overrides (comma list)
+CASES = ("bf16", "fp8-full-n128-s3-ws-pingpong", "fp8-full-n128-s3-ws")
 
 
 def _source(case: str, out_dir: str) -> int:
@@ -90,8 +90,7 @@ def main() -> int:
         return _source(sys.argv[2], sys.argv[3])
     if case == "--all":
         status = 0
-        import os
-        for name in os.environ.get("NCU_CASES", "").split(",") if os.environ.get("NCU_CASES") else CASES:
+        for name in CASES:
             print(f"== {name}", flush=True)
             status |= subprocess.call(NCU + SECTIONS + [sys.executable, __file__, name])
             print(f"== {name} pipes", flush=True)
@@ -99,8 +98,7 @@ def main() -> int:
         return status
     from flashtile import fp8
     from flashtile.kernels.forward import fp8_kernel_descales
-    from flashtile.kernels.gluon_forward import (GLUON_VARIANTS, default_variant, gluon_attention_forward,
-                                                 permute_keys_for_p_vec)
+    from flashtile.kernels.gluon_forward import GLUON_VARIANTS, default_variant, gluon_attention_forward
 
     q, k, v = (torch.randn(2, 8192, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     if case == "bf16":
@@ -113,8 +111,7 @@ def main() -> int:
         blocks = (128, max(128, variant.block_n))
         z = fp8.quantize_qkv(q, k, v, block=blocks)
         descales = fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
-        zv = permute_keys_for_p_vec(z.v, variant.p_vec) if variant.p_vec else z.v
-        run = lambda: gluon_attention_forward(z.q, z.k, zv, softmax_scale=128 ** -0.5, causal=False,
+        run = lambda: gluon_attention_forward(z.q, z.k, z.v, softmax_scale=128 ** -0.5, causal=False,
                                               variant=variant, descales=descales,
                                               scale_blocks=blocks)
     print(variant.name, flush=True)

@@ -160,12 +160,6 @@ class GluonVariant:
     # P V operand takes; Triton's own conversion packs each pair the other way round and swaps the
     # halves back with a PRMT (32 per thread per 128-key tile).
     p_pack_asm: bool = True
-    # e4m3: P's keys permuted within each group of 4 * p_vec keys into the order a thread holds
-    # them (position p_vec * q + 2j + i holds key 8j + 2q + i), so that a thread's p_vec keys of a
-    # row and group are adjacent in P's shared-memory slot and go there as one store (16: 8
-    # STS.128 per 256-key tile instead of 64 STS.U16 of 2-byte pairs; 4: 32 STS.32). V^T must
-    # carry its keys in the same order (``permute_keys_for_p_vec``). 0: keys in their order.
-    p_vec: int = 0
     # Query columns [0, q_regs) held in registers as the A operand of S = Q K^T (the rest stays in
     # shared memory): at d256 with 64-key tiles an all-shared-memory S wgmma reads 4 KB of operands
     # per 32 clocks, the 128 bytes per clock shared memory serves, so taking half of Q off it leaves
@@ -207,9 +201,6 @@ class GluonVariant:
         if self.varlen and (not self.warp_specialize or self.prefetch_q):
             # (the Q prefetch would load a skipped work tile's Q; not written)
             raise ValueError("varlen: warp specialized, without the Q prefetch")
-        if self.p_vec and (self.p_vec not in (4, 16) or not self.fp8 or self.p_in_registers
-                           or self.block_n % (4 * self.p_vec)):
-            raise ValueError("p_vec: e4m3 P through shared memory, key tiles of whole 64-key blocks")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -249,8 +240,6 @@ class GluonVariant:
             sched += "-prmt"
         if self.q_regs:
             sched += f"-qr{self.q_regs}"
-        if self.p_vec:
-            sched += f"-pvec{self.p_vec}"
         if self.seqused_k:
             sched += "-seqk"
         if self.page_rows:
@@ -473,9 +462,6 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [dataclasses.replace(default_variant(128, "fp8", True), joint_release=False, exp2_poly=0,
                                          **change)
                      for change in ({}, {"stages": 2}, {"pingpong": True}, {"p_in_registers": True})]
-                  # P stored as 16-byte vectors, V^T's keys permuted (measured 2026-12-03)
-                  + [dataclasses.replace(default_variant(128, "fp8", c), p_vec=w) for c in (False, True)
-                     for w in (4, 16)]
                   # persistent CTAs loading the next work tile's Q during the current one (the causal
                   # ones, within noise in gluon-ab-h200-20261130.json, were dropped with the snake order)
                   + [dataclasses.replace(default_variant(128, "fp8", False), persistent=True,
@@ -933,27 +919,6 @@ if _GLUON:
         else:
             return p.to(dtype)
 
-    @gluon.constexpr_function
-    def _p_vec_layout(rows, n, run):
-        # The accumulator's element-to-thread map after the permutation of _e4m3_p (the shared
-        # store finds the runs in any register order; this one keeps them first).
-        within = [[0, 1 << t] for t in range(run.bit_length() - 1)]
-        groups = [[0, 4 * run << t] for t in range((n // (4 * run)).bit_length() - 1)]
-        return gl.DistributedLinearLayout(within + [[8, 0]] + groups,
-                                          [[0, run], [0, 2 * run], [1, 0], [2, 0], [4, 0]],
-                                          [[16, 0], [32, 0]], [], [rows, n])
-
-    @gluon.jit
-    def _e4m3_p(p, dtype: gl.constexpr, VEC: gl.constexpr):
-        """fp32 P to e4m3; VEC: keys permuted within each group of 4 * VEC so that a thread's VEC
-        keys of a row and group (8j + 2q + i) sit at positions VEC * q + 2j + i."""
-        if VEC:
-            ROWS: gl.constexpr = p.shape[0]
-            N: gl.constexpr = p.shape[1]
-            p = p.reshape([ROWS, N // (4 * VEC), VEC // 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([ROWS, N])
-            p = gl.convert_layout(p, _p_vec_layout(ROWS, N, VEC), assert_trivial=True)
-        return p.to(dtype)
-
     @gluon.jit
     def _stage_p(p, p_op, p_bufs, j, WG: gl.constexpr, FP8: gl.constexpr):
         """P of key tile j as the A operand of its P V: 16-bit P stays in registers (returned in
@@ -1048,13 +1013,9 @@ if _GLUON:
                                            EXP_POLY)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
-            p_next = _stage_p(_e4m3_p(p, q_tile.dtype, P_PACK), p_op, p_bufs, j, WG, FP8)
+            p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
         else:
-            if FP8:
-                p_low = _e4m3_p(p, q_tile.dtype, P_PACK)
-            else:
-                p_low = _to_16bit(p, q_tile.dtype, P_PACK)
-            p_next = _stage_p(p_low, p_op, p_bufs, j, WG, FP8)
+            p_next = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, j, WG, FP8)
             if LAZY:  # whether any row's reference moved: warps exchange it while P V still runs
                 rescale = gl.min(alpha, 0) < 1.0
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
@@ -1168,7 +1129,7 @@ if _GLUON:
         else:
             p_op = gl.zeros([ROWS, BLOCK_N], q_tile.dtype, p_layout)
         if FP8:
-            p_op = _stage_p(_e4m3_p(p, q_tile.dtype, P_PACK), p_op, p_bufs, 0, WG, FP8)
+            p_op = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, 0, WG, FP8)
         else:
             p_op = _stage_p(_to_16bit(p, q_tile.dtype, P_PACK), p_op, p_bufs, 0, WG, FP8)
 
@@ -1540,8 +1501,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "SNAKE": variant.snake,
             "OWN_RANGE": (2 if variant.skip_empty_rows else 1) if variant.own_range else 0,
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
-            # (16-bit: P packed by inline PTX; e4m3: P stored as 16-byte vectors, keys permuted)
-            "P_PACK_ASM": variant.p_vec if variant.fp8 else variant.p_pack_asm, "Q_REGS": variant.q_regs,
+            "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
             "VARLEN": variant.varlen}
 
@@ -1972,39 +1932,13 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
                       (*_NO_SCALES, geo.head_group, page_size, stride_bt))
 
 
-def p_vec_key_order(seqlen: int, run: int = 16, device=None) -> torch.Tensor:
-    """Key at each position of a ``p_vec`` = run variant's V^T (seqlen rounded up to 4 * run):
-    within each group of 4 * run keys, position run * q + 2j + i holds key 8j + 2q + i."""
-    group = 4 * run
-    pos = torch.arange(group)
-    within = (pos % run) // 2 * 8 + pos // run * 2 + pos % 2
-    groups = -(-seqlen // group)
-    return (torch.arange(groups)[:, None] * group + within).reshape(-1).to(device)
-
-
-def permute_keys_for_p_vec(v: torch.Tensor, run: int = 16) -> torch.Tensor:
-    """e4m3 V (B, S, Hk, D) in the keys-contiguous layout as a ``p_vec`` = run variant reads it:
-    the same layout with storage padded to a multiple of 4 * run keys (zeros past S), keys
-    reordered by p_vec_key_order."""
-    batch, seqlen, heads, head_dim = v.shape
-    padded = -(-seqlen // (4 * run)) * (4 * run)
-    src = torch.zeros(batch, heads, head_dim, padded, dtype=torch.uint8, device=v.device)
-    src[..., :seqlen] = v.view(torch.uint8).permute(0, 2, 3, 1)
-    out = src[..., p_vec_key_order(seqlen, run, v.device)].view(v.dtype)
-    return out[..., :seqlen].permute(0, 3, 1, 2)
-
-
 def _descriptors(q, k, v, out, geo: "_Geometry", variant: GluonVariant) -> tuple:
     """The launch's TMA descriptors over (B, S, H, D) q, k, out and v, e4m3 V as V^T (B, Hk, D, S)."""
     q_layout, k_layout, v_layout, o_layout = geo.layouts
     v_block = (1, 1, variant.head_dim, variant.block_n) if variant.fp8 else geo.kv_block
-    v_shape = v.shape
-    if variant.p_vec:  # V^T (B, Hk, D, S): its last key group is whole (permute_keys_for_p_vec)
-        group = 4 * variant.p_vec
-        v_shape = (*v.shape[:3], -(-v.shape[3] // group) * group)
     return (_Descriptor(q, q.shape, q.stride(), geo.q_block, q_layout),
             _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
-            _Descriptor(v, v_shape, v.stride(), v_block, v_layout),
+            _Descriptor(v, v.shape, v.stride(), v_block, v_layout),
             _Descriptor(out, out.shape, out.stride(), geo.q_block, o_layout))
 
 
