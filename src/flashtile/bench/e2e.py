@@ -38,7 +38,10 @@ QUICK_PROMPTS = (2048, 8192)
 DECODE_BATCHES = (1, 16)
 DECODE_PROMPT, NEW_TOKENS, CHECK_STEPS = 512, 256, 32
 REPS = 3
-DECODE_REPS = 3  # rounds of timed generate runs (after a warm-up of each implementation)
+# Rounds of timed generate runs (after a warm-up of each implementation). generate is host-bound at
+# batch 1 and the GPU machine's host drifts: in 3 rounds (2026-12-03) flashtile read 0.58x sdpa, in 8
+# alternated rounds the same code 0.97x (e2e-decode-ab-h200-20261203.log).
+DECODE_REPS = 6
 
 
 def qwen_config(layers: int | None = None):
@@ -210,7 +213,7 @@ def decode_rates(model, device, batch: int, impls=IMPLEMENTATIONS, prompt: int =
             ms = steps[impl]
             med = statistics.median(ms)
             result[impl] = {"available": True, "ms_per_step": med, "ms_per_step_min": min(ms),
-                            "ms_per_step_max": max(ms), "tokens_per_s": batch * 1e3 / med}
+                            "ms_per_step_max": max(ms), "ms_rounds": ms, "tokens_per_s": batch * 1e3 / med}
     return result
 
 
