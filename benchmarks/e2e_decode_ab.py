@@ -1,4 +1,5 @@
-"""Batch-1 decode steps in transformers, flashtile against sdpa, in more alternated rounds than bench e2e.
+"""Decode steps in transformers (batch 1 unless given), flashtile against sdpa, in more alternated rounds
+than bench e2e.
 
     PYTHONPATH=src python benchmarks/e2e_decode_ab.py [ROUNDS] [NEW_TOKENS] [BATCH]
 """
