@@ -20,7 +20,7 @@ from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forwa
 def test_gluon_variants_compile_for_sm90(module, shard):
     """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
     (kernels.gluon_decode), within each variant's spill allowance and without wgmmas serialized
-    by ptxas (its C7515 advisory). The forward's 161 variants in
+    by ptxas (its C7515 advisory). The forward's 171 variants in
     two shards, so that two test workers share a cold compile (~6 s a variant on the CI machine's
     cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -64,10 +64,13 @@ def test_supported_is_false_on_cpu(causal):
 def test_options_supported_accepts_the_plain_call():
     assert gluon_forward.options_supported(softmax_scale=0.125)
     assert gluon_forward.options_supported(softmax_scale=None, return_attn_probs=False)
+    # sliding windows: any sides (the window variants, with_window)
+    for window in ((128, 0), (-1, 7), (0, 0), (300, 300)):
+        assert gluon_forward.options_supported(softmax_scale=0.125, window_size=window)
 
 
 @pytest.mark.parametrize("options", [
-    {"dropout_p": 0.1}, {"window_size": (128, 0)}, {"softcap": 30.0},
+    {"dropout_p": 0.1}, {"softcap": 30.0},
     {"alibi_slopes": torch.ones(4)}, {"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)},
     {"block_table": torch.zeros(2, 4, dtype=torch.int32)}, {"return_attn_probs": True},
     {"softmax_scale": -0.1},
@@ -646,3 +649,74 @@ def test_varlen_route_stays_off_cpu_and_unsupported_calls():
     kw = dict(softmax_scale=0.1, window_left=-1, window_right=0, softcap=0.0, alibi_slopes=None, out=None,
               lse=None, config=None, dropout_seed=None, descales=None, scale_blocks=(0, 0))
     assert fwd._gluon_varlen(q, k, k, cu, cu, 20, 20, **kw) is None
+
+
+def _tile_span(m0, seqlen_q, seqlen_k, left, right, block_m, block_n):
+    """gluon_forward._tile_span's WINDOW arithmetic in Python (the kernel's is a transcription)."""
+    diag = seqlen_k - seqlen_q
+    first_key = min(max(m0 + diag - left, 0), max(seqlen_k - 1, 0))
+    key_end = min(seqlen_k, max(m0 + block_m + diag + right, 0))
+    first = first_key // block_n
+    num_tiles = max((key_end + block_n - 1) // block_n - first, 1)
+    full_start = max(m0 + block_m - 1 + diag - left, 0)
+    full_end = min(seqlen_k, max(m0 + diag + right + 1, 0))
+    num_left = min(max((full_start + block_n - 1) // block_n - first, 1), num_tiles)
+    num_full = min(max(full_end // block_n - first, num_left), num_tiles)
+    return first, num_tiles, num_left, num_full
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_tile_span_covers_the_window_and_skips_masks_only_where_every_row_sees_all(seed):
+    """For random blocks, lengths and windows (sides without a bound as the kernel takes them): the
+    tiles a block runs hold every key its rows see, are inside the keys, and the unmasked ones
+    ([num_left, num_full)) hold only keys every row of the block sees."""
+    import random
+    rng = random.Random(seed)
+    big = gluon_forward.UNBOUNDED_WINDOW
+    for _ in range(300):
+        block_m, block_n = rng.choice([(128, 128), (192, 128), (128, 64)])
+        seqlen_q, seqlen_k = rng.randint(1, 1500), rng.randint(1, 1500)
+        causal = rng.random() < 0.5
+        window = (rng.choice([-1, rng.randint(0, 600)]), rng.choice([-1, rng.randint(0, 600)]))
+        if window == (-1, -1):
+            window = (rng.randint(0, 600), -1)
+        left, right = gluon_forward.window_arguments(causal, window)
+        assert left == (window[0] if window[0] >= 0 else big)
+        assert right == (0 if causal else window[1] if window[1] >= 0 else big)
+        m0 = block_m * rng.randrange(-(-seqlen_q // block_m))
+        first, num_tiles, num_left, num_full = _tile_span(m0, seqlen_q, seqlen_k, left, right, block_m,
+                                                          block_n)
+        assert 0 <= first and first * block_n < seqlen_k and num_tiles >= 1
+        assert 1 <= num_left <= num_full <= num_tiles
+        lo, hi = first * block_n, min((first + num_tiles) * block_n, seqlen_k)
+        for row in range(m0, min(m0 + block_m, seqlen_q)):
+            pos = row + seqlen_k - seqlen_q
+            seen = [key for key in range(max(pos - left, 0), min(pos + right, seqlen_k - 1) + 1)]
+            assert all(lo <= key < hi for key in seen), (row, window, causal)
+        for j in range(num_left, num_full):
+            keys = range((first + j) * block_n, (first + j + 1) * block_n)
+            assert keys[-1] < seqlen_k
+            for row in range(m0, m0 + block_m):  # every row of the block, those past Sq too
+                pos = row + seqlen_k - seqlen_q
+                assert pos - left <= keys[0] and keys[-1] <= pos + right, (row, j, window, causal)
+
+
+def test_window_variants_are_compiled_and_dispatchable():
+    shipped = set(gluon_forward.GLUON_VARIANTS)
+    for d in gluon_forward.HEAD_DIMS:
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                for keys in (1, 1 << 20):
+                    base = gluon_forward.dispatch_variant(d, dtype, causal, keys)
+                    win = gluon_forward.with_window(base)
+                    assert win.window and not win.own_range and win.name.endswith("-win")
+                    assert win.consumers == (3 if (d, causal) == (64, True) else 2)
+                    dispatched = d in gluon_forward.WINDOW_HEAD_DIMS
+                    assert (win in shipped) == dispatched and (win in gluon_forward.DISPATCHED) == dispatched
+    assert set(gluon_forward.WINDOW_HEAD_DIMS) == set(forward.GLUON_WINDOW_MIN_KEYS)
+    assert forward.window_span(37, 0) == 38 and forward.window_span(-1, 0) == float("inf")
+    assert forward.window_span(10, 5) == 16 and forward.window_span(3, -1) == float("inf")
+    with pytest.raises(ValueError, match="window"):
+        gluon_forward.GluonVariant(128, "fp8", window=True)
+    with pytest.raises(ValueError, match="window"):
+        dataclasses.replace(gluon_forward.default_variant(64, "bf16", True), window=True)  # own ranges

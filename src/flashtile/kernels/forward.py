@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -668,10 +669,25 @@ def _tma_eligible(tensors, strides) -> bool:
 
 
 # The Hopper (sm_90) forward in Gluon runs wherever it applies (gluon_forward.supported: bf16/fp16,
-# head dims 64/128/256, full or bottom-right causal, nothing else); FLASHTILE_GLUON=0 keeps every call on
-# the portable Triton kernel.
+# head dims 64/128/256, full or bottom-right causal, sliding windows where GLUON_WINDOW_MIN_KEYS says,
+# nothing else); FLASHTILE_GLUON=0 keeps every call on the portable Triton kernel.
 GLUON_ENABLED = os.environ.get("FLASHTILE_GLUON", "1") not in ("", "0")
 _PLAIN_GLUON = GLUON_ENABLED and not _INTERPRET
+# Sliding windows (flash_attn_func's window_size) on the Gluon forward as well, at the head dims below
+# where a row's window spans at least that many keys (left + right + 1, causal: left + 1);
+# FLASHTILE_GLUON_WINDOW=0 leaves them all on the portable kernel. H200, causal windows over 16k tokens
+# (window-probe-h200-20261204.json), Gluon / portable TFLOP/s at windows of 128/256/512/1024/2048/4096
+# keys: d128 (32/8 heads) 0.91/0.94/1.15/1.29/1.33/1.34x, d256 (16/8) 1.50/1.49/1.43/1.43/1.43/1.42x;
+# d64 (64/8, the 192-row three-consumer blocks) 0.51/0.54/0.60/0.77/0.90x up to 2048: not taken.
+GLUON_WINDOW = os.environ.get("FLASHTILE_GLUON_WINDOW", "1") not in ("", "0")
+GLUON_WINDOW_MIN_KEYS = {128: 512, 256: 0}
+
+
+def window_span(window_left: int, window_right: int) -> float:
+    """Keys a row's window spans (-1: an unbounded side)."""
+    if window_left < 0 or window_right < 0:
+        return math.inf
+    return window_left + window_right + 1
 
 
 # A plain call with few query tiles against many keys runs the split-KV decode kernel instead of the
@@ -724,13 +740,17 @@ def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_off
     if (config is not None or cu_seqlens_q is not None or dropout_seed is not None
             or block_table is not None or descales is not None or softcap or alibi_slopes is not None):
         return False
-    if q.dim() != 4 or window_left >= 0:
+    if q.dim() != 4:
         return False
-    causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
-    if window_right >= 0 and not causal:
-        return False
+    bottom_right = diag_offset == k.shape[1] - q.shape[1]
+    causal = window_right == 0 and bottom_right
+    if window_left >= 0 or (window_right >= 0 and not causal):  # a sliding window
+        if not (GLUON_WINDOW and bottom_right
+                and window_span(window_left, window_right) >= GLUON_WINDOW_MIN_KEYS.get(q.shape[-1], math.inf)):
+            return False
     from . import gluon_forward
-    return gluon_forward.supported(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return gluon_forward.supported(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   window_size=(window_left, window_right))
 
 
 # The e4m3 kernels multiply P (in [0, 1]) by V's relative descale before P's cast to e4m3; times
@@ -886,7 +906,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         from .gluon_forward import _tma_ok, gluon_attention_forward
         if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
             return gluon_attention_forward(q, k, v, softmax_scale=softmax_scale,
-                                           causal=window_right == 0, out=out, lse=lse)
+                                           causal=window_right == 0, out=out, lse=lse,
+                                           window_size=(window_left, window_right))
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         result = _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=softmax_scale,

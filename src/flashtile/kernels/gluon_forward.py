@@ -182,6 +182,10 @@ class GluonVariant:
     # the block table (flash_attn_varlen_func's block_table), sequence b's keys the first
     # cu_seqlens_k[b + 1] - cu_seqlens_k[b] slots of its pages (clamped to the table's capacity).
     varlen: bool = False
+    # Sliding window (flash_attn's window_size, either side bounded): each query block runs the key
+    # tiles from its window's left edge to its right edge (or the diagonal) only, masked at both
+    # ends; the window's sides are runtime arguments. 16-bit, plain (B, S, H, D) calls.
+    window: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -201,6 +205,9 @@ class GluonVariant:
         if self.varlen and (not self.warp_specialize or self.prefetch_q):
             # (the Q prefetch would load a skipped work tile's Q; not written)
             raise ValueError("varlen: warp specialized, without the Q prefetch")
+        if self.window and (self.fp8 or not self.warp_specialize or self.own_range or self.seqused_k
+                            or self.varlen):
+            raise ValueError("window: 16-bit plain calls, warp specialized, without own key ranges")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -246,6 +253,8 @@ class GluonVariant:
             sched += f"-pr{self.page_rows}"
         if self.varlen:
             sched += "-varlen"
+        if self.window:
+            sched += "-win"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -411,6 +420,35 @@ def varlen_paged_variant(head_dim: int, dtype: str, causal: bool, page_size: int
     return with_varlen(paged_variant(default_variant(head_dim, dtype, causal), page_size))
 
 
+@functools.lru_cache(maxsize=None)
+def with_window(variant: GluonVariant) -> GluonVariant:
+    """The schedule of ``variant`` under a sliding window: every consumer over its block's key span
+    (d64 causal's per-consumer ranges start at key 0). The window's arguments and the loop over the
+    left edge's masked tiles keep a few more registers live: sm_90 compiles (CPU machine) keep 32
+    stack bytes at d128 (one value reloaded a key tile in the first consumer), 48-64 at d256; d64
+    non-causal's three 160-register consumers spilled 152 bytes (41 spill instructions in a masked
+    tile), so it would take the two-consumer schedule (8 bytes); d64 causal keeps three (none).
+    Dispatch takes d128 and d256 only (WINDOW_HEAD_DIMS)."""
+    if variant.consumers != 2 and not variant.causal:
+        variant = _two_consumers(variant)
+    stack = {128: 32, 256: 64}.get(variant.head_dim, 8 if variant.consumers == 2 else 0)
+    return dataclasses.replace(variant, window=True, own_range=False,
+                               max_stack=max(variant.max_stack, stack))
+
+
+# A window side without a bound, as the kernel takes it: past any key position (rows' positions
+# plus or minus it stay within int32 for sequences under 2^30 keys).
+UNBOUNDED_WINDOW = 1 << 30
+
+
+def window_arguments(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """The kernel's (window_left, window_right) of flash_attn's ``window_size`` (-1: unbounded);
+    causal calls bound the right side at the diagonal."""
+    left, right = window_size
+    return (left if left >= 0 else UNBOUNDED_WINDOW,
+            0 if causal else right if right >= 0 else UNBOUNDED_WINDOW)
+
+
 def _two_consumers(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, consumers=2, pingpong=True, consumer_regs=240, max_stack=0,
                                own_range=False, prefetch_q=False)
@@ -446,6 +484,9 @@ HEAD_DIMS = (64, 128, 256)
 # medians in two runs (gluon-ab-d256-h200-20261130-a/-b.json; a single pass, -fp8-g, had it -3-5%
 # from 8k).
 FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False), (256, True)})
+# Sliding windows: the head dims forward.gluon_applies hands to the kernel (forward.GLUON_WINDOW_MIN_KEYS;
+# d64's 192-row blocks ran 0.51-0.90x the portable kernel at windows of 128-2048 keys).
+WINDOW_HEAD_DIMS = (128, 256)
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
@@ -514,7 +555,11 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   # for the element type) where pages hold whole key tiles
                   + [varlen_paged_variant(d, dt, c, page) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True) for page in (256, *PAGED_BOX_ROWS)
-                     if (page == 256 or (dt == "bf16" and page < default_variant(d, dt, c).block_n))])
+                     if (page == 256 or (dt == "bf16" and page < default_variant(d, dt, c).block_n))]
+                  # sliding windows: every schedule a windowed call may dispatch
+                  + [with_window(dispatch_variant(d, dt, c, n)) for d in WINDOW_HEAD_DIMS
+                     for dt in ("bf16", "fp16") for c in (False, True)
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -529,6 +574,8 @@ def variants_named(parts: list[str]) -> list[GluonVariant]:
 # Everything dispatch can run (gluon_check gives these its full case list).
 DISPATCHED = frozenset([dispatch_variant(d, dt, c, n) for d in HEAD_DIMS for dt in ("bf16", "fp16")
                         for c in (False, True) for n in (1, 1 << 20)]
+                       + [with_window(dispatch_variant(d, dt, c, n)) for d in WINDOW_HEAD_DIMS
+                          for dt in ("bf16", "fp16") for c in (False, True) for n in (1, 1 << 20)]
                        + [default_variant(d, "fp8", c) for d, c in FP8_DISPATCH])
 
 
@@ -606,6 +653,31 @@ if _GLUON:
             num_full = seqlen_k // BLOCK_N
         num_tiles = gl.maximum((key_end + BLOCK_N - 1) // BLOCK_N, 1)
         return num_tiles, gl.minimum(num_full, num_tiles)
+
+    @gluon.jit
+    def _tile_span(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+        """Key tiles the rows [m0, m0 + BLOCK_M) see: (first, num_tiles, num_left, num_full), tiles
+        first + j for j in [0, num_tiles), of which j in [num_left, num_full) need no mask; j = 0,
+        j in [1, num_left) (the window's left edge) and j in [num_full, num_tiles) (its right edge or
+        the diagonal, the keys' end) do. Without WINDOW: _key_range's tiles from 0 (num_left 1).
+        WINDOW: row i sees keys [i + diag - window_left, i + diag + window_right] (a side without a
+        bound passes a number past any sequence); at least one tile, inside the keys."""
+        if WINDOW:
+            diag = seqlen_k - seqlen_q
+            first_key = gl.minimum(gl.maximum(m0 + diag - window_left, 0), gl.maximum(seqlen_k - 1, 0))
+            key_end = gl.minimum(seqlen_k, gl.maximum(m0 + BLOCK_M + diag + window_right, 0))
+            first = first_key // BLOCK_N
+            num_tiles = gl.maximum((key_end + BLOCK_N - 1) // BLOCK_N - first, 1)
+            # keys every row of the block sees: from the last row's left edge to the first row's right
+            full_start = gl.maximum(m0 + BLOCK_M - 1 + diag - window_left, 0)
+            full_end = gl.minimum(seqlen_k, gl.maximum(m0 + diag + window_right + 1, 0))
+            num_left = gl.minimum(gl.maximum((full_start + BLOCK_N - 1) // BLOCK_N - first, 1), num_tiles)
+            num_full = gl.minimum(gl.maximum(full_end // BLOCK_N - first, num_left), num_tiles)
+            return first, num_tiles, num_left, num_full
+        else:
+            num_tiles, num_full = _key_range(m0, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+            return 0, num_tiles, 1, num_full
 
     @gluon.jit
     def _keys_of(SeqlensK, batch, seqlen_k, SEQUSED_K: gl.constexpr):
@@ -755,7 +827,8 @@ if _GLUON:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr,
                   SEQUSED_K: gl.constexpr = False, PAGE_ROWS: gl.constexpr = 0,
-                  VARLEN: gl.constexpr = False):
+                  VARLEN: gl.constexpr = False, window_left=0, window_right=0,
+                  WINDOW: gl.constexpr = False):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
         consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
@@ -774,7 +847,8 @@ if _GLUON:
             kv_head = head // group_size
             _, queries, key0, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
                                                k_desc.shape[1], SEQUSED_K, VARLEN)
-            num_tiles, _ = _key_range(pid_m * BLOCK_M, queries, keys, BLOCK_M, BLOCK_N, CAUSAL)
+            first, num_tiles, _, _ = _tile_span(pid_m * BLOCK_M, queries, keys, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
             if VARLEN:
                 num_tiles = num_tiles * (pid_m * BLOCK_M < queries).to(gl.int32)
             coord = _batch_coord(batch, VARLEN)
@@ -807,14 +881,14 @@ if _GLUON:
                     _issue_box_load(v_desc, v_bufs, v_ready, v_empty, [first, row, kv_head, 0], ring + j,
                                     STAGES)
                 elif JOINT:
-                    _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, coord, kv_head, j, ring + j,
+                    _issue_tile_load(k_desc, k_bufs, k_ready, v_empty, coord, kv_head, first + j, ring + j,
                                      BLOCK_N, STAGES, True, False, True, key0)
-                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, coord, kv_head, j, ring + j,
+                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, coord, kv_head, first + j, ring + j,
                                      BLOCK_N, STAGES, True, FP8, False, v_key0)
                 else:
-                    _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, coord, kv_head, j, ring + j,
+                    _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, coord, kv_head, first + j, ring + j,
                                      BLOCK_N, STAGES, True, False, True, key0)
-                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, coord, kv_head, j, ring + j,
+                    _issue_tile_load(v_desc, v_bufs, v_ready, v_empty, coord, kv_head, first + j, ring + j,
                                      BLOCK_N, STAGES, True, FP8, True, v_key0)
             ring += num_tiles
 
@@ -865,7 +939,8 @@ if _GLUON:
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
                       MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
-                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0):
+                      LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0, window_left=0,
+                      window_right=0, WINDOW: gl.constexpr = False):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
@@ -882,6 +957,9 @@ if _GLUON:
             keep = gl.expand_dims(keys < seqlen_k, 0)
             if CAUSAL:
                 keep = keep & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows_pos, 1))
+            if WINDOW:
+                keep = (keep & (gl.expand_dims(keys, 0) >= gl.expand_dims(rows_pos - window_left, 1))
+                        & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows_pos + window_right, 1)))
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         if LAZY:
@@ -979,8 +1057,9 @@ if _GLUON:
                       CAUSAL: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
-                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0):
-        """Key tile j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
+                      P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0,
+                      first_tile=0, window_left=0, window_right=0, WINDOW: gl.constexpr = False):
+        """Key tile first_tile + j, j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
         HEAD_DIM: gl.constexpr = q_tile.shape[1]
@@ -1008,9 +1087,9 @@ if _GLUON:
         if LOADS:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, j + STAGES,
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, j * BLOCK_N, seqlen_k,
-                                           tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY,
-                                           EXP_POLY)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, (first_tile + j) * BLOCK_N,
+                                           seqlen_k, tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY,
+                                           EXP_POLY, window_left, window_right, WINDOW)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
@@ -1044,9 +1123,12 @@ if _GLUON:
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
                       P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
                       ZERO_TAIL: gl.constexpr = False, SeqlensK=None, CuSeqlensQ=None, Out=None,
-                      num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0):
+                      num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0, first_tile=0, num_left=1,
+                      window_left=0, window_right=0, WINDOW: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
-        [0, num_tiles), which sit at ring positions ring0 + j; writes their output and LSE.
+        first_tile + j for j in [0, num_tiles), which sit at ring positions ring0 + j; writes their
+        output and LSE. Tiles j in [num_left, num_full) need no mask (see _tile_span; WINDOW: the
+        sliding window's sides, masked on the others).
         ``Q_PREFETCHED``: the caller has issued Q's load (on ``q_bar``) and waits for the output
         store itself. ``OWN_RANGE``: run only the key tiles these rows see (a causal block's first
         consumers see fewer than its last), then release the block's remaining tiles unread; 2:
@@ -1122,8 +1204,9 @@ if _GLUON:
         if LOADS:
             _issue_tile_load(k_desc, k_bufs, k_ready, k_empty, batch, kv_head, STAGES,
                              ring0 + STAGES, BLOCK_N, STAGES, STAGES < num_tiles)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, 0, seqlen_k, tile_scale,
-                                           v_rel, True, CAUSAL, FP8)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, first_tile * BLOCK_N, seqlen_k,
+                                           tile_scale, v_rel, True, CAUSAL, FP8, False, 0, window_left,
+                                           window_right, WINDOW)
         if FP8 == 1 or FP8 == 3:  # p_op only rides along (P is in p_bufs)
             p_op = gl.zeros([ROWS], gl.float32, row_layout)
         else:
@@ -1141,21 +1224,29 @@ if _GLUON:
                 live = (row0 < seqlen_q).to(gl.int32)
                 num_tiles = live * num_tiles + (1 - live)
                 num_full = live * num_full
+        if WINDOW:  # the window's left edge: masked
+            for j in range(1, num_left):
+                o, p_op, m_i, l_i = _kv_iteration(
+                    j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
+                    turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
+                    rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
+                    STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
+                    q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW)
         # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
-        for j in range(1, num_full):
+        for j in range(gl.maximum(num_left, 1), num_full):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                 STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                q_lo, Q_REGS)
-        for j in range(gl.maximum(num_full, 1), num_tiles):
+                q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW)
+        for j in range(gl.maximum(gl.maximum(num_full, num_left), 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                 STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                q_lo, Q_REGS)
+                q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -1252,7 +1343,7 @@ if _GLUON:
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
                   Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                  VARLEN: gl.constexpr = False):
+                  VARLEN: gl.constexpr = False, WINDOW: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1263,7 +1354,8 @@ if _GLUON:
         (q_desc, k_desc, v_desc, o_desc, p_bufs, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
-         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out) = shared
+         scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out, window_left,
+         window_right) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
@@ -1295,7 +1387,8 @@ if _GLUON:
             m0 = pid_m * BLOCK_M
             _, queries, _, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
                                             k_desc.shape[1], SEQUSED_K, VARLEN)
-            num_tiles, num_full = _key_range(m0, queries, keys, BLOCK_M, BLOCK_N, CAUSAL)
+            first, num_tiles, num_left, num_full = _tile_span(m0, queries, keys, window_left, window_right,
+                                                              BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
             q_scales = QScale + batch.to(gl.int64) * stride_qsb + head.to(gl.int64) * stride_qsh
             k_scales = KScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
             v_scales = VScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
@@ -1323,7 +1416,9 @@ if _GLUON:
                               num_tiles, num_full, ring, event, qk_scale, q_scales, k_scales, v_scales,
                               scale_shift_q, scale_shift_k, v_max_index, BLOCK_N, HEAD_DIM, STAGES,
                               CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
-                              EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK)
+                              EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK, first_tile=first,
+                              num_left=num_left, window_left=window_left, window_right=window_right,
+                              WINDOW=WINDOW)
                 ring += num_tiles
                 event += num_tiles + 1
         if Q_BUFS == 2:
@@ -1335,13 +1430,13 @@ if _GLUON:
                                   "num_heads", "num_m_blocks", "batch_size", "stride_qsb",
                                   "stride_qsh", "stride_ksb", "stride_ksh", "scale_shift_q",
                                   "scale_shift_k", "v_max_index", "head_group", "page_size",
-                                  "stride_bt"])
+                                  "stride_bt", "window_left", "window_right"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, BlockTable,
                         CuSeqlensQ, Out, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
                         scale_shift_q, scale_shift_k, v_max_index, head_group, page_size, stride_bt,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
@@ -1349,7 +1444,8 @@ if _GLUON:
                         OWN_RANGE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                        PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False):
+                        PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False,
+                        WINDOW: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1364,7 +1460,8 @@ if _GLUON:
         (1, total, H, D) tensors (e4m3 V^T (1, Hk, D, total)), SeqlensK and CuSeqlensQ the (B + 1)
         int32 offsets of the keys and queries, seqlen_q the longest sequence's queries; the last
         query block of each sequence stores through Out (contiguous (total_q, H, D)) and the LSE
-        (H, total_q) takes stride_lb 0."""
+        (H, total_q) takes stride_lb 0. WINDOW: query row i (key position i + seqlen_k - seqlen_q)
+        sees keys [pos - window_left, pos + window_right] (see _tile_span)."""
         dtype: gl.constexpr = q_desc.dtype
         if PAGE_ROWS > 0:  # the descriptors' boxes are page pieces; a slot holds a whole key tile
             k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -1411,7 +1508,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK, CuSeqlensQ, Out)
+                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1423,18 +1520,21 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
+                             WINDOW)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
+                             WINDOW)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
+                             WINDOW)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
-                             PAGE_ROWS, VARLEN)),
+                             PAGE_ROWS, VARLEN, window_left, window_right, WINDOW)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
@@ -1444,15 +1544,17 @@ if _GLUON:
             gl.warp_specialize([
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
+                             WINDOW)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
-                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN)),
+                             OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
+                             WINDOW)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
-                             PAGE_ROWS, VARLEN)),
+                             PAGE_ROWS, VARLEN, window_left, window_right, WINDOW)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
@@ -1503,7 +1605,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
-            "VARLEN": variant.varlen}
+            "VARLEN": variant.varlen, "WINDOW": variant.window}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1524,9 +1626,10 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """Whether ``gluon_attention_forward`` handles these inputs: (B, S, H, D) CUDA tensors on a
     compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim in HEAD_DIMS, H a multiple of
     Hk, rows TMA can address (16-byte aligned bases, positive 16-byte multiple strides, contiguous
-    head dim), a positive softmax scale, and none of dropout, sliding window, softcap, ALiBi,
-    packed or paged sequences (any other keyword argument given as not None / nonzero counts as an
-    unsupported feature, e.g. return_attn_probs=True)."""
+    head dim), a positive softmax scale, any sliding window (``window_size``, bottom-right as
+    flash_attn aligns it), and none of dropout, softcap, ALiBi, packed or paged sequences (any other
+    keyword argument given as not None / nonzero counts as an unsupported feature, e.g.
+    return_attn_probs=True)."""
     del causal, deterministic  # both masks are handled; the forward is deterministic anyway
     if not _GLUON or not options_supported(softmax_scale=softmax_scale, dropout_p=dropout_p,
                                            window_size=window_size, softcap=softcap,
@@ -1549,7 +1652,7 @@ def options_supported(*, softmax_scale: float | None = None, dropout_p: float = 
         return False
     if dropout_p or softcap or alibi_slopes is not None or cu_seqlens_q is not None:
         return False
-    if block_table is not None or tuple(window_size) != (-1, -1):
+    if block_table is not None or len(tuple(window_size)) != 2:
         return False
     return all(value in (None, 0, 0.0, False) for value in unsupported.values())
 
@@ -1869,7 +1972,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, max(max_seqlen_k, 1), lse)
     scalars = (0, lse.stride(0), max_seqlen_q, seqlen_k, heads // heads_k, heads,
                geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group, page_size,
-               stride_bt)
+               stride_bt, 0, 0)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, block_table if paged else lse,
@@ -1929,7 +2032,7 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
                       (seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1),
                       (heads * seqlen_q, seqlen_q, seqlen_q, seqlen_k, heads // heads_k, heads,
                        geo.num_m_blocks, batch),
-                      (*_NO_SCALES, geo.head_group, page_size, stride_bt))
+                      (*_NO_SCALES, geo.head_group, page_size, stride_bt, 0, 0))
 
 
 def _descriptors(q, k, v, out, geo: "_Geometry", variant: GluonVariant) -> tuple:
@@ -1958,7 +2061,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
                             head_group: int | None = None, seqused_k: torch.Tensor | None = None,
-                            block_table: torch.Tensor | None = None):
+                            block_table: torch.Tensor | None = None,
+                            window_size: tuple[int, int] = (-1, -1)):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -1981,6 +2085,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     slots past those keys may hold anything (a KV cache's lengths: chunked prefill, causal
     bottom-right against each sequence's own length). With it, ``block_table`` (B, max_pages) int32
     makes k and v page pools (num_pages, page_size, Hk, D) as ``paged_supported`` takes them.
+
+    ``window_size`` (left, right), -1 for an unbounded side (16-bit q, k, v without seqused_k):
+    flash_attn's sliding window, row i seeing keys [i + Sk - Sq - left, i + Sk - Sq + right] (causal:
+    right 0 whatever is given).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -2027,6 +2135,12 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError(f"variant {variant.name}: seqused_k is {'needed' if variant.seqused_k else 'not taken'}")
     if head_group is not None and head_group < 0:
         raise ValueError("head_group must be >= 0")
+    window_left, window_right = window_arguments(causal, tuple(window_size))
+    windowed = window_size[0] >= 0 or (not causal and window_size[1] >= 0)
+    if windowed and not variant.window:
+        if fp8 or seqused_k is not None:
+            raise ValueError("gluon_attention_forward: a window takes 16-bit inputs without seqused_k")
+        variant = with_window(variant)
 
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     # e4m3 V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
@@ -2034,7 +2148,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, seqlen_k, lse)
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads,
                geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group,
-               page_size, stride_bt)
+               page_size, stride_bt, window_left, window_right)
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():

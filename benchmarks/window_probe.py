@@ -1,0 +1,210 @@
+"""Sliding-window prefill on the GPU machine.
+
+Check (first): the Gluon forward's windowed calls (gluon_attention_forward with window_size, outputs
+and LSE NaN-filled first) against float64 textbook attention with the same window, over odd shapes
+(Sq != Sk both ways, lengths off the tiles, windows of 0 keys up to past the sequence, one-sided and
+two-sided, causal or not, GQA/MQA, head dims 64/128/256, bf16/fp16); each also through
+flash_attn_func, which must dispatch it to the Gluon kernel where forward.GLUON_WINDOW_MIN_KEYS says so
+(and then give the same bits). Timing (after): flash_attn_func(causal=True, window_size=(w, 0)) as
+dispatched (the Gluon kernel, or the portable one below the rule's span), the same on the portable
+Triton kernel (forward.GLUON_WINDOW off), the call without the window and PyTorch's FlexAttention
+with a sliding-window block mask (torch.compile'd), each checked against float64 on sampled rows.
+
+    PYTHONPATH=src python benchmarks/window_probe.py [--out DIR] [--rounds N] [--check-only [--max-len N]]
+
+TFLOP/s count each call's own visible (query, key) pairs, 4 * pairs * d per head (FlashAttention-2's
+count; a causal call's pairs are about half of n^2). Medians of do_bench over balanced rounds (each
+provider in every position equally often, forward and reversed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import json
+import os
+
+import torch
+
+import flashtile
+from flashtile.bench.common import source_digest
+from flashtile.kernels import forward
+from flashtile.kernels.gluon_forward import gluon_attention_forward
+from flashtile.reference import attention as reference_attention
+
+# (batch, seqlen_q, seqlen_k, heads, kv heads, head dim, dtype, causal, window_size)
+CHECKS = [(1, 1000, 1000, 4, 2, 128, "bf16", True, (37, 0)),
+          (2, 777, 1531, 4, 1, 64, "fp16", True, (300, 0)),
+          (1, 1531, 777, 2, 2, 256, "bf16", True, (128, 0)),
+          (1, 2048, 2048, 4, 4, 128, "bf16", False, (128, 128)),
+          (1, 3000, 3000, 2, 1, 128, "bf16", False, (-1, 200)),
+          (1, 3000, 2500, 2, 1, 128, "fp16", False, (200, -1)),
+          (1, 3000, 2500, 4, 2, 64, "bf16", False, (500, 300)),
+          (1, 4096, 4096, 8, 2, 64, "bf16", True, (127, 0)),
+          (1, 4096, 4096, 8, 2, 64, "bf16", True, (128, 0)),
+          (1, 4095, 4095, 4, 2, 128, "bf16", True, (0, 0)),
+          (2, 5000, 5000, 4, 2, 256, "fp16", True, (1000, 0)),
+          (1, 8192, 8192, 4, 1, 128, "bf16", True, (4096, 0)),
+          (1, 1, 4096, 8, 2, 128, "bf16", True, (100, 0)),
+          (1, 200, 200, 2, 2, 64, "bf16", False, (10, 5)),
+          (1, 1000, 1000, 2, 2, 128, "bf16", True, (5000, 0)),
+          (1, 4000, 4000, 2, 2, 256, "bf16", False, (3, 3000)),
+          (3, 333, 4444, 6, 3, 128, "fp16", True, (2000, 0)),
+          (1, 2500, 2500, 16, 2, 64, "fp16", False, (64, 64))]
+
+# (batch, seqlen, heads, kv heads, head dim, window, all providers): Mistral-7B's 4096 window, GPT-OSS's
+# 128 at d64, a 4096 window at d256 (Gemma's local layers, without their softcap); then windows from
+# 128 to 2048 keys timed on the two flashtile kernels alone (where the Gluon kernel starts to win)
+SHAPES = [(1, 8192, 32, 8, 128, 4096, True), (1, 16384, 32, 8, 128, 4096, True),
+          (1, 32768, 32, 8, 128, 4096, True), (1, 16384, 64, 8, 64, 128, True),
+          (1, 32768, 64, 8, 64, 128, True), (1, 16384, 16, 8, 256, 4096, True)]
+SHAPES += [(1, 16384, 64, 8, 64, w, False) for w in (256, 512, 1024, 2048)]
+SHAPES += [(1, 16384, 32, 8, 128, w, False) for w in (128, 256, 512, 1024, 2048)]
+SHAPES += [(1, 16384, 16, 8, 256, w, False) for w in (128, 256, 512, 1024, 2048)]
+
+
+def visible_pairs(n: int, window: int | None) -> int:
+    """(query, key) pairs a causal call over n tokens sees, with a left window or without."""
+    if window is None or window + 1 >= n:
+        return n * (n + 1) // 2
+    w = window + 1
+    return w * (w + 1) // 2 + (n - w) * w
+
+
+def check(out: torch.Tensor, q, k, v, window: int | None) -> float:
+    """Largest error on 64 sampled rows of every head against float64, over the budget (2x bf16
+    textbook's error there, floored at 1e-3)."""
+    n = q.shape[1]
+    rows = torch.linspace(0, n - 1, 64, device=q.device).long()
+    ws = (window, 0) if window is not None else (-1, 0)
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), causal=True, window_size=ws,
+                                 query_rows=rows)
+    low, _ = reference_attention(q, k, v, causal=True, window_size=ws, query_rows=rows)
+    err = (out[:, rows].double() - ref).abs().max().item()
+    budget = max(2 * (low.double() - ref).abs().max().item(), 1e-3)
+    return err / budget
+
+
+def run_checks(dev, max_len: int = 1 << 30) -> list[dict]:
+    """The CHECKS cases; each a dict with its worst output error over the accuracy budget, its LSE
+    error and whether flash_attn_func took the Gluon kernel."""
+    results = []
+    for b, sq, sk, h, hk, d, dt, causal, window in CHECKS:
+        if max(sq, sk) > max_len:
+            continue
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        torch.manual_seed(sq * 7 + sk + d)
+        q = torch.randn(b, sq, h, d, device=dev, dtype=dtype)
+        k = torch.randn(b, sk, hk, d, device=dev, dtype=dtype)
+        v = torch.randn_like(k)
+        scale = d ** -0.5
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, sq), float("nan"), device=dev)
+        gluon_attention_forward(q, k, v, softmax_scale=scale, causal=causal, out=out, lse=lse,
+                                window_size=window)
+        rows = torch.unique(torch.linspace(0, sq - 1, min(sq, 256), device=dev).long())
+        ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal=causal,
+                                           window_size=window, query_rows=rows)
+        low, _ = reference_attention(q, k, v, causal=causal, window_size=window, query_rows=rows)
+        budget = max(2 * (low.double() - ref).abs().max().item(), 1e-3)
+        err = (out[:, rows].double() - ref).abs().max().item()
+        got_lse = lse[:, :, rows].double()
+        finite = torch.isfinite(ref_lse)
+        lse_err = (got_lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+        inf_ok = bool(torch.equal(torch.isinf(got_lse), ~finite))
+        right = 0 if causal else window[1]
+        applies = forward.gluon_applies(q, k, v, softmax_scale=scale, window_left=window[0],
+                                        window_right=right, diag_offset=sk - sq)
+        wanted = forward.window_span(window[0], right) >= forward.GLUON_WINDOW_MIN_KEYS.get(d, math.inf)
+        api = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window)
+        same = bool(torch.equal(api, out)) or not wanted  # the portable kernel rounds otherwise
+        ok = (err <= budget and lse_err <= 2e-3 and inf_ok and applies == wanted and same
+              and not torch.isnan(out).any().item() and not torch.isnan(lse).any().item())
+        rec = {"b": b, "sq": sq, "sk": sk, "h": h, "hk": hk, "d": d, "dtype": dt, "causal": causal,
+               "window": list(window), "err_over_budget": round(err / budget, 3), "lse_err": lse_err,
+               "empty_rows_inf": inf_ok, "gluon_dispatch": applies, "dispatch_wanted": wanted, "api_equal": same,
+               "ok": ok}
+        print(("ok  " if ok else "BAD ") + json.dumps(rec), flush=True)
+        results.append(rec)
+    return results
+
+
+def main() -> int:
+    import triton.testing
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--max-len", type=int, default=1 << 30, help="check only cases up to this many tokens")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    checks = run_checks(dev, args.max_len)
+    bad = sum(not c["ok"] for c in checks)
+    print(f"check: {len(checks) - bad}/{len(checks)} ok", flush=True)
+    if args.check_only:
+        return 1 if bad else 0
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows_out = []
+    for b, n, h, hk, d, w, everyone in SHAPES:
+        torch.manual_seed(n + d + w)
+        q = torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, n, hk, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+        if everyone:
+            def sliding(b_, h_, qi, ki, w=w):
+                return (qi >= ki) & (qi - ki <= w)
+            mask = create_block_mask(sliding, None, None, n, n, device=dev)
+        def portable(w=w, q=q, k=k, v=v):
+            forward.GLUON_WINDOW = False
+            try:
+                return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0))
+            finally:
+                forward.GLUON_WINDOW = True
+        calls = {
+            "flashtile-window": (lambda: flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0)), w),
+            "portable-window": (portable, w),
+            "flashtile-causal": (lambda: flashtile.flash_attn_func(q, k, v, causal=True), None),
+        }
+        if everyone:
+            calls["flex-window"] = (lambda: flex(qt, kt, vt, block_mask=mask, enable_gqa=True).transpose(1, 2), w)
+        else:
+            del calls["flashtile-causal"]
+        errors = {}
+        for name, (fn, win) in calls.items():
+            out = fn()
+            torch.cuda.synchronize()
+            errors[name] = round(check(out, q, k, v, win), 3)
+        names = list(calls)
+        times = {name: [] for name in names}
+        for r in range(args.rounds):  # each provider in every position equally often
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in (order[::-1] if (r // len(names)) % 2 else order):
+                times[name].append(triton.testing.do_bench(calls[name][0], warmup=10, rep=40))
+        for name in names:
+            ms = sorted(times[name])[len(times[name]) // 2]
+            pairs = visible_pairs(n, calls[name][1])
+            tflops = 4 * pairs * d * h * b / (ms * 1e-3) / 1e12
+            rec = {"batch": b, "seqlen": n, "heads": h, "heads_k": hk, "head_dim": d, "window": w,
+                   "provider": name, "ms": round(ms, 4), "ms_rounds": [round(t, 4) for t in times[name]],
+                   "tflops": round(tflops, 1), "err_over_budget": errors[name]}
+            rows_out.append(rec)
+            print(json.dumps(rec), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "window-probe.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "source_digest": source_digest(), "checks": checks, "rows": rows_out}, f, indent=1)
+    print("\n| d | n | H/Hk | window | provider | ms | TFLOP/s | err/budget |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows_out:
+        print(f"| {r['head_dim']} | {r['seqlen']} | {r['heads']}/{r['heads_k']} | {r['window']} | {r['provider']} | "
+              f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['err_over_budget']} |")
+    print(f"check: {len(checks) - bad}/{len(checks)} ok")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
