@@ -10,7 +10,14 @@ dispatched (the Gluon kernel, or the portable one below the rule's span), the sa
 Triton kernel (forward.GLUON_WINDOW off), the call without the window and PyTorch's FlexAttention
 with a sliding-window block mask (torch.compile'd), each checked against float64 on sampled rows.
 
+With --train: the gradients of windowed flash_attn_func calls (dQ, dK, dV within the test suite's rule
+against float64, tests/helpers.assert_grads_match_reference), whether the backward took the Gluon kernel
+where backward.gluon_backward_mode's rule says so, and the time of a training step (forward and
+backward) with the windows on the Gluon kernels against both on the portable ones (GLUON_WINDOW off);
+TFLOP/s 3.5x the forward's.
+
     PYTHONPATH=src python benchmarks/window_probe.py [--out DIR] [--rounds N] [--check-only [--max-len N]]
+                                                    [--train]
 
 TFLOP/s count each call's own visible (query, key) pairs, 4 * pairs * d per head (FlashAttention-2's
 count; a causal call's pairs are about half of n^2). Medians of do_bench over balanced rounds (each
@@ -28,6 +35,7 @@ import torch
 
 import flashtile
 from flashtile.bench.common import source_digest
+from flashtile.kernels import backward
 from flashtile.kernels import forward
 from flashtile.kernels.gluon_forward import gluon_attention_forward
 from flashtile.reference import attention as reference_attention
@@ -129,6 +137,97 @@ def run_checks(dev, max_len: int = 1 << 30) -> list[dict]:
     return results
 
 
+# (batch, seqlen_q, seqlen_k, heads, kv heads, dtype, causal, window_size), head dim 128; key blocks of
+# 128 x KV heads x batch at least the SM count (else the portable backward runs anyway)
+TRAIN_CHECKS = [(2, 4096, 4096, 8, 4, "bf16", True, (1000, 0)),
+                (1, 3000, 5000, 8, 8, "fp16", True, (2000, 0)),
+                (2, 5000, 3000, 4, 4, "bf16", True, (700, 0)),
+                (2, 4096, 4096, 4, 4, "bf16", False, (600, 600)),
+                (2, 4096, 4096, 4, 4, "fp16", False, (-1, 800)),
+                (2, 4096, 4096, 4, 4, "bf16", False, (900, -1)),
+                (1, 4096, 4096, 16, 8, "bf16", True, (511, 0)),
+                (1, 4096, 4096, 16, 8, "bf16", True, (300, 0)),
+                (3, 2000, 2000, 6, 6, "bf16", True, (4000, 0)),
+                (1, 1500, 2900, 6, 6, "fp16", True, (700, 0))]
+TRAIN_SHAPES = [(1, 16384, 32, 8, w) for w in (256, 512, 1024, 2048, 4096)] + [(1, 32768, 32, 8, 4096)]
+
+
+def run_train(dev, rounds: int, max_len: int = 1 << 30, check_only: bool = False
+              ) -> tuple[list[dict], list[dict]]:
+    """The TRAIN_CHECKS gradients (up to ``max_len`` tokens) and, unless ``check_only``, the
+    TRAIN_SHAPES step times (see the module's docstring)."""
+    import sys
+
+    import triton.testing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from helpers import assert_grads_match_reference
+    checks, times = [], []
+    for b, sq, sk, h, hk, dt, causal, window in TRAIN_CHECKS:
+        if max(sq, sk) > max_len:
+            continue
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        torch.manual_seed(sq + 3 * sk + window[0])
+        q = torch.randn(b, sq, h, 128, device=dev, dtype=dtype)
+        k = torch.randn(b, sk, hk, 128, device=dev, dtype=dtype)
+        v = torch.randn_like(k)
+        dout = torch.randn_like(q)
+        right = 0 if causal else window[1]
+        flags = dict(HAS_LEFT=window[0] >= 0, HAS_RIGHT=right >= 0, SOFTCAP=False, ALIBI=False,
+                     DROPOUT=False, VARLEN=False, UPCAST=False)
+        mode = backward.gluon_backward_mode(q, k, v, dout, flags, sk - sq, right, False, False, window[0])
+        wanted = forward.window_span(window[0], right) >= forward.GLUON_WINDOW_MIN_KEYS[128]
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = flashtile.flash_attn_func(qq, kk, vv, causal=causal, window_size=window)
+        grads = torch.autograd.grad(out, (qq, kk, vv), dout)
+        try:
+            assert_grads_match_reference(grads, q, k, v, dout, out=out, causal=causal, window_size=window)
+            error = ""
+        except AssertionError as exc:
+            error = str(exc)
+        ok = not error and (mode == "fused") == wanted
+        rec = {"b": b, "sq": sq, "sk": sk, "h": h, "hk": hk, "dtype": dt, "causal": causal,
+               "window": list(window), "backward": mode or "triton", "gluon_wanted": wanted, "error": error,
+               "ok": ok}
+        print(("ok  " if ok else "BAD ") + json.dumps(rec), flush=True)
+        checks.append(rec)
+    for b, n, h, hk, w in [] if check_only else TRAIN_SHAPES:
+        torch.manual_seed(n + w)
+        q, k, v = (torch.randn(b, n, hh, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                   for hh in (h, hk, hk))
+        dout = torch.randn(b, n, h, 128, device=dev, dtype=torch.bfloat16)
+
+        def step(gluon: bool, w=w, q=q, k=k, v=v, dout=dout):
+            forward.GLUON_WINDOW = gluon
+            try:
+                out = flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0))
+                return torch.autograd.grad(out, (q, k, v), dout)
+            finally:
+                forward.GLUON_WINDOW = True
+        calls = {"gluon-window": lambda: step(True), "portable-window": lambda: step(False)}
+        names = list(calls)
+        ms_rounds = {name: [] for name in names}
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in (order[::-1] if (r // len(names)) % 2 else order):
+                ms_rounds[name].append(triton.testing.do_bench(calls[name], warmup=10, rep=40))
+        for name in names:
+            ms = sorted(ms_rounds[name])[len(ms_rounds[name]) // 2]
+            tflops = 3.5 * 4 * visible_pairs(n, w) * 128 * h * b / (ms * 1e-3) / 1e12
+            rec = {"batch": b, "seqlen": n, "heads": h, "heads_k": hk, "head_dim": 128, "window": w,
+                   "provider": name, "ms": round(ms, 4), "ms_rounds": [round(t, 4) for t in ms_rounds[name]],
+                   "tflops_fwd_bwd": round(tflops, 1)}
+            print(json.dumps(rec), flush=True)
+            times.append(rec)
+    print("\n| n | H/Hk | window | provider | ms a step | TFLOP/s (fwd+bwd) |")
+    print("|---|---|---|---|---|---|")
+    for r in times:
+        print(f"| {r['seqlen']} | {r['heads']}/{r['heads_k']} | {r['window']} | {r['provider']} | {r['ms']:.3f} | "
+              f"{r['tflops_fwd_bwd']:.0f} |")
+    bad = sum(not c["ok"] for c in checks)
+    print(f"train check: {len(checks) - bad}/{len(checks)} ok", flush=True)
+    return checks, times
+
+
 def main() -> int:
     import triton.testing
     ap = argparse.ArgumentParser()
@@ -136,8 +235,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--max-len", type=int, default=1 << 30, help="check only cases up to this many tokens")
+    ap.add_argument("--train", action="store_true", help="only the gradients' check and the step times")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.train:
+        train_checks, train_times = run_train(dev, args.rounds, args.max_len, args.check_only)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "window-train.json"), "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "source_digest": source_digest(), "checks": train_checks, "rows": train_times}, f,
+                          indent=1)
+        return 1 if any(not c["ok"] for c in train_checks) else 0
     checks = run_checks(dev, args.max_len)
     bad = sum(not c["ok"] for c in checks)
     print(f"check: {len(checks) - bad}/{len(checks)} ok", flush=True)

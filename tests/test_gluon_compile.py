@@ -651,6 +651,16 @@ def test_varlen_route_stays_off_cpu_and_unsupported_calls():
     assert fwd._gluon_varlen(q, k, k, cu, cu, 20, 20, **kw) is None
 
 
+def _random_window_call(rng):
+    """(seqlen_q, seqlen_k, causal, window_size) with at least one side of the window bounded."""
+    seqlen_q, seqlen_k = rng.randint(1, 1500), rng.randint(1, 1500)
+    causal = rng.random() < 0.5
+    window = (rng.choice([-1, rng.randint(0, 600)]), rng.choice([-1, rng.randint(0, 600)]))
+    if window == (-1, -1):
+        window = (rng.randint(0, 600), -1)
+    return seqlen_q, seqlen_k, causal, window
+
+
 def _tile_span(m0, seqlen_q, seqlen_k, left, right, block_m, block_n):
     """gluon_forward._tile_span's WINDOW arithmetic in Python (the kernel's is a transcription)."""
     diag = seqlen_k - seqlen_q
@@ -675,11 +685,7 @@ def test_window_tile_span_covers_the_window_and_skips_masks_only_where_every_row
     big = gluon_forward.UNBOUNDED_WINDOW
     for _ in range(300):
         block_m, block_n = rng.choice([(128, 128), (192, 128), (128, 64)])
-        seqlen_q, seqlen_k = rng.randint(1, 1500), rng.randint(1, 1500)
-        causal = rng.random() < 0.5
-        window = (rng.choice([-1, rng.randint(0, 600)]), rng.choice([-1, rng.randint(0, 600)]))
-        if window == (-1, -1):
-            window = (rng.randint(0, 600), -1)
+        seqlen_q, seqlen_k, causal, window = _random_window_call(rng)
         left, right = gluon_forward.window_arguments(causal, window)
         assert left == (window[0] if window[0] >= 0 else big)
         assert right == (0 if causal else window[1] if window[1] >= 0 else big)
@@ -720,3 +726,50 @@ def test_window_variants_are_compiled_and_dispatchable():
         gluon_forward.GluonVariant(128, "fp8", window=True)
     with pytest.raises(ValueError, match="window"):
         dataclasses.replace(gluon_forward.default_variant(64, "bf16", True), window=True)  # own ranges
+
+
+def _query_blocks(n0, seqlen_q, seqlen_k, left, right, block_m, block_n):
+    """gluon_backward._query_blocks' WINDOW arithmetic in Python (the kernel's is a transcription)."""
+    diag = seqlen_k - seqlen_q
+    num_m = -(-seqlen_q // block_m)
+    m_lo = min(max(n0 - right - diag, 0) // block_m, num_m)
+    m_end = min(max(n0 + block_n - 1 + left - diag + 1, 0), seqlen_q)
+    m_end = max(-(-m_end // block_m), m_lo)
+    m_full = min(-(-max(n0 + block_n - 1 - right - diag, 0) // block_m), m_end)
+    m_full_end = max(min(max(n0 + left - diag + 1, 0) // block_m, m_end), m_full)
+    return m_lo, m_full, m_full_end, m_end
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_query_blocks_cover_the_window_and_skip_masks_only_where_every_key_is_seen(seed):
+    """The Gluon backward's key block [n0, n0 + 128) under a sliding window: the query blocks it runs
+    hold every row whose window reaches one of its keys, and those it runs unmasked ([m_full,
+    m_full_end)) hold only rows (those past Sq too) that see all of its keys."""
+    import random
+    rng = random.Random(100 + seed)
+    block_m, block_n = 64, 128
+    for _ in range(300):
+        seqlen_q, seqlen_k, causal, window = _random_window_call(rng)
+        left, right = gluon_forward.window_arguments(causal, window)
+        n0 = block_n * rng.randrange(-(-seqlen_k // block_n))
+        m_lo, m_full, m_full_end, m_end = _query_blocks(n0, seqlen_q, seqlen_k, left, right, block_m, block_n)
+        assert 0 <= m_lo <= m_full <= m_full_end <= m_end <= -(-seqlen_q // block_m)
+        keys = range(n0, min(n0 + block_n, seqlen_k))
+        for row in range(seqlen_q):
+            pos = row + seqlen_k - seqlen_q
+            if any(pos - left <= key <= pos + right for key in keys):
+                assert m_lo * block_m <= row < m_end * block_m, (row, window, causal)
+        for m in range(m_full, m_full_end):
+            for row in range(m * block_m, (m + 1) * block_m):
+                pos = row + seqlen_k - seqlen_q
+                assert pos - left <= n0 and n0 + block_n - 1 <= pos + right, (row, m, window, causal)
+
+
+def test_backward_window_variants_compile_list():
+    names = {v.name for v in gluon_backward.GLUON_BACKWARD_VARIANTS}
+    for d in gluon_backward.WINDOW_HEAD_DIMS:
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                win = dataclasses.replace(gluon_backward.default_variant(d, dtype, causal, True), window=True)
+                assert win.name.endswith("-dq-win") and win.name in names
+    assert set(gluon_backward.WINDOW_HEAD_DIMS) <= set(gluon_forward.WINDOW_HEAD_DIMS)

@@ -455,7 +455,7 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
                  UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
     gluon = gluon_backward_mode(q, k, v, dout, flags, diag_offset, window_right, config_given,
-                                deterministic)
+                                deterministic, window_left)
     # Our allocator only for these launches: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not interpreting() else None
     try:
@@ -482,22 +482,30 @@ GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0"
 
 
 def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
-                        config_given: bool, deterministic: bool = True) -> str | None:
+                        config_given: bool, deterministic: bool = True, window_left: int = -1) -> str | None:
     """Which Gluon kernel (kernels.gluon_backward, sm_90) replaces portable ones: "fused" (dK, dV
     and dQ in one kernel; deterministic=False, FUSED_HEAD_DIMS, GLUON_FUSED_DQ), "dkdv" (the dK/dV
-    pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention without window,
-    softcap, ALiBi, dropout or packing, on tensors it supports, unless a tile config was asked for
-    or FLASHTILE_GLUON=0."""
+    pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention, or a
+    bottom-right sliding window ("fused" only, at gluon_backward.WINDOW_HEAD_DIMS, where the forward
+    takes the window too: forward.GLUON_WINDOW_MIN_KEYS), without softcap, ALiBi, dropout or
+    packing, on tensors it supports, unless a tile config was asked for or FLASHTILE_GLUON=0."""
     fused = GLUON_FUSED_DQ and not deterministic
     if not ((GLUON_DKDV or fused) and _forward.GLUON_ENABLED) or config_given or interpreting() \
             or not q.is_cuda:
         return None
-    if any(flags[name] for name in ("HAS_LEFT", "SOFTCAP", "ALIBI", "DROPOUT", "VARLEN", "UPCAST")):
+    if any(flags[name] for name in ("SOFTCAP", "ALIBI", "DROPOUT", "VARLEN", "UPCAST")):
         return None
-    if flags["HAS_RIGHT"] and (window_right != 0 or diag_offset != k.shape[1] - q.shape[1]):
+    if (flags["HAS_LEFT"] or flags["HAS_RIGHT"]) and diag_offset != k.shape[1] - q.shape[1]:
         return None
     from . import gluon_backward
     from .gluon_forward import _sm_count
+    left = window_left if flags["HAS_LEFT"] else -1
+    right = window_right if flags["HAS_RIGHT"] else -1
+    windowed = left >= 0 or right > 0
+    if windowed and not (_forward.GLUON_WINDOW and q.shape[-1] in gluon_backward.WINDOW_HEAD_DIMS
+                         and _forward.window_span(left, right)
+                         >= _forward.GLUON_WINDOW_MIN_KEYS.get(q.shape[-1], math.inf)):
+        return None
     if not gluon_backward.supported(q, k, v, dout):
         return None
     fused = fused and q.shape[-1] in gluon_backward.FUSED_HEAD_DIMS
@@ -509,7 +517,7 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
         fused = False
     if fused:
         return "fused"
-    return "dkdv" if GLUON_DKDV else None
+    return "dkdv" if GLUON_DKDV and not windowed else None
 
 
 def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) -> str:
@@ -539,8 +547,10 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
         from .gluon_backward import gluon_dkdv as run_gluon_dkdv
         fused = gluon_dkdv == "fused"
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
+        # (common: ..., diag_offset, window_left, window_right clamped at 0, ...)
+        window = (common[4] if flags["HAS_LEFT"] else -1, common[5] if flags["HAS_RIGHT"] else -1)
         run_gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=common[8],
-                       causal=flags["HAS_RIGHT"], dq_accum=dq_accum)
+                       causal=window[1] == 0, dq_accum=dq_accum, window_size=window)
         if fused:
             dq.copy_(dq_accum)
             return

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .forward import _arch
-from .gluon_forward import _GLUON, _Descriptor, _smem_layout, _tma_ok, qkv_shapes_ok
+from .gluon_forward import _GLUON, _Descriptor, _smem_layout, _tma_ok, qkv_shapes_ok, window_arguments
 from .launch import launch
 
 if _GLUON:
@@ -63,6 +64,9 @@ class GluonBackwardVariant:
     overlap: bool = False  # a tile's dV/dK wgmmas run on under the next tile's S and dP issue
     max_stack: int = 0  # stack bytes (register spills) the compile check accepts
     fused_dq: bool = False  # dQ added from this kernel by TMA reductions (block_m 64)
+    # Sliding window (flash_attn's window_size): each key block runs only the query blocks whose
+    # window reaches it, masked where some row's window does not cover all of its keys.
+    window: bool = False
 
     def __post_init__(self):
         if self.fused_dq and (self.head_dim not in (64, 128) or self.block_m != 64 or self.overlap):
@@ -77,7 +81,7 @@ class GluonBackwardVariant:
     def name(self) -> str:
         return (f"gluon-bwd-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-m{self.block_m}-s{self.stages}{'-overlap' if self.overlap else ''}"
-                f"{'-dq' if self.fused_dq else ''}")
+                f"{'-dq' if self.fused_dq else ''}{'-win' if self.window else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,6 +106,10 @@ GLUON_BACKWARD_VARIANTS = [default_variant(d, dt, c) for d in HEAD_DIMS for dt i
                            for c in (False, True)]
 GLUON_BACKWARD_VARIANTS += [default_variant(d, dt, c, True) for d in HEAD_DIMS
                             for dt in ("bf16", "fp16") for c in (False, True)]
+# Sliding windows: the fused (dQ by TMA reductions) kernel at the head dims WINDOW_HEAD_DIMS lists
+WINDOW_HEAD_DIMS = (128,)
+GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True), window=True)
+                            for d in WINDOW_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
 
 
 if _GLUON:
@@ -130,10 +138,23 @@ if _GLUON:
 
     @gluon.jit
     def _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr):
-        """Query blocks that see keys [n0, n0 + BLOCK_N): [m_lo, num_m); from m_full on, every row of
-        a block sees every one of those keys (causal); before it the diagonal mask applies."""
+                      CAUSAL: gl.constexpr, window_left=0, window_right=0, WINDOW: gl.constexpr = False):
+        """Query blocks that see keys [n0, n0 + BLOCK_N): (m_lo, m_full, m_full_end, m_end): blocks
+        [m_lo, m_end), of which every row of those in [m_full, m_full_end) sees every one of the keys;
+        the others take the mask (causal: the diagonal; WINDOW: row at key position p sees keys
+        [p - window_left, p + window_right], a side without a bound passed as a number past any
+        sequence)."""
         num_m = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        if WINDOW:
+            diag = seqlen_k - seqlen_q
+            m_lo = gl.minimum(gl.maximum(n0 - window_right - diag, 0) // BLOCK_M, num_m)
+            m_end = gl.minimum(gl.maximum(n0 + BLOCK_N - 1 + window_left - diag + 1, 0), seqlen_q)
+            m_end = gl.maximum((m_end + BLOCK_M - 1) // BLOCK_M, m_lo)
+            m_full = gl.minimum((gl.maximum(n0 + BLOCK_N - 1 - window_right - diag, 0) + BLOCK_M - 1)
+                                // BLOCK_M, m_end)
+            m_full_end = gl.maximum(gl.minimum(gl.maximum(n0 + window_left - diag + 1, 0) // BLOCK_M,
+                                               m_end), m_full)
+            return m_lo, m_full, m_full_end, m_end
         if CAUSAL:
             diag = seqlen_k - seqlen_q
             m_lo = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, num_m)
@@ -141,7 +162,7 @@ if _GLUON:
         else:
             m_lo = num_m * 0
             m_full = m_lo
-        return m_lo, m_full, num_m
+        return m_lo, m_full, num_m, num_m
 
     @gluon.jit
     def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
@@ -202,7 +223,7 @@ if _GLUON:
     @gluon.jit
     def _bwd_consumer(k_smem, v_smem, kv_bar, dq_smem, shared, BLOCK_M: gl.constexpr,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr):
+                      OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr, WINDOW: gl.constexpr = False):
         """Keys [n0 + 64 WG, n0 + 64 WG + 64): load K and V once, accumulate dK and dV over every
         streamed tile, write them (dK times the softmax scale) through K's and V's slots.
 
@@ -219,7 +240,7 @@ if _GLUON:
         overwriting its K slot while the other's final dQ wgmma reads it."""
         (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
          seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
-         dq_desc, ds_smem, ds_bar, k_all) = shared
+         dq_desc, ds_smem, ds_bar, k_all, window_left, window_right) = shared
         KEYS: gl.constexpr = 64
         dtype: gl.constexpr = k_desc.dtype
         key0 = n0 + WG * KEYS
@@ -237,7 +258,8 @@ if _GLUON:
         p_op = gl.zeros([KEYS, BLOCK_M], dtype, a_layout)
         ds_op = gl.zeros([KEYS, BLOCK_M], dtype, a_layout)
         diag = seqlen_k - seqlen_q
-        m_lo, m_full, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 2 * KEYS, CAUSAL)
+        m_lo, m_full, m_full_end, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 2 * KEYS, CAUSAL,
+                                                        window_left, window_right, WINDOW)
         n_m = num_m - m_lo
         total = group_size * n_m
         mbarrier.wait(kv_bar, 0)
@@ -264,7 +286,12 @@ if _GLUON:
                 1, deps=(s_tok, dk, dv, p_op, ds_op, k_tile, q_t))
             if OVERLAP:  # the tile before is read no more
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > 0)
-            if CAUSAL:
+            if WINDOW:
+                if (m < m_full) | (m >= m_full_end):  # key j seen by query i at p = i + Sk - Sq
+                    rel = gl.expand_dims(keys - diag - m * BLOCK_M, 1) - gl.expand_dims(qcols, 0)  # j - p
+                    keep = (rel <= window_right) & (rel >= -window_left)
+                    s = gl.where(keep, s, float("-inf"))
+            elif CAUSAL:
                 if m < m_full:  # bottom-right causal: key j is seen by query i when j <= i + Sk - Sq
                     keep = gl.expand_dims(keys - diag - m * BLOCK_M, 1) <= gl.expand_dims(qcols, 0)
                     s = gl.where(keep, s, float("-inf"))
@@ -320,16 +347,18 @@ if _GLUON:
         tma.async_copy_shared_to_global(dv_desc, [batch, key0, kv_head, 0], v_smem)
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size"])
+    @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "window_left", "window_right"])
     def _attn_bwd_dkdv_gluon(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc,
                              delta_desc, seqlen_q, seqlen_k, group_size, qk_scale,
-                             softmax_scale, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                             STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             softmax_scale, window_left, window_right, BLOCK_M: gl.constexpr,
+                             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr):
+                             OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr,
+                             WINDOW: gl.constexpr = False):
         """Grid (key blocks of 128, KV heads, batch). ``lse_desc`` (natural log) and ``delta_desc``:
         (B, H, Sq) float32, blocks of (1, 1, BLOCK_M). ``dq_desc``: float32 (B, Sq, H, D) blocks of
-        (1, BLOCK_M, 1, 32) with FUSED_DQ (the caller zeroes it), any descriptor otherwise."""
+        (1, BLOCK_M, 1, 32) with FUSED_DQ (the caller zeroes it), any descriptor otherwise. WINDOW:
+        the sliding window's sides (see _query_blocks)."""
         n0 = gl.program_id(0) * 128
         kv_head = gl.program_id(1)
         batch = gl.program_id(2)
@@ -362,17 +391,18 @@ if _GLUON:
             dq_first = k_smem.index(0)
             dq_second = k_smem.index(1)
             ds_bar = kv_bars.index(0)
-        m_lo, _, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 128, CAUSAL)
+        m_lo, _, _, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 128, CAUSAL, window_left,
+                                          window_right, WINDOW)
         shared = (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
                   empty, seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
-                  dq_desc, ds_smem, ds_bar, k_smem)
+                  dq_desc, ds_smem, ds_bar, k_smem, window_left, window_right)
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
             (_bwd_consumer, (k_smem.index(0), v_smem.index(0), kv_bars.index(0), dq_first, shared,
-                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ)),
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ, WINDOW)),
             (_bwd_consumer, (k_smem.index(1), v_smem.index(1), kv_bars.index(1), dq_second, shared,
-                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ)),
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ, WINDOW)),
             (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                              delta_bufs, ready, empty, batch, kv_head, group_size, m_lo, num_m,
                              BLOCK_M, STAGES)),
@@ -394,7 +424,7 @@ def programs(q: torch.Tensor, k: torch.Tensor) -> int:
 def supported(q, k, v, dout, *, head_dims: tuple = HEAD_DIMS) -> bool:
     """Whether ``gluon_dkdv`` takes these (B, S, H, D) tensors: CUDA on compute capability 9.0, one
     16-bit dtype, head dim in HEAD_DIMS, H a multiple of Hk, TMA-addressable rows. The caller
-    checks the options (full or causal only: no window, softcap, ALiBi, dropout, packing)."""
+    checks the options (full, causal or a sliding window: no softcap, ALiBi, dropout, packing)."""
     tensors = (q, k, v, dout)
     if not _GLUON or not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
         return False
@@ -441,16 +471,18 @@ def _launch_options(variant: GluonBackwardVariant) -> dict:
     return {"BLOCK_M": variant.block_m, "HEAD_DIM": variant.head_dim, "STAGES": variant.stages,
             "CAUSAL": variant.causal, "CONSUMER_REGS": variant.consumer_regs,
             "PRODUCER_REGS": variant.producer_regs, "OVERLAP": variant.overlap,
-            "FUSED_DQ": variant.fused_dq, "num_warps": 4, "maxnreg": 168}
+            "FUSED_DQ": variant.fused_dq, "WINDOW": variant.window, "num_warps": 4, "maxnreg": 168}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causal: bool,
                variant: GluonBackwardVariant | None = None,
-               dq_accum: torch.Tensor | None = None) -> None:
+               dq_accum: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)) -> None:
     """dK, dV of attention into ``dk``/``dv`` (B, Sk, Hk, D, TMA-addressable) for inputs
     ``supported`` takes; ``lse`` (natural log) and ``delta`` = rowsum(dO * O): (B, H, Sq) float32
     with one layout and a contiguous last dim. A ``fused_dq`` variant also adds dQ (scaled) into
-    ``dq_accum``: float32, q's shape, zeroed by the caller, TMA-addressable."""
+    ``dq_accum``: float32, q's shape, zeroed by the caller, TMA-addressable. ``window_size`` (left,
+    right), -1 for an unbounded side: flash_attn's sliding window, aligned bottom-right (causal: right
+    0 whatever is given), on a window variant (the default one is picked)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_k == 0 or heads_k == 0:
@@ -465,6 +497,9 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
         override = _VARIANT_OVERRIDE
         variant = (override if override is not None and override.fused_dq == fused
                    else default_variant(head_dim, dtype, causal, fused))
+    windowed = window_size[0] >= 0 or (not causal and window_size[1] >= 0)
+    if windowed and not variant.window:
+        variant = dataclasses.replace(variant, window=True)
     if (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
     if lse.shape != delta.shape or lse.stride(-1) != 1 or delta.stride(-1) != 1:
@@ -488,7 +523,9 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     # (the CTAs at work then add dQ into every head's rows at once, far beyond L2), in groups of
     # rows no faster (gluon-bwd-check-h200-20261130-e/-f).
     grid = (-(-seqlen_k // 128), heads_k, batch)  # programs(q, k) in all
-    scalars = (seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E, softmax_scale)
+    window_left, window_right = window_arguments(causal, tuple(window_size))
+    scalars = (seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E, softmax_scale, window_left,
+               window_right)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         launch(_attn_bwd_dkdv_gluon, grid, (), scalars, _launch_options(variant), descriptors)
