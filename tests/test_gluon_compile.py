@@ -574,7 +574,7 @@ def test_varlen_launch_reads_page_pools(monkeypatch, d, causal, page):
     assert options["PAGE_ROWS"] == (page if page < variant.block_n else 0)
     blocks = -(-300 // variant.block_m)
     assert scalars[:8] == (0, q.shape[0], 300, width * page, 4, 8, blocks, 4)
-    assert scalars[-2:] == (page, width)
+    assert scalars[-4:] == (page, width, 0, 0)  # page size, table stride; no window
     assert tensors[4] is cu_k and tensors[5] is table and tensors[6] is cu_q and tensors[7] is out
     q_desc, k_desc, v_desc, o_desc = descriptors
     assert tuple(q_desc.shape) == (1, *q.shape)
@@ -612,7 +612,7 @@ def test_varlen_launch_gathers_e4m3_page_pools(monkeypatch, d, causal, page):
     (jit, grid, tensors, scalars, options, descriptors), = launches
     variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "fp8", causal, 300))
     assert options is gluon_forward._launch_options(variant) and not options["SEQUSED_K"]
-    assert scalars[:4] == (0, 434, 300, 300) and scalars[-2:] == (0, 0)
+    assert scalars[:4] == (0, 434, 300, 300) and scalars[-4:] == (0, 0, 0, 0)  # no pages, no window
     assert tensors[4] is cu_k and tensors[6] is cu_q
     _, k_desc, v_desc, _ = descriptors
     assert tuple(k_desc.shape) == (1, 4 * 300, 2, d) and v_desc.strides[3] == 1
@@ -773,3 +773,27 @@ def test_backward_window_variants_compile_list():
                 win = dataclasses.replace(gluon_backward.default_variant(d, dtype, causal, True), window=True)
                 assert win.name.endswith("-dq-win") and win.name in names
     assert set(gluon_backward.WINDOW_HEAD_DIMS) <= set(gluon_forward.WINDOW_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("d, causal, window, expected", [
+    (128, True, (100, -1), (100, 0)), (128, True, (100, 0), (100, 0)),
+    (256, False, (-1, 50), (gluon_forward.UNBOUNDED_WINDOW, 50)), (64, False, (7, 9), (7, 9)),
+    (128, False, (-1, -1), (0, 0)), (128, True, (-1, 0), (0, 0))])
+def test_windowed_launch_takes_the_window_variant_and_its_sides(monkeypatch, d, causal, window, expected):
+    """gluon_attention_forward with window_size launches the window variant of the dispatched schedule
+    with the window's sides as its last two scalars (an unbounded side as UNBOUNDED_WINDOW, causal
+    bounding the right at 0); without a window, the plain variant and zeros. The GPU parts stubbed."""
+    q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
+    k = torch.randn(2, 500, 2, d, dtype=torch.bfloat16)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    gluon_forward.gluon_attention_forward(q, k, torch.randn_like(k), softmax_scale=0.1, causal=causal,
+                                          window_size=window)
+    (jit, grid, tensors, scalars, options, descriptors), = launches
+    base = gluon_forward.dispatch_variant(d, "bf16", causal, 500)
+    windowed = expected != (0, 0)
+    variant = gluon_forward.with_window(base) if windowed else base
+    assert options is gluon_forward._launch_options(variant) and options["WINDOW"] == windowed
+    assert scalars[-2:] == expected

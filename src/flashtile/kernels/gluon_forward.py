@@ -2135,8 +2135,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         raise ValueError(f"variant {variant.name}: seqused_k is {'needed' if variant.seqused_k else 'not taken'}")
     if head_group is not None and head_group < 0:
         raise ValueError("head_group must be >= 0")
-    window_left, window_right = window_arguments(causal, tuple(window_size))
     windowed = window_size[0] >= 0 or (not causal and window_size[1] >= 0)
+    # (a call without a window passes zeros, as plain_forward's and the varlen launches do)
+    window_left, window_right = window_arguments(causal, tuple(window_size)) if windowed else (0, 0)
     if windowed and not variant.window:
         if fp8 or seqused_k is not None:
             raise ValueError("gluon_attention_forward: a window takes 16-bit inputs without seqused_k")
