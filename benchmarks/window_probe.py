@@ -79,9 +79,16 @@ def visible_pairs(n: int, window: int | None) -> int:
     return w * (w + 1) // 2 + (n - w) * w
 
 
+def over_budget(err: float, textbook_err: float) -> float:
+    """An error over the accuracy rule's budget, 2x textbook attention's error in the input dtype
+    (no floor: where textbook is exact, only an exact result passes)."""
+    budget = 2 * textbook_err
+    return err / budget if budget > 0 else (0.0 if err == 0 else math.inf)
+
+
 def check(out: torch.Tensor, q, k, v, window: int | None) -> float:
-    """Largest error on 64 sampled rows of every head against float64, over the budget (2x bf16
-    textbook's error there, floored at 1e-3)."""
+    """Largest error on 64 sampled rows of every head against float64, over the budget
+    (over_budget)."""
     n = q.shape[1]
     rows = torch.linspace(0, n - 1, 64, device=q.device).long()
     ws = (window, 0) if window is not None else (-1, 0)
@@ -89,8 +96,7 @@ def check(out: torch.Tensor, q, k, v, window: int | None) -> float:
                                  query_rows=rows)
     low, _ = reference_attention(q, k, v, causal=True, window_size=ws, query_rows=rows)
     err = (out[:, rows].double() - ref).abs().max().item()
-    budget = max(2 * (low.double() - ref).abs().max().item(), 1e-3)
-    return err / budget
+    return over_budget(err, (low.double() - ref).abs().max().item())
 
 
 def run_checks(dev, max_len: int = 1 << 30) -> list[dict]:
@@ -114,11 +120,14 @@ def run_checks(dev, max_len: int = 1 << 30) -> list[dict]:
         ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), causal=causal,
                                            window_size=window, query_rows=rows)
         low, _ = reference_attention(q, k, v, causal=causal, window_size=window, query_rows=rows)
-        budget = max(2 * (low.double() - ref).abs().max().item(), 1e-3)
-        err = (out[:, rows].double() - ref).abs().max().item()
+        ratio = over_budget((out[:, rows].double() - ref).abs().max().item(),
+                            (low.double() - ref).abs().max().item())
         got_lse = lse[:, :, rows].double()
         finite = torch.isfinite(ref_lse)
         lse_err = (got_lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+        # fp32 rounding of the running sums, as tests/helpers.py bounds the LSE (relative to the row's)
+        lse_ok = bool(((got_lse[finite] - ref_lse[finite]).abs()
+                       <= 1e-5 * ref_lse[finite].abs().clamp(min=1.0) + 1e-5).all())
         inf_ok = bool(torch.equal(torch.isinf(got_lse), ~finite))
         right = 0 if causal else window[1]
         applies = forward.gluon_applies(q, k, v, softmax_scale=scale, window_left=window[0],
@@ -126,10 +135,10 @@ def run_checks(dev, max_len: int = 1 << 30) -> list[dict]:
         wanted = forward.window_span(window[0], right) >= forward.GLUON_WINDOW_MIN_KEYS.get(d, math.inf)
         api = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window)
         same = bool(torch.equal(api, out)) or not wanted  # the portable kernel rounds otherwise
-        ok = (err <= budget and lse_err <= 2e-3 and inf_ok and applies == wanted and same
+        ok = (ratio <= 1 and lse_ok and inf_ok and applies == wanted and same
               and not torch.isnan(out).any().item() and not torch.isnan(lse).any().item())
         rec = {"b": b, "sq": sq, "sk": sk, "h": h, "hk": hk, "d": d, "dtype": dt, "causal": causal,
-               "window": list(window), "err_over_budget": round(err / budget, 3), "lse_err": lse_err,
+               "window": list(window), "err_over_budget": round(ratio, 3), "lse_err": lse_err,
                "empty_rows_inf": inf_ok, "gluon_dispatch": applies, "dispatch_wanted": wanted, "api_equal": same,
                "ok": ok}
         print(("ok  " if ok else "BAD ") + json.dumps(rec), flush=True)
