@@ -173,6 +173,10 @@ def varlen_case(rng):
     lens_q[0] = max(lens_q[0], 1)
     lens_k = [rng.randint(1, _n(1200)) if rng.random() < 0.5 else lq for lq in lens_q]
     kw = _mask_options(rng)
+    if rng.random() < 0.15:  # windows at the Gluon kernel's head dims (128: from 512-key spans, 256)
+        d = rng.choice([128, 256])
+        kw.pop("softcap", None)
+        kw["window_size"] = (rng.randint(0, _n(3000)), rng.choice([-1, rng.randint(0, _n(3000))]))
     # keys on a page pool through block_table (forward only), or a backward (sometimes deterministic)
     page = rng.choice([1, 3, 16, 48, 64, 256]) if rng.random() < 0.4 else 0
     backward = not page and rng.random() < 0.4

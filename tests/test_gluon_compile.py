@@ -20,7 +20,7 @@ from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forwa
 def test_gluon_variants_compile_for_sm90(module, shard):
     """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
     (kernels.gluon_decode), within each variant's spill allowance and without wgmmas serialized
-    by ptxas (its C7515 advisory). The forward's 171 variants in
+    by ptxas (its C7515 advisory). The forward's 179 variants in
     two shards, so that two test workers share a cold compile (~6 s a variant on the CI machine's
     cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -719,6 +719,9 @@ def test_window_variants_are_compiled_and_dispatchable():
                     assert win.consumers == (3 if (d, causal) == (64, True) else 2)
                     dispatched = d in gluon_forward.WINDOW_HEAD_DIMS
                     assert (win in shipped) == dispatched and (win in gluon_forward.DISPATCHED) == dispatched
+                    packed = gluon_forward.with_window(gluon_forward.with_varlen(base))
+                    assert packed.varlen and packed.window and not packed.prefetch_q and not packed.q_regs
+                    assert (packed in shipped) == dispatched and packed.name.endswith("-varlen-win")
     assert set(gluon_forward.WINDOW_HEAD_DIMS) == set(forward.GLUON_WINDOW_MIN_KEYS)
     assert forward.window_span(37, 0) == 38 and forward.window_span(-1, 0) == float("inf")
     assert forward.window_span(10, 5) == 16 and forward.window_span(3, -1) == float("inf")
@@ -726,6 +729,8 @@ def test_window_variants_are_compiled_and_dispatchable():
         gluon_forward.GluonVariant(128, "fp8", window=True)
     with pytest.raises(ValueError, match="window"):
         dataclasses.replace(gluon_forward.default_variant(64, "bf16", True), window=True)  # own ranges
+    with pytest.raises(ValueError, match="window"):  # caches and page pools
+        gluon_forward.with_window(gluon_forward.varlen_paged_variant(128, "bf16", True, 256))
 
 
 def _query_blocks(n0, seqlen_q, seqlen_k, left, right, block_m, block_n):
@@ -797,3 +802,37 @@ def test_windowed_launch_takes_the_window_variant_and_its_sides(monkeypatch, d, 
     variant = gluon_forward.with_window(base) if windowed else base
     assert options is gluon_forward._launch_options(variant) and options["WINDOW"] == windowed
     assert scalars[-2:] == expected
+
+
+@pytest.mark.parametrize("d, causal, window, expected", [
+    (128, True, (600, 0), (600, 0)), (256, False, (-1, 50), (gluon_forward.UNBOUNDED_WINDOW, 50)),
+    (256, False, (900, 900), (900, 900)), (128, True, (-1, 0), (0, 0))])
+def test_windowed_varlen_launch_takes_the_window_variant_and_its_sides(monkeypatch, d, causal, window,
+                                                                       expected):
+    """gluon_varlen_forward with window_size: the packed schedule's window variant (all of Q from
+    shared memory at d256) with the window's sides as the last two scalars; no window, zeros. A window
+    on page pools or e4m3 inputs is refused before launch."""
+    cu_q = torch.tensor([0, 5, 305, 305, 434], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 307, 347, 348], dtype=torch.int32)
+    q = torch.randn(434, 8, d, dtype=torch.bfloat16)
+    k = torch.randn(348, 2, d, dtype=torch.bfloat16)
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    gluon_forward.gluon_varlen_forward(q, k, torch.randn_like(k), cu_q, cu_k, 300, 300, softmax_scale=0.1,
+                                       causal=causal, window_size=window)
+    (jit, grid, tensors, scalars, options, descriptors), = launches
+    variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "bf16", causal, 300))
+    windowed = expected != (0, 0)
+    if windowed:
+        variant = gluon_forward.with_window(variant)
+    assert variant in gluon_forward.GLUON_VARIANTS
+    assert options is gluon_forward._launch_options(variant) and options["WINDOW"] == windowed
+    assert options["VARLEN"] and scalars[-2:] == expected
+    pool = torch.randn(4, 256, 2, d, dtype=torch.bfloat16)
+    table = torch.zeros(4, 2, dtype=torch.int32)
+    if windowed:
+        with pytest.raises(ValueError, match="window"):
+            gluon_forward.gluon_varlen_forward(q, pool, pool, cu_q, cu_k, 300, 300, softmax_scale=0.1,
+                                               causal=causal, window_size=window, block_table=table)

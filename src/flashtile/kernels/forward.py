@@ -673,7 +673,8 @@ def _tma_eligible(tensors, strides) -> bool:
 # nothing else); FLASHTILE_GLUON=0 keeps every call on the portable Triton kernel.
 GLUON_ENABLED = os.environ.get("FLASHTILE_GLUON", "1") not in ("", "0")
 _PLAIN_GLUON = GLUON_ENABLED and not _INTERPRET
-# Sliding windows (flash_attn_func's window_size) on the Gluon forward as well, at the head dims below
+# Sliding windows (window_size, plain calls and contiguous 16-bit packed sequences) on the Gluon forward
+# as well, at the head dims below
 # where a row's window spans at least that many keys (left + right + 1, causal: left + 1);
 # FLASHTILE_GLUON_WINDOW=0 leaves them all on the portable kernel. H200, causal windows over 16k tokens
 # (window-probe-h200-20261204.json), Gluon / portable TFLOP/s at windows of 128/256/512/1024/2048/4096
@@ -1026,11 +1027,18 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   descales, scale_blocks, block_table=None):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
     that kernel does not take it (the caller then runs the portable kernel). ``block_table``: page
-    pools, e4m3 ones while their gathered copies fit (_gather_fits)."""
+    pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
+    GLUON_WINDOW_MIN_KEYS's rule, 16-bit and contiguous: H200, 16k tokens in 8 sequences
+    (window-varlen-h200-20261204.json), 1.41/1.51/2.10x the portable kernel at d128 windows of
+    512/1024/4096 keys, 1.35/2.30x at d256 windows of 512/4096."""
     if (not q.is_cuda or config is not None or dropout_seed is not None or softcap
-            or alibi_slopes is not None or window_left >= 0 or window_right > 0 or not softmax_scale > 0):
+            or alibi_slopes is not None or not softmax_scale > 0):
         return None
     fp8 = q.dtype == torch.float8_e4m3fn
+    if window_left >= 0 or window_right > 0:  # a sliding window: plain calls' rule, 16-bit contiguous
+        if not (GLUON_WINDOW and not fp8 and block_table is None
+                and window_span(window_left, window_right) >= GLUON_WINDOW_MIN_KEYS.get(q.shape[-1], math.inf)):
+            return None
     if fp8 and (not VARLEN_FP8_GLUON or max_seqlen_k <= 0):  # (it sets the descales' block count)
         return None
     from . import gluon_forward
@@ -1051,7 +1059,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return gluon_forward.gluon_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
-        scale_blocks=scale_blocks, block_table=block_table)
+        scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right))
 
 
 # e4m3 page pools reach the Gluon kernel through copies of B x max_seqlen_k keys (K rows, V rows and

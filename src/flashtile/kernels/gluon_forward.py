@@ -184,7 +184,8 @@ class GluonVariant:
     varlen: bool = False
     # Sliding window (flash_attn's window_size, either side bounded): each query block runs the key
     # tiles from its window's left edge to its right edge (or the diagonal) only, masked at both
-    # ends; the window's sides are runtime arguments. 16-bit, plain (B, S, H, D) calls.
+    # ends; the window's sides are runtime arguments. 16-bit, plain (B, S, H, D) calls or packed
+    # sequences (varlen, each sequence's window bottom-right on its own lengths), not caches.
     window: bool = False
 
     def __post_init__(self):
@@ -205,9 +206,9 @@ class GluonVariant:
         if self.varlen and (not self.warp_specialize or self.prefetch_q):
             # (the Q prefetch would load a skipped work tile's Q; not written)
             raise ValueError("varlen: warp specialized, without the Q prefetch")
-        if self.window and (self.fp8 or not self.warp_specialize or self.own_range or self.seqused_k
-                            or self.varlen):
-            raise ValueError("window: 16-bit plain calls, warp specialized, without own key ranges")
+        if self.window and (self.fp8 or not self.warp_specialize or self.own_range or self.seqused_k):
+            raise ValueError("window: 16-bit plain or packed calls, warp specialized, without own key "
+                             "ranges or caches")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -428,10 +429,15 @@ def with_window(variant: GluonVariant) -> GluonVariant:
     stack bytes at d128 (one value reloaded a key tile in the first consumer), 48-64 at d256; d64
     non-causal's three 160-register consumers spilled 152 bytes (41 spill instructions in a masked
     tile), so it would take the two-consumer schedule (8 bytes); d64 causal keeps three (none).
-    Dispatch takes d128 and d256 only (WINDOW_HEAD_DIMS)."""
+    Packed sequences (``variant.varlen``) keep 24-40 bytes at d128 and 80-112 at d256, where Q's
+    register half (d256 non-causal up to Q_REGS_MAX_KEYS) would take 288: it reads all of Q from shared
+    memory there. Dispatch takes d128 and d256 only (WINDOW_HEAD_DIMS)."""
     if variant.consumers != 2 and not variant.causal:
         variant = _two_consumers(variant)
-    stack = {128: 32, 256: 64}.get(variant.head_dim, 8 if variant.consumers == 2 else 0)
+    if variant.varlen:
+        variant = dataclasses.replace(variant, q_regs=0)
+    stack = {128: 32, 256: 112 if variant.varlen else 64}.get(variant.head_dim,
+                                                               8 if variant.consumers == 2 else 0)
     return dataclasses.replace(variant, window=True, own_range=False,
                                max_stack=max(variant.max_stack, stack))
 
@@ -556,10 +562,12 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                   + [varlen_paged_variant(d, dt, c, page) for d in HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True) for page in (256, *PAGED_BOX_ROWS)
                      if (page == 256 or (dt == "bf16" and page < default_variant(d, dt, c).block_n))]
-                  # sliding windows: every schedule a windowed call may dispatch
+                  # sliding windows: every schedule a windowed call may dispatch, plain or packed
                   + [with_window(dispatch_variant(d, dt, c, n)) for d in WINDOW_HEAD_DIMS
                      for dt in ("bf16", "fp16") for c in (False, True)
-                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))])
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
+                  + [with_window(with_varlen(dispatch_variant(d, dt, c, 1))) for d in WINDOW_HEAD_DIMS
+                     for dt in ("bf16", "fp16") for c in (False, True)])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -1404,7 +1412,9 @@ if _GLUON:
                                   v_scales, scale_shift_q, scale_shift_k, v_max_index, BLOCK_N,
                                   HEAD_DIM, STAGES, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, False,
                                   OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK,
-                                  CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k)
+                                  CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k, first_tile=first,
+                                  num_left=num_left, window_left=window_left,
+                                  window_right=window_right, WINDOW=WINDOW)
                     ring += num_tiles
                     event += num_tiles + 1
                     live += 1  # Q loads so far: the parity of this consumer's Q barrier
@@ -1895,7 +1905,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          softmax_scale: float, causal: bool, out: torch.Tensor | None = None,
                          lse: torch.Tensor | None = None, descales=None,
                          scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None,
-                         block_table: torch.Tensor | None = None):
+                         block_table: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)):
     """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
     and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
@@ -1913,7 +1923,10 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     (num_pages, page_size, Hk, D) and sequence b's keys the first cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] slots of pages block_table[b, 0], block_table[b, 1], ... (clamped to the
     table's max_pages * page_size). 16-bit pools are read in place; e4m3 ones are gathered first
-    (kernels.forward.paged_keys_packed: B * max_seqlen_k keys of K rows and of V^T)."""
+    (kernels.forward.paged_keys_packed: B * max_seqlen_k keys of K rows and of V^T).
+
+    ``window_size`` (left, right), -1 for an unbounded side: flash_attn's sliding window on each
+    sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -1942,13 +1955,22 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         from .forward import paged_keys_packed
         k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k)
         paged = False
+    window_size = tuple(window_size)
+    windowed = len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
+    if windowed and (fp8 or block_table is not None):
+        raise ValueError("gluon_varlen_forward: a window takes 16-bit contiguous packed sequences")
+    window_left, window_right = window_arguments(causal, window_size) if windowed else (0, 0)
     if variant is None:
         if paged:
             variant = varlen_paged_variant(head_dim, dtype, causal, k.shape[1])
         else:
             variant = with_varlen(dispatch_variant(head_dim, dtype, causal, max_seqlen_k))
+            if windowed:
+                variant = with_window(variant)
     elif not variant.varlen or (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} is not a varlen d{head_dim} {dtype} causal={causal} one")
+    if variant.window != windowed:
+        raise ValueError(f"variant {variant.name}: a window is {'needed' if variant.window else 'not taken'}")
     if variant.seqused_k != paged:
         raise ValueError(f"variant {variant.name}: a block table is {'needed' if variant.seqused_k else 'not taken'}")
     if fp8 and descales is None:
@@ -1972,7 +1994,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, max(max_seqlen_k, 1), lse)
     scalars = (0, lse.stride(0), max_seqlen_q, seqlen_k, heads // heads_k, heads,
                geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group, page_size,
-               stride_bt, 0, 0)
+               stride_bt, window_left, window_right)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, block_table if paged else lse,
