@@ -199,6 +199,25 @@ def test_only_plain_calls_take_the_cached_gluon_plan(monkeypatch):
     assert seen == [True, False]
 
 
+def test_short_windows_take_64_row_tiles_on_sm90_only(monkeypatch):
+    # (the rule's arithmetic; the tiles' speed and results are the H200's, window-tiles-h200-20261204)
+    from flashtile.kernels import forward
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(forward, "interpreting", lambda: False)
+    monkeypatch.setattr(forward, "_arch", lambda index: 90)
+    for d, tiles, most in ((64, (64, 64, 2), 2049), (40, (64, 64, 2), 2049), (128, (64, 32, 2), 513),
+                           (96, (64, 32, 2), 513)):
+        for left, right in ((128, 0), (most - 1, 0), (0, 0), (200, most - 201), (300, 0)):
+            cfg = forward.short_window_config(d, cuda, left, right)
+            assert (cfg.block_m, cfg.block_n, cfg.num_stages) == tiles and cfg.use_tma, (d, left, right)
+        for left, right in ((most, 0), (-1, 0), (-1, -1), (100, -1), (-1, 100), (most // 2, most // 2 + 1)):
+            assert forward.short_window_config(d, cuda, left, right) is None, (d, left, right)
+    assert forward.short_window_config(256, cuda, 128, 0) is None
+    assert forward.short_window_config(64, torch.device("cpu"), 128, 0) is None
+    monkeypatch.setattr(forward, "_arch", lambda index: 80)
+    assert forward.short_window_config(64, cuda, 128, 0) is None
+
+
 def test_tiles_past_head_dim_128_fit_gpus_with_99_kb_of_shared_memory():
     # 64 x 64 tiles took 104 KB at head dim 256 on sm_89 (L4, L40S, RTX 40), where a CTA may have 99 KB
     from flashtile.kernels.forward import TileConfig, config_for_arch

@@ -98,6 +98,30 @@ FP8_CONFIGS = {64: TileConfig(128, 128, 4, 3, use_tma=True), 128: TileConfig(64,
                256: TileConfig(128, 128, 8, 2, use_tma=True)}
 
 
+# Short sliding windows of 16-bit calls on sm_90 (a row's window spans at most SHORT_WINDOW_KEYS keys
+# at that padded head dim): 64-row query tiles, which compute fewer of the masked pairs around a
+# window than 128-row ones, with 2 stages. H200, causal windows over 16k tokens, against the causal
+# call's tiles (window-tiles-h200-20261204-b.json; -a without the 2-stage 64 x 32 tiles):
+# d64 (64/8 heads, 128 x 128 x 3) 64 x 64 x 2 1.38/1.38/1.32/1.21/1.12x at windows of
+# 128/256/512/1024/2048 keys (1.11/1.20/1.22/1.17/1.14x FlexAttention); d128 (32/8, 128 x 64 x 2)
+# 64 x 32 x 2 1.25/1.20x at 128/256 (1.47/1.38x Flex; from 512 keys the Gluon kernel takes them).
+SHORT_WINDOW_KEYS = {64: 2049, 128: 513}
+SHORT_WINDOW_CONFIGS = {64: TileConfig(64, 64, 4, 2, use_tma=True), 128: TileConfig(64, 32, 4, 2, use_tma=True)}
+
+
+def short_window_config(head_dim: int, device: torch.device, window_left: int,
+                        window_right: int) -> TileConfig | None:
+    """SHORT_WINDOW_CONFIGS' tiles for a window of these sides (-1: unbounded) on sm_90, else None."""
+    padded = head_dim_padded(head_dim)
+    if (device.type != "cuda" or interpreting() or padded not in SHORT_WINDOW_CONFIGS
+            or window_span(window_left, window_right) > SHORT_WINDOW_KEYS[padded]):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _arch(index) != 90:
+        return None
+    return SHORT_WINDOW_CONFIGS[padded]
+
+
 def pick_config(head_dim: int, device: torch.device, fp8: bool = False) -> TileConfig:
     """Tile shape for a head dim on a device; one fixed config under the interpreter."""
     if device.type != "cuda":
@@ -952,7 +976,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     elif by_sequence:
         cfg = sequence_fp8_config(q.device, head_dim, paged)
     else:
-        cfg = pick_config(head_dim, q.device, fp8)
+        cfg = ((not fp8 and short_window_config(head_dim, q.device, window_left, window_right))
+               or pick_config(head_dim, q.device, fp8))
     fp8_mode = 0
     if fp8 and dropout_seed is not None:
         raise NotImplementedError("flashtile: FP8 attention takes no dropout")
