@@ -218,6 +218,24 @@ def test_short_windows_take_64_row_tiles_on_sm90_only(monkeypatch):
     assert forward.short_window_config(64, cuda, 128, 0) is None
 
 
+@pytest.mark.parametrize("d, window, causal, seqlen_q, seqlen_k", [
+    (64, (70, 0), True, 150, 150), (40, (20, 30), False, 90, 170), (128, (45, 0), True, 170, 100),
+    (96, (0, 0), True, 130, 130)])
+def test_short_window_tiles_match_the_reference(d, window, causal, seqlen_q, seqlen_k):
+    """The kernel on short_window_config's tile shapes (64 x 64 / 64 x 32, 2 stages; pointer loads
+    here), windows spanning several key tiles with edges mid-tile, output and LSE NaN-filled first."""
+    from flashtile.kernels import forward
+    cfg = forward.SHORT_WINDOW_CONFIGS[forward.head_dim_padded(d)]
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, d, BF16 if d % 64 else F16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, seqlen_q), float("nan"))
+    right = 0 if causal else window[1]
+    forward.attention_forward(q, k, v, softmax_scale=d ** -0.5, window_left=window[0], window_right=right,
+                              diag_offset=seqlen_k - seqlen_q, out=out, lse=lse,
+                              config=forward.TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages))
+    assert_matches_reference(out, lse, q, k, v, causal=causal, window_size=window)
+
+
 def test_tiles_past_head_dim_128_fit_gpus_with_99_kb_of_shared_memory():
     # 64 x 64 tiles took 104 KB at head dim 256 on sm_89 (L4, L40S, RTX 40), where a CTA may have 99 KB
     from flashtile.kernels.forward import TileConfig, config_for_arch
