@@ -105,6 +105,7 @@ FP8_CONFIGS = {64: TileConfig(128, 128, 4, 3, use_tma=True), 128: TileConfig(64,
 # d64 (64/8 heads, 128 x 128 x 3) 64 x 64 x 2 1.38/1.38/1.32/1.21/1.12x at windows of
 # 128/256/512/1024/2048 keys (1.11/1.20/1.22/1.17/1.14x FlexAttention); d128 (32/8, 128 x 64 x 2)
 # 64 x 32 x 2 1.25/1.20x at 128/256 (1.47/1.38x Flex; from 512 keys the Gluon kernel takes them).
+# Plain (B, S, H, D) calls: packed sequences and page pools keep the causal call's tiles.
 SHORT_WINDOW_KEYS = {64: 2049, 128: 513}
 SHORT_WINDOW_CONFIGS = {64: TileConfig(64, 64, 4, 2, use_tma=True), 128: TileConfig(64, 32, 4, 2, use_tma=True)}
 
@@ -976,7 +977,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     elif by_sequence:
         cfg = sequence_fp8_config(q.device, head_dim, paged)
     else:
-        cfg = ((not fp8 and short_window_config(head_dim, q.device, window_left, window_right))
+        # (plain calls only: packed sequences and page pools on these tiles are not measured)
+        cfg = ((not (fp8 or varlen or paged) and short_window_config(head_dim, q.device, window_left,
+                                                                      window_right))
                or pick_config(head_dim, q.device, fp8))
     fp8_mode = 0
     if fp8 and dropout_seed is not None:
