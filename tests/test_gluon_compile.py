@@ -836,3 +836,8 @@ def test_windowed_varlen_launch_takes_the_window_variant_and_its_sides(monkeypat
         with pytest.raises(ValueError, match="window"):
             gluon_forward.gluon_varlen_forward(q, pool, pool, cu_q, cu_k, 300, 300, softmax_scale=0.1,
                                                causal=causal, window_size=window, block_table=table)
+        e4m3 = [t.to(torch.float8_e4m3fn) for t in (q, k, k)]
+        with pytest.raises(ValueError, match="window"):
+            gluon_forward.gluon_varlen_forward(*e4m3, cu_q, cu_k, 300, 300, softmax_scale=0.1, causal=causal,
+                                               window_size=window, scale_blocks=(512, 512))
+    assert len(launches) == 1  # the refused calls launched nothing

@@ -1946,6 +1946,11 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     dtype = _DTYPES[q.dtype]
     v_packed_t = None
     paged = block_table is not None
+    window_size = tuple(window_size)  # checked before the e4m3 pools' gather below
+    windowed = len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
+    if windowed and (fp8 or block_table is not None):
+        raise ValueError("gluon_varlen_forward: a window takes 16-bit contiguous packed sequences")
+    window_left, window_right = window_arguments(causal, window_size) if windowed else (0, 0)
     if paged and (block_table.dim() != 2 or block_table.shape[0] != batch):
         raise ValueError("gluon_varlen_forward: block_table must be (B, max_pages)")
     if paged and fp8:
@@ -1955,11 +1960,6 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         from .forward import paged_keys_packed
         k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k)
         paged = False
-    window_size = tuple(window_size)
-    windowed = len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
-    if windowed and (fp8 or block_table is not None):
-        raise ValueError("gluon_varlen_forward: a window takes 16-bit contiguous packed sequences")
-    window_left, window_right = window_arguments(causal, window_size) if windowed else (0, 0)
     if variant is None:
         if paged:
             variant = varlen_paged_variant(head_dim, dtype, causal, k.shape[1])
