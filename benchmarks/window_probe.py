@@ -86,6 +86,17 @@ def visible_pairs(n: int, window: int | None) -> int:
     return w * (w + 1) // 2 + (n - w) * w
 
 
+def write_results(out_dir: str, name: str, checks: list, rows: list) -> None:
+    """``checks`` and ``rows`` as out_dir/name with the GPU, torch and the source digest (no out_dir:
+    nothing written)."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "source_digest": source_digest(), "checks": checks, "rows": rows}, f, indent=1)
+
+
 def balanced_rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
     """do_bench milliseconds of each of ``calls`` (name -> function) over ``rounds`` rounds, each
     provider in every position equally often (rotated, forward and reversed)."""
@@ -438,22 +449,13 @@ def main() -> int:
     dev = torch.device("cuda")
     if args.varlen:
         checks, rows = run_varlen(dev, args.rounds, args.check_only)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "window-varlen.json"), "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "source_digest": source_digest(), "checks": checks, "rows": rows}, f, indent=1)
+        write_results(args.out, "window-varlen.json", checks, rows)
         bad = sum(not c["ok"] for c in checks)
         print(f"varlen check: {len(checks) - bad}/{len(checks)} ok", flush=True)
         return 1 if bad else 0
     if args.train:
         train_checks, train_times = run_train(dev, args.rounds, args.max_len, args.check_only)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "window-train.json"), "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "source_digest": source_digest(), "checks": train_checks, "rows": train_times}, f,
-                          indent=1)
+        write_results(args.out, "window-train.json", train_checks, train_times)
         return 1 if any(not c["ok"] for c in train_checks) else 0
     checks = run_checks(dev, args.max_len)
     bad = sum(not c["ok"] for c in checks)
@@ -504,11 +506,7 @@ def main() -> int:
                    "tflops": round(tflops, 1), "err_over_budget": errors[name]}
             rows_out.append(rec)
             print(json.dumps(rec), flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "window-probe.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "source_digest": source_digest(), "checks": checks, "rows": rows_out}, f, indent=1)
+    write_results(args.out, "window-probe.json", checks, rows_out)
     print("\n| d | n | H/Hk | window | provider | ms | TFLOP/s | err/budget |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows_out:

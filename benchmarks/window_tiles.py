@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
 import flashtile
-from flashtile.bench.common import source_digest
 from flashtile.kernels import forward
 from flashtile.kernels.forward import TileConfig
 from flashtile.reference import attention as reference_attention
 
-from window_probe import balanced_rounds, check, median, over_budget, visible_pairs
+from window_probe import balanced_rounds, check, median, over_budget, visible_pairs, write_results
 
 # (seqlen, heads, kv heads, head dim, window)
 SHAPES = [(16384, 64, 8, 64, 128), (16384, 64, 8, 64, 256), (16384, 64, 8, 64, 512), (16384, 64, 8, 64, 1024),
@@ -140,11 +138,7 @@ def main() -> int:
                    "tflops": round(tflops, 1), "err_over_budget": errors[name]}
             rows_out.append(rec)
             print(json.dumps(rec), flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "window-tiles.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "source_digest": source_digest(), "checks": checks, "rows": rows_out}, f, indent=1)
+    write_results(args.out, "window-tiles.json", checks, rows_out)
     print("\n| d | H/Hk | window | tiles | ms | TFLOP/s | err/budget |")
     print("|---|---|---|---|---|---|---|")
     for r in rows_out:
