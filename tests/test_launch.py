@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from triton import knobs
 
 from flashtile.kernels import launch
@@ -109,3 +110,28 @@ def test_raw_launcher_steps_aside_for_unexpected_wrappers():
             launch = staticmethod(lambda *args: None)
             global_scratch_size = profile_scratch_size = 0
     assert launch.raw_launcher(Plain) is None
+
+
+def test_launch_finds_the_device_past_leading_none_pointers(monkeypatch):
+    """Pointer arguments may start with None (the Gluon backward's offsets without packing): the
+    device check looks at the first tensor given (here on another GPU, so the JIT's path)."""
+    from flashtile.kernels import launch as launch_module
+
+    class OtherGpuTensor:
+        def get_device(self):
+            return 1
+
+    calls = []
+
+    class Jit:
+        pre_run_hooks = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: calls.append((grid, args))
+    monkeypatch.setattr(launch_module, "ENABLED", True)
+    monkeypatch.setattr(launch_module, "interpreting", lambda: False)
+    monkeypatch.setattr(launch_module, "_hooks_set", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # a CPU build has none
+    tensor = OtherGpuTensor()
+    launch_module.launch(Jit(), (1,), (None, None, tensor), (3,), {})
+    assert calls == [((1,), (None, None, tensor, 3))]

@@ -109,7 +109,9 @@ def launch(jit, grid: tuple, tensors: tuple, scalars: tuple, options: dict,
         jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
     device = torch._C._cuda_getDevice()
-    first = tensors[0] if tensors else descriptors[0].base
+    first = next((t for t in tensors if t is not None), None)
+    if first is None:
+        first = descriptors[0].base
     if first.get_device() != device:  # the JIT's path (and its checks) for another GPU's tensors
         jit[grid](*_jit_descriptors(descriptors), *tensors, *scalars, **options)
         return
