@@ -51,3 +51,128 @@ def test_programs_counts_one_cta_per_128_keys_per_kv_head():
     q = torch.empty(3, 100, 12, 64)
     k = torch.empty(3, 300, 2, 64)
     assert gluon_backward.programs(q, k) == 3 * 2 * 3
+
+
+def test_varlen_variants_are_compiled_for_every_dispatched_schedule():
+    """flash_attn_varlen_func's backward dispatches the fused kernel's packed variants: each is in
+    the compile list (test_gluon_compile compiles them), with and without a window."""
+    import dataclasses
+    names = {v.name for v in gluon_backward.GLUON_BACKWARD_VARIANTS}
+    for d in gluon_backward.FUSED_HEAD_DIMS:
+        for dtype in ("bf16", "fp16"):
+            for causal in (False, True):
+                packed = dataclasses.replace(gluon_backward.default_variant(d, dtype, causal, True), varlen=True)
+                assert packed.name.endswith("-dq-varlen") and packed.name in names
+                if d in gluon_backward.WINDOW_HEAD_DIMS:
+                    assert dataclasses.replace(packed, window=True).name.endswith("-dq-win-varlen")
+                    assert dataclasses.replace(packed, window=True).name in names
+
+
+def _packed_call(d=128, heads=8, heads_k=2, dtype=torch.bfloat16):
+    cu_q = torch.tensor([0, 300, 301, 431, 431], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 340, 740, 804], dtype=torch.int32)
+    q = torch.randn(1, 431, heads, d, dtype=dtype)
+    k = torch.randn(1, 804, heads_k, d, dtype=dtype)
+    v = torch.randn_like(k)
+    lse = torch.randn(1, heads, gluon_backward.packed_row_width(431, 4))  # packed_row_copy's layout
+    return q, k, v, lse, cu_q, cu_k
+
+
+@pytest.mark.parametrize("d, causal, window", [(128, True, (-1, 0)), (64, False, (-1, -1)),
+                                               (128, False, (700, 300)), (128, True, (600, 0))])
+def test_varlen_launch_takes_the_packed_variant(monkeypatch, d, causal, window):
+    """gluon_dkdv with cu_seqlens: the packed variant (its window variant for a window), a grid of the
+    longest sequence's key blocks x KV heads x sequences, the offsets and dK/dV as its pointer
+    arguments (dK/dV for the masked stores of a sequence's last key block). Without them, the
+    plain variant with no offsets. The GPU parts stubbed."""
+    import dataclasses
+    q, k, v, lse, cu_q, cu_k = _packed_call(d)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_accum = torch.zeros(q.shape)
+    launches = []
+    monkeypatch.setattr(gluon_backward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    gluon_backward.gluon_dkdv(q, k, v, torch.randn_like(q), lse, torch.randn_like(lse), dk, dv, softmax_scale=0.1,
+                              causal=causal, dq_accum=dq_accum, window_size=window, cu_seqlens_q=cu_q,
+                              cu_seqlens_k=cu_k, max_seqlen_k=400)
+    (jit, grid, tensors, scalars, options, descriptors), = launches
+    variant = dataclasses.replace(gluon_backward.default_variant(d, "bf16", causal, True), varlen=True)
+    windowed = window[0] >= 0 or (not causal and window[1] >= 0)
+    if windowed:
+        variant = dataclasses.replace(variant, window=True)
+    assert variant in gluon_backward.GLUON_BACKWARD_VARIANTS
+    assert options is gluon_backward._launch_options(variant) and options["VARLEN"]
+    assert grid == (4, 2, 4)  # 400 keys in blocks of 128, Hk, sequences
+    assert tensors[0] is cu_q and tensors[1] is cu_k and tensors[2] is dk and tensors[3] is dv
+    lse = torch.randn(1, 8, 431)
+    gluon_backward.gluon_dkdv(q, k, v, torch.randn_like(q), lse, torch.randn_like(lse), dk, dv, softmax_scale=0.1,
+                              causal=causal, dq_accum=dq_accum, window_size=window)
+    (_, grid, tensors, _, options, _) = launches[1]
+    assert not options["VARLEN"] and grid == (7, 2, 1) and tensors[:2] == (None, None)
+
+
+def test_varlen_launch_refuses_what_it_cannot_address():
+    """int64 offsets, offsets of two lengths, a packed batch of more than one entry and dK/dV that
+    are not contiguous are refused before any launch."""
+    q, k, v, lse, cu_q, cu_k = _packed_call()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    args = (q, k, v, torch.randn_like(q), lse, torch.randn_like(lse))
+    bad = [dict(cu_seqlens_q=cu_q.long(), cu_seqlens_k=cu_k.long()), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k[:-1]),
+           dict(cu_seqlens_q=cu_q, cu_seqlens_k=None)]
+    for kwargs in bad:
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            gluon_backward.gluon_dkdv(*args, dk, dv, softmax_scale=0.1, causal=True, max_seqlen_k=400, **kwargs)
+    strided = torch.empty(1, 804, 2, 256, dtype=k.dtype)[..., :128]
+    with pytest.raises(ValueError, match="contiguous"):
+        gluon_backward.gluon_dkdv(*args, strided, dv, softmax_scale=0.1, causal=True, cu_seqlens_q=cu_q,
+                                  cu_seqlens_k=cu_k, max_seqlen_k=400)
+    with pytest.raises(ValueError, match="packed_row_copy"):
+        gluon_backward.gluon_dkdv(*args[:4], lse[..., :431], lse[..., :431], dk, dv, softmax_scale=0.1,
+                                  causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=400)
+    two = [t.expand(2, *t.shape[1:]) for t in args]
+    with pytest.raises(ValueError, match="packed batch entry"):
+        gluon_backward.gluon_dkdv(*two, dk.expand(2, -1, -1, -1), dv, softmax_scale=0.1, causal=True,
+                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=400)
+
+
+@pytest.mark.parametrize("lengths", [[300, 1, 130, 0, 517], [4, 4, 4], [0, 0], [7], [1, 2, 3, 5, 8, 13, 21]])
+def test_packed_row_starts_are_aligned_and_keep_sequences_apart(lengths):
+    """Every sequence's LSE/Delta rows start at a multiple of 4 (TMA's innermost coordinates), after
+    the previous sequence's last row plus at least one row of zeros, within packed_row_width."""
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    starts = gluon_backward.packed_row_starts(cu).tolist()
+    width = gluon_backward.packed_row_width(sum(lengths), len(lengths))
+    assert all(s % 4 == 0 for s in starts) and width % 4 == 0
+    ends = [s + n for s, n in zip(starts, lengths)]
+    assert all(e < s for e, s in zip(ends, starts[1:])) and ends[-1] < width
+    rows = torch.randn(3, sum(lengths))
+    copy = gluon_backward.packed_row_copy(rows, cu)
+    assert copy.shape == (1, 3, width)
+    seen = torch.zeros(width, dtype=torch.bool)
+    for b, (s, n) in enumerate(zip(starts, lengths)):
+        assert torch.equal(copy[0, :, s:s + n], rows[:, int(cu[b]):int(cu[b]) + n])
+        seen[s:s + n] = True
+    assert not copy[0, :, ~seen].any()  # zeros everywhere else
+
+
+def test_preprocess_writes_the_aligned_rows_the_gluon_kernel_reads():
+    """backward._attn_bwd_preprocess with ALIGNED (through the interpreter): Delta = rowsum(dO * O)
+    and the LSE in packed_row_copy's layout, nothing else written there."""
+    from flashtile.kernels.forward import head_dim_padded
+    lengths = [300, 1, 130, 0, 67]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total, heads, d = sum(lengths), 3, 40
+    out, dout = torch.randn(1, total, heads, d), torch.randn(1, total, heads, d)
+    lse = torch.randn(1, heads, total)
+    delta = torch.full_like(lse, float("nan"))
+    width = gluon_backward.packed_row_width(total, len(lengths))
+    aligned = torch.zeros(2, 1, heads, width)
+    so, sd, sl = out.stride(), dout.stride(), lse.stride()
+    backward._attn_bwd_preprocess[(-(-max(lengths) // 64), heads, len(lengths))](
+        out, dout, None, delta, cu, lse, aligned[0], aligned[1], 0, so[1], so[2], 0, sd[1], sd[2], 0, sl[1],
+        aligned.stride(2), total, BLOCK_M=64, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), HAS_DLSE=False,
+        VARLEN=True, ALIGNED=True)
+    want_delta = (out[0] * dout[0]).sum(-1).t()
+    assert torch.equal(aligned[0], gluon_backward.packed_row_copy(lse[0], cu))
+    torch.testing.assert_close(aligned[1], gluon_backward.packed_row_copy(want_delta, cu), rtol=1e-5, atol=1e-5)
+    assert torch.isnan(delta).all()  # the plain Delta rows are not written then

@@ -8,7 +8,8 @@ Three launches, none with atomics, so every gradient is bitwise reproducible:
 3. dQ: one program per query block and head, looping over the key blocks it sees (as the forward).
 With deterministic=False on sm_90 (gluon_backward.FUSED_HEAD_DIMS, full or causal), steps 2 and 3
 are one Gluon kernel instead that adds dQ by TMA reductions into a zeroed float32 buffer
-(gluon_backward's ``fused_dq``), and a cast copies it into dQ.
+(gluon_backward's ``fused_dq``), and a cast copies it into dQ; packed sequences (varlen) too, with
+the preprocess writing the LSE and Delta rows that kernel reads (``ALIGNED``).
 With P = exp(S - LSE) and dS = P * (dO V^T - Delta): dV = P^T dO, dK = scale * dS^T Q,
 dQ = scale * dS K; a softcap multiplies dS by 1 - tanh^2, ALiBi adds nothing.
 """
@@ -70,11 +71,14 @@ def pick_backward_config(head_dim: int, device: torch.device) -> BackwardConfig:
 
 
 @triton.jit
-def _attn_bwd_preprocess(Out, dOut, dLse, Delta, CuSeqlensQ,
+def _attn_bwd_preprocess(Out, dOut, dLse, Delta, CuSeqlensQ, Lse, AlignedLse, AlignedDelta,
                          stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-                         stride_lb, stride_lh, seqlen_q,
+                         stride_lb, stride_lh, stride_ah, seqlen_q,
                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr):
+                         HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """Delta = rowsum(dO * O) (- dLSE). ``ALIGNED`` (packed sequences for the Gluon kernel): Delta
+    and the LSE go to (H, width) rows of zeros instead, sequence b's from row ceil4(its first
+    row) + 4 b (gluon_backward.packed_row_starts)."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -91,7 +95,12 @@ def _attn_bwd_preprocess(Out, dOut, dLse, Delta, CuSeqlensQ,
     row = batch.to(tl.int64) * stride_lb + head * stride_lh + q_start + offs_m
     if HAS_DLSE:  # d lse_i / d s_ij = p_ij: folds into Delta
         delta -= tl.load(dLse + row, mask=offs_m < seqlen_q, other=0.0)
-    tl.store(Delta + row, delta, mask=offs_m < seqlen_q)
+    if ALIGNED:
+        aligned = head.to(tl.int64) * stride_ah + (q_start + 3) // 4 * 4 + 4 * batch + offs_m
+        tl.store(AlignedDelta + aligned, delta, mask=offs_m < seqlen_q)
+        tl.store(AlignedLse + aligned, tl.load(Lse + row, mask=offs_m < seqlen_q), mask=offs_m < seqlen_q)
+    else:
+        tl.store(Delta + row, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -479,6 +488,9 @@ GLUON_DKDV = os.environ.get("FLASHTILE_GLUON_BWD", "0") not in ("", "0")
 # The Gluon kernel with dQ added by TMA reductions, for deterministic=False at the head dims of
 # gluon_backward.FUSED_HEAD_DIMS (FLASHTILE_GLUON_FUSED_DQ=0 turns it off).
 GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0")
+# Packed sequences (flash_attn_varlen_func) through the same fused kernel (gluon_backward's varlen
+# variants); FLASHTILE_GLUON_VARLEN_BWD=0 keeps them on the portable kernels.
+GLUON_VARLEN = os.environ.get("FLASHTILE_GLUON_VARLEN_BWD", "1") not in ("", "0")
 
 
 def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
@@ -487,15 +499,20 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     and dQ in one kernel; deterministic=False, FUSED_HEAD_DIMS, GLUON_FUSED_DQ), "dkdv" (the dK/dV
     pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention, or a
     bottom-right sliding window ("fused" only, at gluon_backward.WINDOW_HEAD_DIMS, where the forward
-    takes the window too: forward.GLUON_WINDOW_MIN_KEYS), without softcap, ALiBi, dropout or
-    packing, on tensors it supports, unless a tile config was asked for or FLASHTILE_GLUON=0."""
+    takes the window too: forward.GLUON_WINDOW_MIN_KEYS), without softcap, ALiBi or dropout, on
+    tensors it supports, unless a tile config was asked for or FLASHTILE_GLUON=0. Packed sequences
+    (flags["VARLEN"]: q, k, v, dout as one packed batch entry, each sequence bottom-right on its own
+    lengths) take "fused" only (GLUON_VARLEN)."""
     fused = GLUON_FUSED_DQ and not deterministic
     if not ((GLUON_DKDV or fused) and _forward.GLUON_ENABLED) or config_given or interpreting() \
             or not q.is_cuda:
         return None
-    if any(flags[name] for name in ("SOFTCAP", "ALIBI", "DROPOUT", "VARLEN", "UPCAST")):
+    if any(flags[name] for name in ("SOFTCAP", "ALIBI", "DROPOUT", "UPCAST")):
         return None
-    if (flags["HAS_LEFT"] or flags["HAS_RIGHT"]) and diag_offset != k.shape[1] - q.shape[1]:
+    varlen = flags["VARLEN"]
+    if varlen and not (fused and GLUON_VARLEN):
+        return None
+    if (flags["HAS_LEFT"] or flags["HAS_RIGHT"]) and not varlen and diag_offset != k.shape[1] - q.shape[1]:
         return None
     from . import gluon_backward
     from .gluon_forward import _sm_count
@@ -513,11 +530,12 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
         # Fewer programs than SMs (few KV heads, short keys): the longest causal program (the
         # whole group of query heads over every query block) sets the time, and the portable
         # kernels, which split dQ off into programs of their own, were faster (12/2 heads at 8k
-        # causal: 2.33 vs 2.23 ms of kernels, train-profile-h200-20261130.json).
+        # causal: 2.33 vs 2.23 ms of kernels, train-profile-h200-20261130.json). (Packed: the
+        # programs that have keys, about total keys / 128 per KV head.)
         fused = False
     if fused:
         return "fused"
-    return "dkdv" if GLUON_DKDV and not windowed else None
+    return "dkdv" if GLUON_DKDV and not windowed and not varlen else None
 
 
 def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) -> str:
@@ -539,18 +557,29 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
     seqlen_q, head_dim, d_pad = common[0], flags["HEAD_DIM"], flags["HEAD_DIM_PAD"]
     varlen = flags["VARLEN"]
     pre_block = 64
+    aligned_rows = None
+    if gluon_dkdv and varlen:  # the Gluon kernel's LSE and Delta rows: see packed_row_starts
+        from .gluon_backward import packed_row_width
+        width = packed_row_width(q.shape[1], batch)
+        aligned_rows = torch.zeros(2, 1, heads, width, dtype=torch.float32, device=q.device)
     _attn_bwd_preprocess[(-(-rows_q // pre_block), heads, batch)](
-        out, dout, dlse, delta, cu_seqlens_q, so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0],
-        sl[1], seqlen_q, BLOCK_M=pre_block, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-        HAS_DLSE=dlse is not None, VARLEN=varlen)
+        out, dout, dlse, delta, cu_seqlens_q, lse,
+        *((aligned_rows[0], aligned_rows[1]) if aligned_rows is not None else (None, None)),
+        so[0], so[1], so[2], sd[0], sd[1], sd[2], sl[0], sl[1],
+        aligned_rows.stride(2) if aligned_rows is not None else 0, seqlen_q, BLOCK_M=pre_block,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_DLSE=dlse is not None, VARLEN=varlen,
+        ALIGNED=aligned_rows is not None)
     if gluon_dkdv:
         from .gluon_backward import gluon_dkdv as run_gluon_dkdv
         fused = gluon_dkdv == "fused"
+        if aligned_rows is not None:
+            lse, delta = aligned_rows[0], aligned_rows[1]
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
         # (common: ..., diag_offset, window_left, window_right clamped at 0, ...)
         window = (common[4] if flags["HAS_LEFT"] else -1, common[5] if flags["HAS_RIGHT"] else -1)
+        packed = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=rows_k) if varlen else {}
         run_gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=common[8],
-                       causal=window[1] == 0, dq_accum=dq_accum, window_size=window)
+                       causal=window[1] == 0, dq_accum=dq_accum, window_size=window, **packed)
         if fused:
             dq.copy_(dq_accum)
             return

@@ -24,6 +24,12 @@ dS are zero and they add nothing to dK and dV; keys past the key sequence give r
 the TMA store clips. The causal diagonal is bottom-right, as
 in the forward.
 
+Packed sequences (flash_attn_varlen_func, ``varlen`` variants): the grid's last axis is the sequence;
+each CTA reads its sequence's offsets, and its tiles that reach past the sequence's queries or keys
+(the next sequence's rows, not zeros) take a mask; a key block reaching past the keys stores dK/dV by
+masked stores; the LSE and Delta rows come from copies in which every sequence starts at a 4-row
+boundary (packed_row_starts).
+
 This module imports on machines without a GPU; ``compile_for_sm90`` builds the cubin there.
 """
 
@@ -67,6 +73,9 @@ class GluonBackwardVariant:
     # Sliding window (flash_attn's window_size): each key block runs only the query blocks whose
     # window reaches it, masked where some row's window does not cover all of its keys.
     window: bool = False
+    # Packed sequences (flash_attn_varlen_func): q, dO (1, total_q, H, D), k, v (1, total_k, Hk, D),
+    # sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b]; grid (key blocks of the longest, Hk, B).
+    varlen: bool = False
 
     def __post_init__(self):
         if self.fused_dq and (self.head_dim not in (64, 128) or self.block_m != 64 or self.overlap):
@@ -81,7 +90,8 @@ class GluonBackwardVariant:
     def name(self) -> str:
         return (f"gluon-bwd-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-m{self.block_m}-s{self.stages}{'-overlap' if self.overlap else ''}"
-                f"{'-dq' if self.fused_dq else ''}{'-win' if self.window else ''}")
+                f"{'-dq' if self.fused_dq else ''}{'-win' if self.window else ''}"
+                f"{'-varlen' if self.varlen else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,6 +119,11 @@ GLUON_BACKWARD_VARIANTS += [default_variant(d, dt, c, True) for d in HEAD_DIMS
 # Sliding windows: the fused (dQ by TMA reductions) kernel at the head dims WINDOW_HEAD_DIMS lists
 WINDOW_HEAD_DIMS = (128,)
 GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True), window=True)
+                            for d in WINDOW_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
+# Packed sequences (flash_attn_varlen_func's backward): the fused kernel, with and without a window
+GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True), varlen=True)
+                            for d in FUSED_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
+GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True), window=True, varlen=True)
                             for d in WINDOW_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
 
 
@@ -166,16 +181,19 @@ if _GLUON:
 
     @gluon.jit
     def _bwd_producer(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs,
-                      ready, empty, batch, kv_head, group_size, m_lo, num_m, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      ready, empty, batch, kv_head, group_size, m_lo, num_m, q_start, row_start,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         """The 1-warp load partition: (Q, dO, LSE, Delta) of query block m of query head g, for g over
         the group and m over [m_lo, num_m), in the consumers' order, at most STAGES tiles ahead of
         them. Rows past the sequence land as zeros: with Q and dO zero there, S, dP, dS and their
-        shares of dV and dK are zero too whatever P is."""
+        shares of dV and dK are zero too whatever P is. Packed sequences: ``batch`` is the
+        descriptors' batch coordinate (0), the rows start at ``q_start`` and the LSE/Delta rows at
+        ``row_start`` (packed_row_starts: TMA takes innermost coordinates at 16-byte multiples only);
+        rows past the sequence are the next one's (or zeros), which the consumers mask."""
         n_m = num_m - m_lo
         for it in range(group_size * n_m):
             head = kv_head * group_size + it // n_m
-            row0 = (m_lo + it % n_m) * BLOCK_M
+            row0 = q_start + (m_lo + it % n_m) * BLOCK_M
             slot = it % STAGES
             # Empty barriers start in phase 0: parity 1 passes at once on the first lap.
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -185,9 +203,10 @@ if _GLUON:
                                             q_bufs.index(slot))
             tma.async_copy_global_to_shared(do_desc, [batch, row0, head, 0], ready.index(slot),
                                             do_bufs.index(slot))
-            tma.async_copy_global_to_shared(lse_desc, [batch, head, row0], ready.index(slot),
+            rows0 = row0 - q_start + row_start  # (packed: rows of a 4-row aligned copy)
+            tma.async_copy_global_to_shared(lse_desc, [batch, head, rows0], ready.index(slot),
                                             lse_bufs.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [batch, head, row0], ready.index(slot),
+            tma.async_copy_global_to_shared(delta_desc, [batch, head, rows0], ready.index(slot),
                                             delta_bufs.index(slot))
 
     @gluon.jit
@@ -223,7 +242,8 @@ if _GLUON:
     @gluon.jit
     def _bwd_consumer(k_smem, v_smem, kv_bar, dq_smem, shared, BLOCK_M: gl.constexpr,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
-                      OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr, WINDOW: gl.constexpr = False):
+                      OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr, WINDOW: gl.constexpr = False,
+                      VARLEN: gl.constexpr = False):
         """Keys [n0 + 64 WG, n0 + 64 WG + 64): load K and V once, accumulate dK and dV over every
         streamed tile, write them (dK times the softmax scale) through K's and V's slots.
 
@@ -237,16 +257,22 @@ if _GLUON:
         to dQ by a TMA reduction staged in its own ``dq_smem`` slot. ``ds_bar`` completes once per
         tile, only after each consumer's dQ wgmmas of the tile before have retired, so neither runs
         more than one tile ahead of the other; a last round before the epilogue keeps either from
-        overwriting its K slot while the other's final dQ wgmma reads it."""
+        overwriting its K slot while the other's final dQ wgmma reads it.
+
+        ``VARLEN``: ``batch`` is the descriptors' batch coordinate (0), the sequence's rows start at
+        ``q_start`` and ``k_start``. Tiles reaching past its queries or keys read the next
+        sequence's rows, so they take a mask too (P and dS zero there: the dQ a reduction adds to
+        the next sequence's rows is zero), and a key block reaching past the keys writes dK and dV
+        by masked stores (``DK``, ``DV``) instead of TMA's whole box."""
         (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
          seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
-         dq_desc, ds_smem, ds_bar, k_all, window_left, window_right) = shared
+         dq_desc, ds_smem, ds_bar, k_all, window_left, window_right, q_start, k_start, DK, DV) = shared
         KEYS: gl.constexpr = 64
         dtype: gl.constexpr = k_desc.dtype
         key0 = n0 + WG * KEYS
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, key0, kv_head, 0], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [batch, key0, kv_head, 0], kv_bar, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [batch, k_start + key0, kv_head, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [batch, k_start + key0, kv_head, 0], kv_bar, v_smem)
 
         s_layout: gl.constexpr = _acc_layout(BLOCK_M)
         d_layout: gl.constexpr = _acc_layout(HEAD_DIM)
@@ -260,6 +286,8 @@ if _GLUON:
         diag = seqlen_k - seqlen_q
         m_lo, m_full, m_full_end, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 2 * KEYS, CAUSAL,
                                                         window_left, window_right, WINDOW)
+        if VARLEN:  # a key block past the sequence's keys: no query tiles (as the producer)
+            num_m = gl.where(n0 < seqlen_k, num_m, m_lo)
         n_m = num_m - m_lo
         total = group_size * n_m
         mbarrier.wait(kv_bar, 0)
@@ -286,7 +314,21 @@ if _GLUON:
                 1, deps=(s_tok, dk, dv, p_op, ds_op, k_tile, q_t))
             if OVERLAP:  # the tile before is read no more
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > 0)
-            if WINDOW:
+            if VARLEN:  # the sequence's own bounds, then its mask as below
+                masked = (m * BLOCK_M + BLOCK_M > seqlen_q) | (key0 + KEYS > seqlen_k)
+                if WINDOW:
+                    masked = masked | (m < m_full) | (m >= m_full_end)
+                elif CAUSAL:
+                    masked = masked | (m < m_full)
+                if masked:
+                    keep = gl.expand_dims(keys < seqlen_k, 1) & gl.expand_dims(m * BLOCK_M + qcols < seqlen_q, 0)
+                    if WINDOW:
+                        rel = gl.expand_dims(keys - diag - m * BLOCK_M, 1) - gl.expand_dims(qcols, 0)
+                        keep = keep & (rel <= window_right) & (rel >= -window_left)
+                    elif CAUSAL:
+                        keep = keep & (gl.expand_dims(keys - diag - m * BLOCK_M, 1) <= gl.expand_dims(qcols, 0))
+                    s = gl.where(keep, s, float("-inf"))
+            elif WINDOW:
                 if (m < m_full) | (m >= m_full_end):  # key j seen by query i at p = i + Sk - Sq
                     rel = gl.expand_dims(keys - diag - m * BLOCK_M, 1) - gl.expand_dims(qcols, 0)  # j - p
                     keep = (rel <= window_right) & (rel >= -window_left)
@@ -313,7 +355,7 @@ if _GLUON:
                 fence_async_shared()
                 mbarrier.arrive(ds_bar)
                 mbarrier.wait(ds_bar, it & 1)
-                dq_at = (batch, m * BLOCK_M, head)
+                dq_at = (batch, q_start + m * BLOCK_M, head)
                 if HEAD_DIM == 128:  # consumer w: columns [64 w, 64 w + 64) of every tile
                     dv_done, dk_done, p_op, ds_op = _dq_tile(
                         dv, dk, p_op, ds_op, do_t, q_t, ds_smem, ds_first, k_all, dq_smem, dq_desc,
@@ -339,29 +381,73 @@ if _GLUON:
         if FUSED_DQ:  # the other consumer's last dQ wgmma has read this K slot
             mbarrier.arrive(ds_bar)
             mbarrier.wait(ds_bar, total & 1)
-        # K and V are read no more (every wgmma has retired): their slots stage dK and dV.
-        k_tile.store((dk_done * softmax_scale).to(dtype))
-        v_tile.store(dv_done.to(dtype))
+        dk_out = (dk_done * softmax_scale).to(dtype)
+        dv_out = dv_done.to(dtype)
+        if VARLEN:
+            if key0 + KEYS > seqlen_k:  # a box would overwrite the next sequence's rows
+                rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, d_layout))
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
+                offsets = (gl.expand_dims((k_start + rows).to(gl.int64) * (k_desc.shape[2] * HEAD_DIM), 1)
+                           + kv_head.to(gl.int64) * HEAD_DIM + gl.expand_dims(cols, 0))
+                keep = gl.expand_dims((rows < seqlen_k) & (k_start + rows < k_desc.shape[1]), 1)
+                gl.store(DK + offsets, dk_out, mask=keep)
+                gl.store(DV + offsets, dv_out, mask=keep)
+            else:
+                _store_dkdv(dk_out, dv_out, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc,
+                            [batch, k_start + key0, kv_head, 0])
+        else:
+            _store_dkdv(dk_out, dv_out, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc,
+                        [batch, key0, kv_head, 0])
+
+    @gluon.jit
+    def _store_dkdv(dk_out, dv_out, k_tile, v_tile, k_smem, v_smem, dk_desc, dv_desc, coords):
+        """dK and dV rows by TMA through K's and V's slots, which are read no more (every wgmma
+        has retired)."""
+        k_tile.store(dk_out)
+        v_tile.store(dv_out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [batch, key0, kv_head, 0], k_smem)
-        tma.async_copy_shared_to_global(dv_desc, [batch, key0, kv_head, 0], v_smem)
+        tma.async_copy_shared_to_global(dk_desc, coords, k_smem)
+        tma.async_copy_shared_to_global(dv_desc, coords, v_smem)
         tma.store_wait(0)
+
+    @gluon.jit
+    def _bwd_sequence(CuSeqlensQ, CuSeqlensK, batch, total_q, total_k):
+        """(first query row, queries, first key row, keys) of packed sequence ``batch``, its
+        offsets clamped into the packed rows (offsets nobody checked, as under CUDA-graph capture,
+        may hold anything; a TMA box at a negative row is an illegal instruction)."""
+        q_start = gl.minimum(gl.maximum(gl.load(CuSeqlensQ + batch), 0), total_q)
+        q_end = gl.minimum(gl.maximum(gl.load(CuSeqlensQ + batch + 1), q_start), total_q)
+        k_start = gl.minimum(gl.maximum(gl.load(CuSeqlensK + batch), 0), total_k)
+        k_end = gl.minimum(gl.maximum(gl.load(CuSeqlensK + batch + 1), k_start), total_k)
+        return q_start, q_end - q_start, k_start, k_end - k_start
 
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "window_left", "window_right"])
     def _attn_bwd_dkdv_gluon(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc,
-                             delta_desc, seqlen_q, seqlen_k, group_size, qk_scale,
-                             softmax_scale, window_left, window_right, BLOCK_M: gl.constexpr,
+                             delta_desc, CuSeqlensQ, CuSeqlensK, DK, DV, seqlen_q, seqlen_k, group_size,
+                             qk_scale, softmax_scale, window_left, window_right, BLOCK_M: gl.constexpr,
                              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                              OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr,
-                             WINDOW: gl.constexpr = False):
+                             WINDOW: gl.constexpr = False, VARLEN: gl.constexpr = False):
         """Grid (key blocks of 128, KV heads, batch). ``lse_desc`` (natural log) and ``delta_desc``:
         (B, H, Sq) float32, blocks of (1, 1, BLOCK_M). ``dq_desc``: float32 (B, Sq, H, D) blocks of
         (1, BLOCK_M, 1, 32) with FUSED_DQ (the caller zeroes it), any descriptor otherwise. WINDOW:
-        the sliding window's sides (see _query_blocks)."""
+        the sliding window's sides (see _query_blocks). VARLEN: packed sequences, the descriptors over
+        (1, total, heads, D) and (1, H, total_q) rows; sequence b by CuSeqlensQ/CuSeqlensK (int32,
+        B + 1); ``DK``/``DV`` the contiguous dK and dV (masked stores of a sequence's last key block).
+        Without VARLEN those four are not read."""
         n0 = gl.program_id(0) * 128
         kv_head = gl.program_id(1)
         batch = gl.program_id(2)
+        if VARLEN:
+            q_start, seqlen_q, k_start, seqlen_k = _bwd_sequence(CuSeqlensQ, CuSeqlensK, batch,
+                                                                 q_desc.shape[1], k_desc.shape[1])
+            row_start = (q_start + 3) // 4 * 4 + 4 * batch  # packed_row_starts
+            batch = batch * 0  # the descriptors' batch coordinate: one packed batch entry
+        else:
+            q_start = 0
+            k_start = 0
+            row_start = 0
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -393,19 +479,21 @@ if _GLUON:
             ds_bar = kv_bars.index(0)
         m_lo, _, _, num_m = _query_blocks(n0, seqlen_q, seqlen_k, BLOCK_M, 128, CAUSAL, window_left,
                                           window_right, WINDOW)
+        if VARLEN:  # a key block past the sequence's keys: no query tiles
+            num_m = gl.where(n0 < seqlen_k, num_m, m_lo)
         shared = (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
                   empty, seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
-                  dq_desc, ds_smem, ds_bar, k_smem, window_left, window_right)
+                  dq_desc, ds_smem, ds_bar, k_smem, window_left, window_right, q_start, k_start, DK, DV)
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
             (_bwd_consumer, (k_smem.index(0), v_smem.index(0), kv_bars.index(0), dq_first, shared,
-                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ, WINDOW)),
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ, WINDOW, VARLEN)),
             (_bwd_consumer, (k_smem.index(1), v_smem.index(1), kv_bars.index(1), dq_second, shared,
-                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ, WINDOW)),
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ, WINDOW, VARLEN)),
             (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                              delta_bufs, ready, empty, batch, kv_head, group_size, m_lo, num_m,
-                             BLOCK_M, STAGES)),
+                             q_start, row_start, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -416,6 +504,36 @@ if _GLUON:
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def packed_row_width(total_q: int, batch: int) -> int:
+    """Rows of the LSE and Delta copies a packed call's kernel reads (see packed_row_starts)."""
+    return -(-total_q // 4) * 4 + 4 * batch
+
+
+def packed_row_starts(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """Where packed sequence b's LSE and Delta rows start in the copies the kernel reads:
+    ceil4(cu_seqlens_q[b]) + 4 b. TMA takes a box's innermost coordinate at 16-byte multiples only
+    (an illegal instruction otherwise), and a sequence's rows start anywhere in (H, total_q); from
+    these starts every box is aligned, and sequence b's rows end before b + 1's start (at least one
+    row of zeros between them)."""
+    starts = cu_seqlens_q[:-1].long()
+    return (starts + 3) // 4 * 4 + 4 * torch.arange(starts.shape[0], device=starts.device)
+
+
+def packed_row_copy(rows: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """(H, total_q) float32 rows (an LSE or Delta) as the (1, H, packed_row_width) copy of zeros
+    the kernel reads (packed_row_starts), by torch ops, no host sync. The backward's preprocess
+    kernel writes this layout itself (backward._attn_bwd_preprocess's ALIGNED)."""
+    heads, total_q = rows.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    out = torch.zeros(1, heads, packed_row_width(total_q, batch), dtype=torch.float32, device=rows.device)
+    index = torch.arange(total_q, device=rows.device)
+    seq = (torch.searchsorted(cu_seqlens_q.long(), index, right=True) - 1).clamp(0, max(batch - 1, 0))
+    target = packed_row_starts(cu_seqlens_q)[seq] + index - cu_seqlens_q.long()[seq]
+    inside = index < cu_seqlens_q[-1].long()
+    out[0].index_copy_(1, torch.where(inside, target, out.shape[-1] - 1), torch.where(inside, rows.float(), 0.0))
+    return out
+
+
 def programs(q: torch.Tensor, k: torch.Tensor) -> int:
     """How many CTAs ``gluon_dkdv`` launches for (B, S, H, D) ``q`` and ``k``."""
     return -(-k.shape[1] // 128) * k.shape[2] * q.shape[0]
@@ -424,7 +542,8 @@ def programs(q: torch.Tensor, k: torch.Tensor) -> int:
 def supported(q, k, v, dout, *, head_dims: tuple = HEAD_DIMS) -> bool:
     """Whether ``gluon_dkdv`` takes these (B, S, H, D) tensors: CUDA on compute capability 9.0, one
     16-bit dtype, head dim in HEAD_DIMS, H a multiple of Hk, TMA-addressable rows. The caller
-    checks the options (full, causal or a sliding window: no softcap, ALiBi, dropout, packing)."""
+    checks the options (full, causal or a sliding window: no softcap, ALiBi or dropout; packed
+    sequences as one packed batch entry)."""
     tensors = (q, k, v, dout)
     if not _GLUON or not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
         return False
@@ -471,23 +590,44 @@ def _launch_options(variant: GluonBackwardVariant) -> dict:
     return {"BLOCK_M": variant.block_m, "HEAD_DIM": variant.head_dim, "STAGES": variant.stages,
             "CAUSAL": variant.causal, "CONSUMER_REGS": variant.consumer_regs,
             "PRODUCER_REGS": variant.producer_regs, "OVERLAP": variant.overlap,
-            "FUSED_DQ": variant.fused_dq, "WINDOW": variant.window, "num_warps": 4, "maxnreg": 168}
+            "FUSED_DQ": variant.fused_dq, "WINDOW": variant.window, "VARLEN": variant.varlen,
+            "num_warps": 4, "maxnreg": 168}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causal: bool,
                variant: GluonBackwardVariant | None = None,
-               dq_accum: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)) -> None:
+               dq_accum: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+               cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+               max_seqlen_k: int = 0) -> None:
     """dK, dV of attention into ``dk``/``dv`` (B, Sk, Hk, D, TMA-addressable) for inputs
     ``supported`` takes; ``lse`` (natural log) and ``delta`` = rowsum(dO * O): (B, H, Sq) float32
     with one layout and a contiguous last dim. A ``fused_dq`` variant also adds dQ (scaled) into
     ``dq_accum``: float32, q's shape, zeroed by the caller, TMA-addressable. ``window_size`` (left,
     right), -1 for an unbounded side: flash_attn's sliding window, aligned bottom-right (causal: right
-    0 whatever is given), on a window variant (the default one is picked)."""
-    batch, seqlen_q, heads, head_dim = q.shape
+    0 whatever is given), on a window variant (the default one is picked).
+
+    Packed sequences (flash_attn_varlen_func): ``cu_seqlens_q``/``cu_seqlens_k`` (B + 1) int32 on
+    q's device; q, k, v, dout, dk, dv (and dq_accum) are then (1, total, heads, D), dk and dv
+    contiguous, and lse, delta (1, H, packed_row_width) in packed_row_starts' layout
+    (packed_row_copy); ``max_seqlen_k`` must bound every sequence's keys (it sizes the grid); each
+    sequence is aligned bottom-right on its own lengths."""
+    _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    if batch == 0 or seqlen_k == 0 or heads_k == 0:
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        if (cu_seqlens_k is None or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32
+                or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1
+                or q.shape[0] != 1 or not all(t.is_contiguous() for t in (dk, dv))):
+            raise ValueError("gluon_dkdv: packed sequences take int32 cu_seqlens_q/cu_seqlens_k of one "
+                             "shape, one packed batch entry and contiguous dk, dv")
+        batch, grid_keys = cu_seqlens_q.shape[0] - 1, max_seqlen_k
+        if lse.shape[-1] != packed_row_width(seqlen_q, batch):
+            raise ValueError("gluon_dkdv: packed sequences take lse and delta in packed_row_copy's layout")
+    else:
+        batch, grid_keys = q.shape[0], seqlen_k
+    if batch <= 0 or seqlen_k == 0 or heads_k == 0:
         return
-    if seqlen_q == 0:
+    if seqlen_q == 0 or grid_keys <= 0:  # (packed: no sequence has keys, or no queries at all)
         dk.zero_()
         dv.zero_()
         return
@@ -500,6 +640,10 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     windowed = window_size[0] >= 0 or (not causal and window_size[1] >= 0)
     if windowed and not variant.window:
         variant = dataclasses.replace(variant, window=True)
+    if varlen and not variant.varlen:
+        variant = dataclasses.replace(variant, varlen=True)
+    if variant.varlen != varlen:
+        raise ValueError(f"variant {variant.name} {'needs' if variant.varlen else 'takes no'} cu_seqlens")
     if (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
         raise ValueError(f"variant {variant.name} does not match d{head_dim} {dtype} causal={causal}")
     if lse.shape != delta.shape or lse.stride(-1) != 1 or delta.stride(-1) != 1:
@@ -522,13 +666,14 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     # Launching the longest blocks of all rows first was 15-17% slower at 2k and -9..+7% from 4k
     # (the CTAs at work then add dQ into every head's rows at once, far beyond L2), in groups of
     # rows no faster (gluon-bwd-check-h200-20261130-e/-f).
-    grid = (-(-seqlen_k // 128), heads_k, batch)  # programs(q, k) in all
+    grid = (-(-grid_keys // 128), heads_k, batch)  # programs(q, k) in all without packing
     window_left, window_right = window_arguments(causal, tuple(window_size))
     scalars = (seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E, softmax_scale, window_left,
                window_right)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
-        launch(_attn_bwd_dkdv_gluon, grid, (), scalars, _launch_options(variant), descriptors)
+        launch(_attn_bwd_dkdv_gluon, grid, (cu_seqlens_q, cu_seqlens_k, dk, dv), scalars,
+               _launch_options(variant), descriptors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,10 +700,14 @@ def compile_for_sm90(variant: GluonBackwardVariant):
     row_sig = f"tensordesc<fp32[1, 1, {variant.block_m}],{_row_layout()!r}>"
     signature = {"q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig,
                  "dk_desc": kv_sig, "dv_desc": kv_sig, "dq_desc": dq_sig, "lse_desc": row_sig,
-                 "delta_desc": row_sig,
+                 "delta_desc": row_sig, "DK": f"*{dt}", "DV": f"*{dt}",
                  "qk_scale": "fp32", "softmax_scale": "fp32"}
     options = _launch_options(variant)
     constexprs = {name: value for name, value in options.items() if name not in ("num_warps", "maxnreg")}
+    if variant.varlen:
+        signature.update(CuSeqlensQ="*i32", CuSeqlensK="*i32")
+    else:  # launches pass None
+        constexprs.update(CuSeqlensQ=None, CuSeqlensK=None)
     attrs = {}
     for name in fn.arg_names:
         if name in constexprs:
