@@ -8,8 +8,10 @@ Families: ``prefill`` (flash_attn_func and its kv/qkv-packed forms, forward, and
 the cases, some deterministic: run twice, the gradients must match bit for bit; some with dropout,
 its mask taken from S_dmask; half the calls without dropout ask for the output alone, as most
 callers do, so that they take the Gluon kernels where those apply (return_attn_probs keeps a call off
-them), windows up to 3000 keys), ``varlen`` (flash_attn_varlen_func: backward on some cases,
-deterministic ones twice, or keys on page pools of any page size through block_table), ``kvcache``
+them), windows up to 3000 keys, short causal windows for the portable kernel's short-window tiles),
+``varlen`` (flash_attn_varlen_func: backward on some cases, deterministic ones twice, a fifth of the
+cases wide enough, 4-8 KV heads at d64/d128, for the Gluon packed backward, whose calls each case
+records; or keys on page pools of any page size through block_table), ``kvcache``
 (flash_attn_with_kvcache on contiguous or paged caches of any page size, appends, rotary, leftpad,
 cache_batch_idx, splits, Sq 1..48), ``kvcache-long`` (the same at 32-128 sequence x KV-head pairs
 with 16k-40k keys, contiguous or pages of 16: the long-cache plans), ``kvcache-fp8`` (the same on
@@ -83,6 +85,11 @@ def prefill_case(rng):
     d = rng.choice(HEAD_DIMS)
     dtype = rng.choice([torch.bfloat16, torch.float16])
     kw = _mask_options(rng)
+    if "window_size" not in kw and rng.random() < 0.1:
+        # short causal windows, where the portable kernel takes its short-window tiles on sm_90
+        # (forward.short_window_config: up to 2049-key spans at padded head dim 64, 513 at 128)
+        kw["causal"] = True
+        kw["window_size"] = (rng.randint(0, _n(2048 if d <= 64 else 512)), 0)
     if rng.random() < 0.1:
         kw["alibi_slopes"] = torch.rand(b, h, device=DEV) if rng.random() < 0.5 else torch.rand(h, device=DEV)
     backward = rng.random() < 0.5
@@ -173,24 +180,34 @@ def varlen_case(rng):
     lens_q[0] = max(lens_q[0], 1)
     lens_k = [rng.randint(1, _n(1200)) if rng.random() < 0.5 else lq for lq in lens_q]
     kw = _mask_options(rng)
+    wide = rng.random() < 0.2
+    if wide:  # enough KV heads and keys for the Gluon packed backward (one CTA an SM or more)
+        hk = rng.choice([4, 8])
+        h = hk * rng.choice([1, 2])
+        d = rng.choice([64, 128])
+        lens_q = [rng.randint(1, _n(3000)) for _ in range(max(n, 3))]
+        lens_k = [lq if rng.random() < 0.7 else rng.randint(1, _n(3000)) for lq in lens_q]
+        n = len(lens_q)
     if rng.random() < 0.15:  # windows at the Gluon kernel's head dims (128: from 512-key spans, 256)
         d = rng.choice([128, 256])
         kw.pop("softcap", None)
         kw["window_size"] = (rng.randint(0, _n(3000)), rng.choice([-1, rng.randint(0, _n(3000))]))
     # keys on a page pool through block_table (forward only), or a backward (sometimes deterministic)
     page = rng.choice([1, 3, 16, 48, 64, 256]) if rng.random() < 0.4 else 0
-    backward = not page and rng.random() < 0.4
+    backward = not page and (wide or rng.random() < 0.4)
     deterministic = backward and rng.random() < 0.4
     params = dict(family="varlen", h=h, hk=hk, d=d, dtype=str(dtype), lens_q=lens_q, lens_k=lens_k, page=page,
                   backward=backward, deterministic=deterministic, **kw)
 
     def run():
         gluon_calls = _gluon_varlen_calls()
-        before = gluon_calls.calls
+        backward_calls = _gluon_varlen_backward_calls()
+        before, backward_before = gluon_calls.calls, backward_calls.calls
         try:
             _run()
-        finally:  # which kernel the calls took, for the record
+        finally:  # which kernels the calls took, for the record
             params["gluon_varlen_calls"] = gluon_calls.calls - before
+            params["gluon_varlen_backward_calls"] = backward_calls.calls - backward_before
 
     def _run():
         q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
@@ -579,6 +596,20 @@ def _gluon_varlen_calls():
         counted.calls = 0
         gluon_forward.gluon_varlen_forward = counted
     return gluon_forward.gluon_varlen_forward
+
+
+def _gluon_varlen_backward_calls():
+    """A counter of the packed backward calls that reach the Gluon backward (gluon_dkdv with
+    cu_seqlens; installed once, as _gluon_varlen_calls)."""
+    from flashtile.kernels import gluon_backward
+    original = gluon_backward.gluon_dkdv
+    if not hasattr(original, "calls"):
+        def counted(*args, **kwargs):
+            counted.calls += kwargs.get("cu_seqlens_q") is not None
+            return original(*args, **kwargs)
+        counted.calls = 0
+        gluon_backward.gluon_dkdv = counted
+    return gluon_backward.gluon_dkdv
 
 
 def varlen_fp8_case(rng):
