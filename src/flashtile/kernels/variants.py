@@ -212,8 +212,13 @@ def compile_backward(variant: Variant, arch: int) -> list:
     tma = {"USE_TMA": cfg.use_tma and arch >= 90 and variant.head_dim % 8 == 0}
     pre = {"BLOCK_M": 64, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
            "HAS_DLSE": False, "VARLEN": variant.varlen}
-    return [
-        _compile(_attn_bwd_preprocess, pre, variant, arch, 4, 1),
+    # Packed sequences on sm_90 also run it with ALIGNED (the LSE/Delta rows the Gluon backward reads)
+    aligned = ([_compile(_attn_bwd_preprocess, {**pre, "ALIGNED": True}, variant, arch, 4, 1,
+                         {"AlignedLse": "*fp32", "AlignedDelta": "*fp32"})]
+               if variant.varlen and arch >= 90 else [])
+    return aligned + [
+        _compile(_attn_bwd_preprocess, {**pre, "ALIGNED": False, "AlignedLse": None, "AlignedDelta": None},
+                 variant, arch, 4, 1),
         _compile(_attn_bwd_dkdv, {**flags, **tma, "BLOCK_M": cfg.dkdv_block_m,
                                   "BLOCK_N": cfg.dkdv_block_n, "ATOMIC_DQ": True},
                  variant, arch, cfg.num_warps, cfg.num_stages, {"dQ": "*fp32"}),
