@@ -176,3 +176,36 @@ def test_preprocess_writes_the_aligned_rows_the_gluon_kernel_reads():
     assert torch.equal(aligned[0], gluon_backward.packed_row_copy(lse[0], cu))
     torch.testing.assert_close(aligned[1], gluon_backward.packed_row_copy(want_delta, cu), rtol=1e-5, atol=1e-5)
     assert torch.isnan(delta).all()  # the plain Delta rows are not written then
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(), "fused"), (dict(deterministic=True), None), (dict(varlen_switch=False), None),
+    (dict(fused_switch=False, dkdv_switch=True), None), (dict(sms=10_000), None),
+    (dict(window=(600, 0)), "fused"), (dict(window=(300, 0)), None), (dict(window=(600, 0), d=64), None),
+    (dict(flag="SOFTCAP"), None), (dict(flag="DROPOUT"), None)])
+def test_backward_rule_for_packed_sequences(monkeypatch, case, expected):
+    """backward.gluon_backward_mode with VARLEN: the fused Gluon kernel under the plain calls' rule
+    (deterministic=False, no softcap/ALiBi/dropout, windows of 512+ keys at d128, programs >= SMs,
+    counted from the packed keys), never the dK/dV-only opt-in; diag_offset (0 for packed calls,
+    whose sequences are each bottom-right) is not compared with the packed lengths. The GPU's
+    answers stubbed."""
+    from types import SimpleNamespace
+    from flashtile.kernels import forward, gluon_forward
+    d = case.get("d", 128)
+    q = SimpleNamespace(is_cuda=True, shape=(1, 5000, 16, d), device=None)
+    k = SimpleNamespace(is_cuda=True, shape=(1, 4000, 8, d), device=None)  # 32 x 8 = 256 programs
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+    monkeypatch.setattr(forward, "GLUON_ENABLED", True)
+    monkeypatch.setattr(forward, "GLUON_WINDOW", True)
+    monkeypatch.setattr(gluon_backward, "supported", lambda *args, **kw: True)
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: case.get("sms", 132))
+    monkeypatch.setattr(backward, "GLUON_VARLEN", case.get("varlen_switch", True))
+    monkeypatch.setattr(backward, "GLUON_FUSED_DQ", case.get("fused_switch", True))
+    monkeypatch.setattr(backward, "GLUON_DKDV", case.get("dkdv_switch", False))
+    left, right = case.get("window", (-1, 0))
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=False, ALIBI=False, DROPOUT=False,
+                 VARLEN=True, UPCAST=False)
+    if "flag" in case:
+        flags[case["flag"]] = True
+    mode = backward.gluon_backward_mode(q, k, k, q, flags, 0, right, False, case.get("deterministic", False), left)
+    assert mode == expected
