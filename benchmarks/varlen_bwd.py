@@ -45,15 +45,19 @@ CHECKS = [([300, 1, 130, 0, 517], [300, 40, 400, 64, 517], 8, 2, 128, "bf16", Tr
           ([4096, 333], [4096, 333], 8, 2, 64, "bf16", True, (-1, -1)),
           ([1000, 0, 1531, 700], [1000, 50, 1531, 700], 4, 2, 128, "bf16", True, (600, 0)),
           ([1200, 777], [1300, 600], 4, 4, 128, "fp16", False, (700, 300)),
-          ([2500, 129], [2500, 1000], 2, 1, 128, "bf16", False, (-1, 600))]
+          ([2500, 129], [2500, 1000], 2, 1, 128, "bf16", False, (-1, 600)),
+          # wide enough for the dispatch rule: a windowed packed call through the API too
+          ([3000, 2500, 7, 2800], [3000, 2500, 900, 2800], 16, 8, 128, "bf16", True, (700, 0))]
 SMALL = 4  # --small: the first checks only (compute-sanitizer; the 4th reaches the kernel through the API too)
 
-# (name, sequence lengths, heads, kv heads, head dim, causal)
+# (name, sequence lengths, heads, kv heads, head dim, causal[, window_size])
 SHAPES = [("equal 8x2048", [2048] * 8, 16, 16, 128, True), ("equal 8x2048", [2048] * 8, 16, 16, 128, False),
           ("equal 8x2048", [2048] * 8, 32, 8, 128, True), ("equal 4x4096", [4096] * 4, 32, 32, 64, True),
           ("ragged 16k", [1024, 3072, 2048, 512, 4096, 1536, 2560, 1536], 32, 8, 128, True),
           ("ragged 16k", [1024, 3072, 2048, 512, 4096, 1536, 2560, 1536], 16, 16, 128, False),
-          ("ragged 64 seqs", None, 16, 16, 128, True)]
+          ("ragged 64 seqs", None, 16, 16, 128, True),
+          ("ragged 16k, window 1024", [1024, 3072, 2048, 512, 4096, 1536, 2560, 1536], 32, 8, 128, True,
+           (1024, 0))]
 
 
 def offsets(lengths, dev):
@@ -66,7 +70,11 @@ def ragged_lengths(count: int = 64, seed: int = 0) -> list[int]:
     return [int(64 * math.exp(torch.rand(1, generator=g).item() * math.log(7005 / 64))) for _ in range(count)]
 
 
-def visible_pairs(sq: int, sk: int, causal: bool) -> int:
+def visible_pairs(sq: int, sk: int, causal: bool, left: int = -1) -> int:
+    """(query, key) pairs a call sees (bottom-right causal; ``left``: a causal window's left side)."""
+    if left >= 0 and causal and sq == sk:
+        w = min(left + 1, sq)
+        return w * (w + 1) // 2 + (sq - w) * w
     if not causal:
         return sq * sk
     return sum(max(0, min(sk, i + 1 + sk - sq)) for i in range(sq)) if sq != sk else sq * (sq + 1) // 2
@@ -161,7 +169,8 @@ def run_checks(dev, count: int) -> list[dict]:
 def run_bench(dev, rounds: int) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
-    for name, lengths, h, hk, d, causal in SHAPES:
+    for name, lengths, h, hk, d, causal, *window in SHAPES:
+        window = tuple(window[0]) if window else (-1, -1)
         lengths = lengths or ragged_lengths()
         torch.manual_seed(len(lengths) + h + d)
         total = sum(lengths)
@@ -171,10 +180,11 @@ def run_bench(dev, rounds: int) -> list[dict]:
         cu = offsets(lengths, dev)
         longest = max(lengths)
 
-        def packed(gluon: bool, q=q, k=k, v=v, cu=cu, longest=longest, dout=dout, causal=causal):
+        def packed(gluon: bool, q=q, k=k, v=v, cu=cu, longest=longest, dout=dout, causal=causal, window=window):
             backward.GLUON_VARLEN = gluon
             try:
-                out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
+                out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                       window_size=window)
                 return torch.autograd.grad(out, (q, k, v), dout)
             finally:
                 backward.GLUON_VARLEN = True
@@ -200,10 +210,10 @@ def run_bench(dev, rounds: int) -> list[dict]:
             if h == hk:  # SDPA's FlashAttention-2 takes no GQA
                 calls["sdpa flash"] = lambda: sdpa(SDPBackend.FLASH_ATTENTION)
         ms_rounds = balanced_rounds(calls, rounds)
-        pairs = sum(visible_pairs(n, n, causal) for n in lengths)
+        pairs = sum(visible_pairs(n, n, causal, window[0]) for n in lengths)
         for provider in calls:
             ms = median(ms_rounds[provider])
-            rec = {"shape": name, "tokens": total, "sequences": len(lengths), "heads": h, "heads_k": hk,
+            rec = {"shape": name, "window": list(window), "tokens": total, "sequences": len(lengths), "heads": h, "heads_k": hk,
                    "head_dim": d, "causal": causal, "provider": provider, "ms": round(ms, 4),
                    "ms_rounds": [round(t, 4) for t in ms_rounds[provider]],
                    "tflops_fwd_bwd": round(3.5 * 4 * pairs * d * h / (ms * 1e-3) / 1e12, 1)}
