@@ -5,10 +5,15 @@ host time), flash_attn_varlen_func against flash_attn_func, medians of do_bench 
     PYTHONPATH=src python benchmarks/varlen_bwd_host.py
 """
 
+import os
+import sys
+
 import torch
 
 import flashtile
-from window_probe import balanced_rounds, median
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from window_probe import balanced_rounds, median  # noqa: E402
 
 
 def calls(b, n, h, d, causal=True):

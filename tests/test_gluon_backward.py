@@ -131,7 +131,7 @@ def test_varlen_launch_refuses_what_it_cannot_address():
                                   causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=400)
     two = [t.expand(2, *t.shape[1:]) for t in args]
     with pytest.raises(ValueError, match="packed batch entry"):
-        gluon_backward.gluon_dkdv(*two, dk.expand(2, -1, -1, -1), dv, softmax_scale=0.1, causal=True,
+        gluon_backward.gluon_dkdv(*two, dk, dv, softmax_scale=0.1, causal=True,
                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=400)
 
 

@@ -616,10 +616,12 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     varlen = cu_seqlens_q is not None
     if varlen:
         if (cu_seqlens_k is None or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32
-                or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1
-                or q.shape[0] != 1 or not all(t.is_contiguous() for t in (dk, dv))):
-            raise ValueError("gluon_dkdv: packed sequences take int32 cu_seqlens_q/cu_seqlens_k of one "
-                             "shape, one packed batch entry and contiguous dk, dv")
+                or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1):
+            raise ValueError("gluon_dkdv: packed sequences take int32 cu_seqlens_q/cu_seqlens_k of one shape")
+        if q.shape[0] != 1:
+            raise ValueError("gluon_dkdv: packed sequences come as one packed batch entry (1, total, ...)")
+        if not (dk.is_contiguous() and dv.is_contiguous()):
+            raise ValueError("gluon_dkdv: packed sequences take contiguous dk and dv (masked stores)")
         batch, grid_keys = cu_seqlens_q.shape[0] - 1, max_seqlen_k
         if lse.shape[-1] != packed_row_width(seqlen_q, batch):
             raise ValueError("gluon_dkdv: packed sequences take lse and delta in packed_row_copy's layout")
