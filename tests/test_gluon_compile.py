@@ -548,6 +548,124 @@ def test_varlen_launch_reads_packed_tensors(monkeypatch, dtype, d, causal):
         assert v_desc.base.data_ptr() == v.data_ptr() and tuple(v_desc.shape) == (1, *v.shape)
 
 
+def _stub_packed_gpu(monkeypatch):
+    """The GPU parts packed launches touch, stubbed for the CPU: the launch is recorded, the sm_90
+    check answers by the tensors' layout alone."""
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "varlen_supported", lambda q, k, v, cu_q, cu_k, causal=False, *a:
+                        gluon_forward._offsets_ok(q, cu_q, cu_k)
+                        and gluon_forward.shapes_supported(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    monkeypatch.setattr(gluon_forward, "_PACKED", {})
+    return launches
+
+
+@pytest.mark.parametrize("dtype,d,causal,heads,heads_k,max_k", [
+    (torch.bfloat16, 128, True, 8, 2, 300), (torch.float16, 64, False, 4, 4, 300),
+    (torch.bfloat16, 256, False, 6, 1, 5000), (torch.bfloat16, 256, True, 4, 2, 300)])
+def test_packed_forward_launches_what_gluon_varlen_forward_launches(monkeypatch, dtype, d, causal,
+                                                                     heads, heads_k, max_k):
+    """The cached plan of a packed call gives the launch gluon_varlen_forward makes (same kernel,
+    grid, options, scalars, pointers, descriptor geometry over the same memory), on the first call and
+    from the cache; a call with other lengths (max_seqlen) gets its own plan."""
+    cu_q = torch.tensor([0, 5, 305, 305, 434], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 307, 347, 348], dtype=torch.int32)
+    q = torch.randn(434, heads, d).to(dtype)
+    k, v = torch.randn(348, heads_k, d).to(dtype), torch.randn(348, heads_k, d).to(dtype)
+    launches = _stub_packed_gpu(monkeypatch)
+    for _ in range(2):  # the second call takes the cached plan
+        out, lse = gluon_forward.packed_forward(q, k, v, cu_q, cu_k, 300, max_k, 0.1, causal)
+    ref_out, ref_lse = gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, max_k, softmax_scale=0.1,
+                                                          causal=causal)
+    assert len(launches) == 3 and len(gluon_forward._PACKED) == 1
+    *mine, general = launches
+    for got in mine:
+        jit, grid, tensors, scalars, options, descriptors = got
+        assert (jit, grid, scalars) == general[:2] + general[3:4]
+        assert options is general[4]
+        assert tensors[4] is cu_k and tensors[6] is cu_q and tensors[7].shape == ref_out.shape
+        assert all(t.shape == ref_lse.shape for i, t in enumerate(tensors) if i not in (4, 6, 7))
+        for a, b in zip(descriptors, general[5]):
+            assert (tuple(a.shape), tuple(a.strides), a.block_shape, a.layout, a.base.data_ptr()) == \
+                   (tuple(b.shape), tuple(b.strides), b.block_shape, b.layout, b.base.data_ptr()) or \
+                   a.base is tensors[7]  # (the output: a fresh tensor per call)
+    assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and out.dtype == dtype
+    assert lse.shape == ref_lse.shape and lse.stride() == ref_lse.stride()
+    gluon_forward.packed_forward(q, k, v, cu_q, cu_k, 299, max_k, 0.1, causal)
+    assert len(gluon_forward._PACKED) == 2 and launches[-1][3][2] == 299
+
+
+@pytest.mark.parametrize("lens", [[2048] * 8, [2048] * 7 + [2047], [1024, 2048] * 4])
+def test_equal_length_packed_calls_take_the_plain_calls_tile_order(monkeypatch, lens):
+    """Where the shapes say every sequence has max_seqlen queries and keys, a packed causal launch
+    orders its work tiles as the plain call of that batch does (head_group_order's grouping: one
+    (sequence, head) pair at a time at 8 x 2048, 16 heads, d128); ragged batches, whose skipped tiles
+    the model does not see, stay query-block-major (head_group = every pair)."""
+    launches = _stub_packed_gpu(monkeypatch)
+    heads, d, total, longest = 16, 128, sum(lens), max(lens)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q, k, v = (torch.empty(total, heads, d, dtype=torch.bfloat16) for _ in range(3))
+    gluon_forward.packed_forward(q, k, v, cu, cu, longest, longest, 0.1, True)
+    gluon_forward.gluon_varlen_forward(q, k, v, cu, cu, longest, longest, softmax_scale=0.1, causal=True)
+    plain = gluon_forward.head_group_order(gluon_forward.default_variant(d, "bf16", True), longest, longest,
+                                           len(lens) * heads, 132)
+    expected = plain if total == len(lens) * longest else len(lens) * heads
+    assert plain == 1 and [launch[3][-5] for launch in launches] == [expected, expected]
+
+
+def test_packed_forward_declines_what_the_kernel_does_not_take(monkeypatch):
+    """None (nothing launched) for a head dim outside HEAD_DIMS, e4m3 inputs, a misaligned base, a
+    non-positive scale, int64 offsets, or max_seqlen 0: the caller then takes the general path."""
+    launches = _stub_packed_gpu(monkeypatch)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+
+    def qkv(d=128, dtype=torch.bfloat16):
+        return [torch.randn(256, 4, d).to(dtype) for _ in range(3)]
+    assert gluon_forward.packed_forward(*qkv(96), cu, cu, 156, 156, 0.1, False) is None
+    assert gluon_forward.packed_forward(*qkv(dtype=torch.float8_e4m3fn), cu, cu, 156, 156, 0.1, False) is None
+    q, k, v = qkv()
+    assert gluon_forward.packed_forward(q, k, v, cu, cu, 156, 156, -0.1, False) is None
+    assert gluon_forward.packed_forward(q, k, v, cu.long(), cu.long(), 156, 156, 0.1, False) is None
+    assert gluon_forward.packed_forward(q, k, v, cu, cu, 0, 156, 0.1, False) is None
+    flat = torch.randn(256 * 4 * 128 + 1, dtype=torch.bfloat16)
+    assert gluon_forward.packed_forward(flat[1:].view(256, 4, 128), k, v, cu, cu, 156, 156, 0.1, False) is None
+    assert not launches
+
+
+def test_attention_forward_sends_plain_packed_calls_to_the_cached_plan(monkeypatch):
+    """attention_forward: a packed 16-bit call without window, softcap, ALiBi, dropout, page pools or
+    given out/lse goes to packed_forward (max_seqlen_k 0 standing for all packed keys); any of those
+    options, or packed_forward declining, takes the general path."""
+    from flashtile.kernels import forward as fwd
+    asked = []
+    monkeypatch.setattr(fwd, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a: asked.append(a) or ("out", "lse"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    q = torch.randn(30, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(40, 2, 64, dtype=torch.bfloat16)
+    kw = dict(softmax_scale=0.1, window_left=-1, diag_offset=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+              max_seqlen_q=20)
+    assert fwd.attention_forward(q, k, k, window_right=0, max_seqlen_k=0, **kw) == ("out", "lse")
+    assert asked[-1][5:] == (20, 40, 0.1, True)
+    assert fwd.attention_forward(q, k, k, window_right=-1, max_seqlen_k=25, **kw) == ("out", "lse")
+    assert asked[-1][5:] == (20, 25, 0.1, False)
+    general = []
+    monkeypatch.setattr(fwd, "_gluon_varlen", lambda *a, **k: general.append(k) or ("general", None))
+    monkeypatch.setattr(fwd, "gluon_applies", lambda *a, **k: False)
+    monkeypatch.setattr(fwd, "_INTERPRET", False)
+    monkeypatch.setattr(fwd, "GLUON_ENABLED", True)
+    for extra in (dict(window_right=5), dict(window_right=0, softcap=5.0), dict(window_right=0, out=q),
+                  dict(window_right=0, dropout_seed=cu), dict(window_right=0, alibi_slopes=cu)):
+        assert fwd.attention_forward(q, k, k, max_seqlen_k=25, **extra, **kw) == ("general", None)
+    assert len(asked) == 2 and len(general) == 5
+    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a: None)
+    assert fwd.attention_forward(q, k, k, window_right=0, max_seqlen_k=25, **kw) == ("general", None)
+
+
 @pytest.mark.parametrize("d,causal,page", [(128, True, 16), (64, False, 256), (256, False, 32)])
 def test_varlen_launch_reads_page_pools(monkeypatch, d, causal, page):
     """gluon_varlen_forward with a block table: the K/V descriptors over the page pools as they

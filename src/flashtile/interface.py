@@ -203,8 +203,8 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         varlen = {}
     else:
         cu_q, cu_k, max_q, max_k = packed
-        batch = _check_cu_seqlens(cu_q, "cu_seqlens_q", None, q.device)
-        _check_cu_seqlens(cu_k, "cu_seqlens_k", batch, q.device)
+        batch = _check_cu_seqlens(cu_q, "cu_seqlens_q", None, q)
+        _check_cu_seqlens(cu_k, "cu_seqlens_k", batch, q)
         seqlen_q = _check_max_seqlen(max_q, "max_seqlen_q")
         seqlen_k = _check_max_seqlen(max_k, "max_seqlen_k")
         heads, head_dim = q.shape[1], q.shape[2]
@@ -304,7 +304,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                       names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
-def _check_cu_seqlens(cu_seqlens, name: str, batch: int | None, device: torch.device) -> int:
+def _check_cu_seqlens(cu_seqlens, name: str, batch: int | None, q: torch.Tensor) -> int:
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -314,8 +314,8 @@ def _check_cu_seqlens(cu_seqlens, name: str, batch: int | None, device: torch.de
     if batch is not None and cu_seqlens.shape[0] != batch + 1:
         raise ValueError(f"{name} has {cu_seqlens.shape[0]} offsets but cu_seqlens_q has {batch + 1}: "
                          "both must hold batch + 1")
-    if cu_seqlens.device != device:
-        raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {device}")
+    if cu_seqlens.get_device() != q.get_device():  # ints: cheaper than comparing t.device objects
+        raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {q.device}")
     return cu_seqlens.shape[0] - 1
 
 
@@ -455,11 +455,12 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
-    batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q)
     if block_table is None:
         for t, n in zip((k, v), names[1:]):
             _check_tensor(t, n, 3)
-        _check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+        # (q, k and v passed _check_tensor: the rest of _check_attention_inputs, without two views)
+        _check_attention_match(q.unsqueeze(0), k, v, (1, *k.shape), (1, *v.shape), names)
         total_k = k.shape[0]
     else:
         _check_block_table(block_table, k, v, batch, q.device)
@@ -468,7 +469,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table); "
                                       "call it under torch.no_grad()")
         total_k = None  # paged keys have no packed extent; _check_pages bounds the lengths
-    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q.device)
+    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     dropout_p = _check_dropout(dropout_p)
@@ -478,13 +479,13 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
-    alibi = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    alibi = _check_alibi(alibi_slopes, batch, q.shape[1], q.device) if alibi_slopes is not None else None
     _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q, max_seqlen_k)
     if block_table is not None:
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           ops.new_dropout_seed(dropout_p, q.device), block_table,
+                           ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,
                            _check_deterministic(deterministic))
     return (out, lse, None) if return_attn_probs else out
 

@@ -925,6 +925,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal)
             if result is not None:
                 return result
+    if (_PLAIN_GLUON and cu_seqlens_q is not None and out is None and lse is None and config is None
+            and dropout_seed is None and block_table is None and descales is None and not softcap
+            and alibi_slopes is None and window_left < 0 and window_right <= 0 and q.is_cuda
+            and (q.dtype is torch.bfloat16 or q.dtype is torch.float16)):
+        # flash_attn_varlen_func's plain call: _gluon_varlen's launch from a plan looked up by the
+        # inputs' geometry (max_seqlen_k 0: not given, the packed keys bound every sequence)
+        from . import gluon_forward
+        result = gluon_forward.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k if max_seqlen_k > 0 else k.shape[0],
+                                              softmax_scale, window_right == 0)
+        if result is not None:
+            return result
     if gluon_applies(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                      window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                      alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,

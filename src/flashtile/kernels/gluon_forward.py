@@ -1827,6 +1827,105 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     return out, lse
 
 
+class _PackedPlan(NamedTuple):
+    geometry: _Geometry
+    device: torch.device
+    device_index: int
+    out_shape: tuple  # (total_q, H, D)
+    lse_shape: tuple  # (H, total_q)
+    views: tuple  # (shape, strides) of q, k, v and out as the kernel's (1, S, H, D) tensors
+    scalars_head: tuple
+    scalars_tail: tuple
+
+
+# Packed 16-bit calls (flash_attn_varlen_func without a window, page pools or e4m3) by the geometry
+# of q, k, v and the offsets, max_seqlen_q/k and causal: their plan, or None where
+# ``varlen_supported`` refuses them. The layers of one step repeat a key; the next step's batch
+# (other lengths) makes a new one, hence the bound.
+_PACKED: dict = {}
+_MAX_PACKED = 1024
+
+
+def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                causal: bool) -> _PackedPlan | None:
+    """The cached launch plan of ``packed_forward``'s call on tensors of this geometry (data
+    pointers are not looked at: the caller checks their alignment)."""
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
+           cu_seqlens_q.stride(), cu_seqlens_k.stride(), cu_seqlens_q.dtype, cu_seqlens_k.dtype,
+           cu_seqlens_q.get_device(), cu_seqlens_k.get_device(), max_seqlen_q, max_seqlen_k, causal)
+    plan = _PACKED.get(key, False)
+    if plan is False:
+        plan = _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        if len(_PACKED) >= _MAX_PACKED:
+            _PACKED.clear()
+        _PACKED[key] = plan
+    return plan
+
+
+def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                 causal: bool) -> _PackedPlan | None:
+    if q.dtype not in (torch.bfloat16, torch.float16) or max_seqlen_q <= 0 or max_seqlen_k <= 0:
+        return None
+    if not varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
+        return None
+    total_q, heads, head_dim = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or heads == 0:
+        return None  # gluon_varlen_forward's conventions for empty inputs, on the general path
+    # gluon_varlen_forward's launch, everything but the pointers and the score scale worked out once
+    variant = with_varlen(dispatch_variant(head_dim, _DTYPES[q.dtype], causal, max_seqlen_k))
+    geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device),
+                    packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k), q.dtype)
+    out4 = torch.empty((1, total_q, heads, head_dim), dtype=q.dtype, device="meta")
+    views = tuple((t.shape, t.stride()) for t in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4))
+    return _PackedPlan(geo, q.device, q.get_device(), (total_q, heads, head_dim), (heads, total_q), views,
+                       (0, total_q, max_seqlen_q, max_seqlen_k, heads // k.shape[1], heads,
+                        geo.num_m_blocks, batch),
+                       (*_NO_SCALES, geo.head_group, 0, 0, 0, 0))
+
+
+def packed_head_group(batch: int, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int):
+    """The work-tile order of packed sequences (``_geometry``'s head_group): 0, query-block-major
+    over every (sequence, head), since the host does not know the lengths (no sync) and a short
+    sequence's skipped tiles still take their slots in the persistent deal; but where the shapes say
+    every sequence has max_seqlen_q queries and max_seqlen_k keys (which bound them), None: the
+    plain call's modelled grouping (head_group_order): on the H200 the packed call went from 0.81x
+    to 0.99x the plain call's speed at 8 x 2048, 16/16 heads, d128 causal, and 0.78x to 1.01x at
+    d256 (varlen-gap-h200-20261204(-after).json)."""
+    if total_q == batch * max_seqlen_q and total_k == batch * max_seqlen_k:
+        return None
+    return 0
+
+
+def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                   softmax_scale: float, causal: bool):
+    """``gluon_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    softmax_scale=softmax_scale, causal=causal)`` (16-bit packed sequences, fresh out and LSE, the
+    shipped variant) with what depends only on the tensors' geometry looked up: that call's checks
+    and launch geometry took ~45 of a packed call's ~95 us of host time on the H200
+    (varlen-host-h200-20261204.json). ``max_seqlen_k`` > 0. Returns None, having launched nothing,
+    where the kernel does not take the inputs or they sit on another than the current device."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
+        return None
+    plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    if plan is None or plan.device_index != torch._C._cuda_getDevice():
+        return None
+    geo = plan.geometry
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    q_layout, k_layout, v_layout, o_layout = geo.layouts
+    (q_shape, q_strides), (k_shape, k_strides), (v_shape, v_strides), (o_shape, o_strides) = plan.views
+    descriptors = (_Descriptor(q, q_shape, q_strides, geo.q_block, q_layout),
+                   _Descriptor(k, k_shape, k_strides, geo.kv_block, k_layout),
+                   _Descriptor(v, v_shape, v_strides, geo.kv_block, v_layout),
+                   _Descriptor(out, o_shape, o_strides, geo.q_block, o_layout))
+    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, cu_seqlens_k, lse, cu_seqlens_q, out),
+           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+    return out, lse
+
+
 def varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False,
                      scale_blocks: tuple[int, int] | None = None,
                      block_table: torch.Tensor | None = None) -> bool:
@@ -1976,8 +2075,9 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     if fp8 and descales is None:
         raise ValueError("gluon_varlen_forward: e4m3 inputs need descales")
     # Every sequence's keys fit a key range of max_seqlen_k; the grid's query blocks, max_seqlen_q.
-    geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device), 0,
-                    q.dtype)
+    head_group = 0 if paged else packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
+    geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device),
+                    head_group, q.dtype)
     seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
     if paged:  # the pools as they are; keys are clamped to the capacity a table row gives
         k4, v4 = k, v
