@@ -600,7 +600,7 @@ def test_packed_forward_launches_what_gluon_varlen_forward_launches(monkeypatch,
 
 @pytest.mark.parametrize("lens", [[2048] * 8, [2048] * 7 + [2047], [1024, 2048] * 4])
 def test_equal_length_packed_calls_take_the_plain_calls_tile_order(monkeypatch, lens):
-    """Where the shapes say every sequence has max_seqlen queries and keys, a packed causal launch
+    """Where q and k hold batch x max_seqlen rows (equal lengths), a packed causal launch
     orders its work tiles as the plain call of that batch does (head_group_order's grouping: one
     (sequence, head) pair at a time at 8 x 2048, 16 heads, d128); ragged batches, whose skipped tiles
     the model does not see, stay query-block-major (head_group = every pair)."""

@@ -1888,8 +1888,9 @@ def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
 def packed_head_group(batch: int, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int):
     """The work-tile order of packed sequences (``_geometry``'s head_group): 0, query-block-major
     over every (sequence, head), since the host does not know the lengths (no sync) and a short
-    sequence's skipped tiles still take their slots in the persistent deal; but where the shapes say
-    every sequence has max_seqlen_q queries and max_seqlen_k keys (which bound them), None: the
+    sequence's skipped tiles still take their slots in the persistent deal; but where q and k hold
+    batch x max_seqlen rows (every sequence then has max_seqlen tokens, unless the offsets end
+    before the packed rows: only the order, never a result, depends on this), None: the
     plain call's modelled grouping (head_group_order): on the H200 the packed call went from 0.81x
     to 0.99x the plain call's speed at 8 x 2048, 16/16 heads, d128 causal, and 0.78x to 1.01x at
     d256 (varlen-gap-h200-20261204(-after).json)."""
