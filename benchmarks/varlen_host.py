@@ -122,13 +122,27 @@ def _reference_grads(q, k, v, dout, cu, causal, dtype):
     return grads
 
 
-def threshold_section(dev, rounds: int) -> list[dict]:
-    # (sequence lengths, H, Hk, D): every one under the threshold (total keys / 128 x Hk < 132)
-    cases = [([4096, 4096], 12, 2, 128), ([1024] * 4, 12, 2, 128), ([256, 256], 16, 16, 128),
-             ([8192], 8, 1, 128), ([2048] * 4, 16, 2, 64), ([3000, 1100, 2500, 1500], 32, 4, 128)]
+# (sequence lengths, H, Hk, D): every one under the threshold (total keys / 128 x Hk < 132) but the last
+THRESHOLD_CASES = [([4096, 4096], 12, 2, 128), ([1024] * 4, 12, 2, 128), ([256, 256], 16, 16, 128),
+                   ([8192], 8, 1, 128), ([2048] * 4, 16, 2, 64), ([3000, 1100, 2500, 1500], 32, 4, 128)]
+# --threshold-set b: d128 between 64 and 131 programs (80, 96, 112, 128), and d64 at 128 again
+THRESHOLD_CASES_B = [([2560, 2560], 12, 2, 128), ([3072, 3072], 12, 2, 128), ([3584, 3584], 12, 2, 128),
+                     ([4096, 4096], 12, 2, 128), ([1024] * 8, 12, 2, 128), ([1536, 1536], 16, 4, 128),
+                     ([768, 768], 32, 8, 128), ([6144, 6144], 8, 1, 128), ([5000, 1000, 1000], 12, 2, 128),
+                     ([2048] * 4, 16, 2, 64)]
+# --threshold-set c: out of sample for a rule read off set b (fused from 96 programs where the longest
+# sequence has >= 3584 keys): predicted wins, predicted losses, and full masks
+THRESHOLD_CASES_C = [([4096, 2560], 12, 2, 128), ([4096, 2048], 12, 2, 128), ([3840, 3840], 12, 2, 128),
+                     ([12288], 8, 1, 128), ([16384], 4, 1, 128), ([3200, 3072], 12, 2, 128),
+                     ([2048, 1920], 16, 4, 128), ([4096, 4096], 12, 2, 128, False),
+                     ([3072, 3072], 12, 2, 128, False), ([1024] * 8, 12, 2, 128, False)]
+
+
+def threshold_section(dev, rounds: int, cases=THRESHOLD_CASES) -> list[dict]:
     real_programs = gluon_backward.programs
     rows = []
-    for lens, h, hk, d in cases:
+    for lens, h, hk, d, *mask in cases:
+        causal = mask[0] if mask else True
         total = sum(lens)
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
         q = torch.randn(total, h, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -139,7 +153,7 @@ def threshold_section(dev, rounds: int) -> list[dict]:
         programs = -(-total // 128) * hk
 
         def step():
-            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
+            out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=causal)
             return torch.autograd.grad(out, (q, k, v), dout)
 
         def forced():
@@ -159,9 +173,9 @@ def threshold_section(dev, rounds: int) -> list[dict]:
         current = ["portable"]
         bwd_mod.gluon_backward_mode = recording
         check = {}
-        if total <= 8192:
-            ref = _reference_grads(q, k, v, dout, cu, True, torch.float64)
-            text = _reference_grads(q, k, v, dout, cu, True, torch.bfloat16)
+        if total <= 12288:
+            ref = _reference_grads(q, k, v, dout, cu, causal, torch.float64)
+            text = _reference_grads(q, k, v, dout, cu, causal, torch.bfloat16)
             for name, fn in (("portable", step), ("gluon", forced)):
                 current[0] = name
                 got = fn()
@@ -177,15 +191,16 @@ def threshold_section(dev, rounds: int) -> list[dict]:
                 fn()
         bwd_mod.gluon_backward_mode = shipped_mode
         times = balanced_rounds({"portable": step, "gluon": forced}, rounds)
-        flops = sum(4 * s * s * d * h for s in lens) / 2 * 3.5
-        row = {"lens": lens, "heads": h, "heads_k": hk, "head_dim": d, "programs": programs,
+        flops = sum(4 * s * s * d * h for s in lens) / (2 if causal else 1) * 3.5
+        row = {"lens": lens, "heads": h, "heads_k": hk, "head_dim": d, "causal": causal, "programs": programs,
                "ms": {name: round(median(t), 4) for name, t in times.items()},
                "rounds_ms": {name: [round(x, 4) for x in t] for name, t in times.items()},
                "err_over_budget": check, "backward_modes": dict(modes)}
         row["tflops"] = {name: round(flops / ms * 1e-9, 1) for name, ms in row["ms"].items()}
         row["gluon_over_portable"] = round(row["ms"]["portable"] / row["ms"]["gluon"], 3)
         rows.append(row)
-        print(f"  {lens} {h}/{hk} d{d} programs {programs}: portable {row['ms']['portable']:.3f} ms, "
+        print(f"  {lens} {h}/{hk} d{d}{'' if causal else ' full'} programs {programs}: "
+              f"portable {row['ms']['portable']:.3f} ms, "
               f"gluon {row['ms']['gluon']:.3f} ms ({row['gluon_over_portable']:.3f}x), "
               f"err/budget {check}, modes {modes}", flush=True)
     return rows
@@ -198,11 +213,19 @@ def main() -> int:
     ap.add_argument("--threshold", action="store_true", help="also the backward's threshold probe")
     ap.add_argument("--name", default="varlen-host-h200")
     ap.add_argument("--bitwise-only", action="store_true", help="only the bitwise check (for compute-sanitizer)")
+    ap.add_argument("--threshold-only", choices=("a", "b", "c"), help="only the threshold probe, on a case set")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.bitwise_only:
         rows = bitwise_section(dev)
         return 0 if all(r["planned"] and r["bitwise_equal"] for r in rows) else 1
+    if args.threshold_only:
+        cases = {"a": THRESHOLD_CASES, "b": THRESHOLD_CASES_B, "c": THRESHOLD_CASES_C}[args.threshold_only]
+        result = {"gpu": torch.cuda.get_device_name(), "threshold": threshold_section(dev, args.rounds, cases)}
+        if args.out:
+            with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     print("host us per call (least of 5 rounds of 200 enqueued calls):", flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "host_us": host_section(dev)}
     print("the cached plan's launch against the general path:", flush=True)

@@ -182,11 +182,15 @@ def test_preprocess_writes_the_aligned_rows_the_gluon_kernel_reads():
     (dict(), "fused"), (dict(deterministic=True), None), (dict(varlen_switch=False), None),
     (dict(fused_switch=False, dkdv_switch=True), None), (dict(sms=10_000), None),
     (dict(window=(600, 0)), "fused"), (dict(window=(300, 0)), None), (dict(window=(600, 0), d=64), None),
-    (dict(flag="SOFTCAP"), None), (dict(flag="DROPOUT"), None)])
+    (dict(flag="SOFTCAP"), None), (dict(flag="DROPOUT"), None),
+    (dict(sms=300, max_k=3584), "fused"), (dict(sms=300, max_k=3583), None), (dict(sms=300), None),
+    (dict(sms=329, max_k=4000), None), (dict(sms=300, max_k=4000, d=64), None),
+    (dict(sms=300, max_k=4000, deterministic=True), None), (dict(sms=300, max_k=4000, window=(600, 0)), None)])
 def test_backward_rule_for_packed_sequences(monkeypatch, case, expected):
     """backward.gluon_backward_mode with VARLEN: the fused Gluon kernel under the plain calls' rule
     (deterministic=False, no softcap/ALiBi/dropout, windows of 512+ keys at d128, programs >= SMs,
-    counted from the packed keys), never the dK/dV-only opt-in; diag_offset (0 for packed calls,
+    counted from the packed keys; or from 0.78 of the SMs at d128 without a window where the longest
+    sequence has 3584+ keys), never the dK/dV-only opt-in; diag_offset (0 for packed calls,
     whose sequences are each bottom-right) is not compared with the packed lengths. The GPU's
     answers stubbed."""
     from types import SimpleNamespace
@@ -207,5 +211,6 @@ def test_backward_rule_for_packed_sequences(monkeypatch, case, expected):
                  VARLEN=True, UPCAST=False)
     if "flag" in case:
         flags[case["flag"]] = True
-    mode = backward.gluon_backward_mode(q, k, k, q, flags, 0, right, False, case.get("deterministic", False), left)
+    mode = backward.gluon_backward_mode(q, k, k, q, flags, 0, right, False, case.get("deterministic", False), left,
+                                        max_seqlen_k=case.get("max_k", 0))
     assert mode == expected

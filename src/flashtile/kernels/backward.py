@@ -464,7 +464,7 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
                  HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
                  UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
     gluon = gluon_backward_mode(q, k, v, dout, flags, diag_offset, window_right, config_given,
-                                deterministic, window_left)
+                                deterministic, window_left, max_seqlen_k=rows_k if varlen else 0)
     # Our allocator only for these launches: the caller's own Triton allocator stays as it was.
     token = _triton_allocator.set(_descriptor_scratch) if use_tma and not interpreting() else None
     try:
@@ -493,8 +493,20 @@ GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0"
 GLUON_VARLEN = os.environ.get("FLASHTILE_GLUON_VARLEN_BWD", "1") not in ("", "0")
 
 
+# Packed sequences under the programs >= SMs rule still take the fused kernel from this share of the
+# SMs when the longest sequence has this many keys; the portable kernels they would run otherwise (no
+# dK/dV-only pass for packed calls) are slower there. Forced-fused / portable packed training steps on
+# the H200 (varlen-threshold-h200-20261204-b/-c.json, varlen-host-h200-20261204-before.json; 12/2,
+# 8/1 and 4/1 heads, d128): 1.04-1.28x at all 8 points with 104-128 programs and 3584-16384 keys,
+# causal and full; 0.73-1.00x at 64-131 programs with 768-3200 keys, or 96 programs (4096 and 12288
+# keys: 0.98x, 1.00x; 6144: 1.09x) and 64 (8192: 0.85x). d64 at 128 programs: 0.86x, 0.92x.
+PACKED_FUSED_MIN_SM_SHARE = 0.78
+PACKED_FUSED_MIN_KEYS = 3584
+
+
 def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_right: int,
-                        config_given: bool, deterministic: bool = True, window_left: int = -1) -> str | None:
+                        config_given: bool, deterministic: bool = True, window_left: int = -1,
+                        max_seqlen_k: int = 0) -> str | None:
     """Which Gluon kernel (kernels.gluon_backward, sm_90) replaces portable ones: "fused" (dK, dV
     and dQ in one kernel; deterministic=False, FUSED_HEAD_DIMS, GLUON_FUSED_DQ), "dkdv" (the dK/dV
     pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention, or a
@@ -502,7 +514,9 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     takes the window too: forward.GLUON_WINDOW_MIN_KEYS), without softcap, ALiBi or dropout, on
     tensors it supports, unless a tile config was asked for or FLASHTILE_GLUON=0. Packed sequences
     (flags["VARLEN"]: q, k, v, dout as one packed batch entry, each sequence bottom-right on its own
-    lengths) take "fused" only (GLUON_VARLEN)."""
+    lengths) take "fused" only (GLUON_VARLEN), and under the programs rule where ``max_seqlen_k``
+    and the programs reach PACKED_FUSED_MIN_KEYS and PACKED_FUSED_MIN_SM_SHARE at head dim 128
+    without a window (measured so)."""
     fused = GLUON_FUSED_DQ and not deterministic
     if not ((GLUON_DKDV or fused) and _forward.GLUON_ENABLED) or config_given or interpreting() \
             or not q.is_cuda:
@@ -526,7 +540,10 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     if not gluon_backward.supported(q, k, v, dout):
         return None
     fused = fused and q.shape[-1] in gluon_backward.FUSED_HEAD_DIMS
-    if fused and gluon_backward.programs(q, k) < _sm_count(q.device):
+    programs, sm_count = (gluon_backward.programs(q, k), _sm_count(q.device)) if fused else (0, 0)
+    if fused and programs < sm_count and not (
+            varlen and not windowed and q.shape[-1] == 128 and max_seqlen_k >= PACKED_FUSED_MIN_KEYS
+            and programs >= PACKED_FUSED_MIN_SM_SHARE * sm_count):
         # Fewer programs than SMs (few KV heads, short keys): the longest causal program (the
         # whole group of query heads over every query block) sets the time, and the portable
         # kernels, which split dQ off into programs of their own, were faster (12/2 heads at 8k
