@@ -1906,7 +1906,7 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     softmax_scale=softmax_scale, causal=causal)`` (16-bit packed sequences, fresh out and LSE, the
     shipped variant) with what depends only on the tensors' geometry looked up: that call's checks
     and launch geometry took ~45 of a packed call's ~95 us of host time on the H200
-    (varlen-host-h200-20261204.json). ``max_seqlen_k`` > 0. Returns None, having launched nothing,
+    (varlen-host-h200-20261204-before.json). ``max_seqlen_k`` > 0. Returns None, having launched nothing,
     where the kernel does not take the inputs or they sit on another than the current device."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
         return None
