@@ -31,7 +31,6 @@ from flashtile.kernels import decode as dec
 PAGE = 16
 TRANSPOSED: list = []  # --transposed plans (block_n, stages, programs per SM)
 BASELINE = None  # --baseline: an older kernels/gluon_decode.py, loaded as a module
-WARP_SPLIT = False  # --warp-split
 POINTS = "16,12,2,32768;64,12,2,16384;16,12,2,16384;1,12,2,32768;16,32,8,65536;64,32,8,16384"
 
 
@@ -138,24 +137,6 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
                  "contiguous, Gluon kernel, 6 stages": step(
                      bench.CONTIGUOUS, {}, True,
                      GLUON_T16_LONG=dataclasses.replace(dec.GLUON_T16_LONG, num_stages=6))}
-    elif WARP_SPLIT:  # the Gluon kernel's one-split plan on pages against the warp split's (--warp-split)
-        steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
-                 "P16 shuffled (shipped)": step(paged, shuffled, None),
-                 "P16 Gluon kernel": step(paged, shuffled, True, PAGED_WARP_SPLIT=False),
-                 "P16 warp split": step(paged, shuffled, False, PAGED_WARP_SPLIT=True),
-                 "P16 warp split, pipeliner's lookups": step(
-                     paged, shuffled, False, PAGED_WARP_SPLIT=True,
-                     PAGED_WARP_SPLIT_CONFIG=dataclasses.replace(dec.PAGED_WARP_SPLIT_CONFIG,
-                                                                 page_prefetch=False)),
-                 "P16 in order, warp split": step(paged, ordered, False, PAGED_WARP_SPLIT=True),
-                 "P16 in order, Gluon kernel": step(paged, ordered, True, PAGED_WARP_SPLIT=False)}
-        from spec_decode_ab import check
-        checked = check({n: st for n, st in steps.items() if "in order" not in n}, q, *caches.nhd(0),
-                        point.lengths(), shuffled[PAGE])
-        checked.update(check({n: st for n, st in steps.items() if "in order" in n}, q, *caches.nhd(0),
-                             point.lengths(), ordered[PAGE]))
-        for name in ("sdpa-cudnn",):
-            steps[name] = bench.make_step(name, caches, q, lengths, {})
     elif TRANSPOSED:  # the shipped plans against the transposed 16-bit consumer's (--transposed)
         # (run before GLUON_T16 was the default: "shipped" is the 64-row consumer there)
         steps = {"contiguous (shipped)": step(bench.CONTIGUOUS, {}, None),
@@ -173,8 +154,6 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
                  "paged16 shuffled (shipped)": step(paged, shuffled, None),
                  "paged16 in order": step(paged, ordered, None),
                  "paged16 shuffled, Triton kernel": step(paged, shuffled, False)}
-    if not WARP_SPLIT:
-        checked = None
     nbytes = bench.point_bytes(point)
     results = bench.measure_providers(list(steps), caches, q, lengths, {}, bench.gpu_timer, nbytes,
                                       ceiling, rounds=rounds, steps=steps)
@@ -190,7 +169,7 @@ def probe(point: bench.Point, device, ceiling: float, rounds: int) -> dict:
                   f"spread {100 * spread:.1f}%", flush=True)
         else:
             print(f"  {name:34s} unavailable: {r.get('error')}", flush=True)
-    return {"point": point.__dict__, "layers": layers, "check": checked, "results": results}
+    return {"point": point.__dict__, "layers": layers, "results": results}
 
 
 def main():
@@ -203,13 +182,8 @@ def main():
                              "SM;...' against the shipped ones instead")
     parser.add_argument("--baseline", default=None,
                         help="an older kernels/gluon_decode.py to time the shipped plans with")
-    parser.add_argument("--warp-split", action="store_true",
-                        help="time the paged warp split (decode.PAGED_WARP_SPLIT; its page numbers a tile "
-                             "ahead or as the pipeliner schedules them; shuffled and in-order tables) against "
-                             "the Gluon kernel's plan on pages of 16, outputs checked first")
     args = parser.parse_args()
-    global TRANSPOSED, BASELINE, WARP_SPLIT
-    WARP_SPLIT = args.warp_split
+    global TRANSPOSED, BASELINE
     if args.baseline:
         BASELINE = load_baseline(args.baseline)
     TRANSPOSED = [tuple(int(x) for x in c.split(",")) for c in args.transposed.split(";") if c]

@@ -860,55 +860,6 @@ def test_warp_split_loop_matches_reference(warp_split_plans, nan_empty, dtype, s
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, **kw)
 
 
-@pytest.mark.parametrize("page_size", [16, 32, 128])
-@pytest.mark.parametrize("dtype,seqlen_q,heads,heads_k", [(BF16, 1, 8, 2), (F16, 2, 4, 1), (BF16, 1, 2, 2)],
-                         ids=["bf16-gqa", "f16-mqa-causal-2-rows", "bf16-mha"])
-def test_paged_warp_split_matches_reference(warp_split_plans, nan_empty, monkeypatch, page_size, dtype, seqlen_q,
-                                            heads, heads_k):
-    # The warp split on page pools: each warp's 16 keys of a tile found through a shuffled block
-    # table (pool pages that hold no sequence hold noise), lengths that end inside a page, inside a
-    # warp's slice and on a page boundary, one sequence as short as its queries; NaN-filled outputs.
-    decode = warp_split_plans
-    monkeypatch.setattr(decode, "paged_warp_split_wanted", lambda *a, **k: True)
-    q, k_cache, v_cache, lengths = cache_case(batch=4 // heads_k, seqlen_q=seqlen_q, heads=heads, heads_k=heads_k,
-                                              head_dim=128, capacity=256, dtype=dtype)
-    lengths[-1] = 70 if page_size == 16 else 2 * page_size  # a warp slice's middle / a page boundary
-    k_pool, v_pool, table = paged_cache(k_cache, v_cache, page_size)
-    out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, block_table=table,
-                                                 causal=True, return_softmax_lse=True)
-    plans = list(decode._PLANS.values())
-    assert [p[2]["WARPS"] for p in plans] == [4] and plans[0][2]["PAGE_SHIFT"] == page_size.bit_length() - 1
-    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True)
-
-
-def test_paged_warp_split_rule(h200_plans, monkeypatch):
-    # Paged 16-bit calls with the contiguous warp split's shapes, 99-132 pairs on 132 SMs and pages
-    # of a power of two from 16 keys: the warp split's unsplit plan, and not the Gluon kernel.
-    decode, dev = h200_plans
-    monkeypatch.setattr(decode, "PAGED_WARP_SPLIT", True)
-
-    def wanted(batch=16, heads_k=8, rows=4, head_dim=128, dtype=torch.bfloat16, page_size=16, capacity=32768,
-               num_splits=0, left=False, softcap=False, alibi=False, fp8=False, one_launch=False):
-        return decode.paged_warp_split_wanted(batch, heads_k, rows, head_dim, dtype, page_size, capacity, dev,
-                                              num_splits, left, softcap, alibi, fp8, one_launch)
-    assert wanted() and wanted(batch=64, heads_k=2) and wanted(page_size=256) and wanted(dtype=torch.float16)
-    assert wanted(batch=50, heads_k=2) and not wanted(batch=49, heads_k=2)  # 99 pairs of 132 SMs, 98
-    assert not wanted(batch=17) and not wanted(batch=64)  # more pairs than SMs
-    assert not wanted(page_size=8) and not wanted(page_size=48) and not wanted(capacity=8192)
-    assert not wanted(head_dim=64) and not wanted(rows=17) and not wanted(fp8=True)
-    assert not wanted(left=True) and not wanted(softcap=True) and not wanted(alibi=True)
-    assert not wanted(num_splits=2) and wanted(num_splits=1) and not wanted(one_launch=True)
-    monkeypatch.setattr(decode, "_arch", lambda index: 100)
-    assert not wanted()
-    monkeypatch.setattr(decode, "_arch", lambda index: 90)
-    plan = decode._plan(16, 1, 32, 8, 128, torch.bfloat16, dev, True, 32768, 0, None, False, True, False,
-                        False, False, False, False, False, False, 16, gluon_ok=False, causal=True)
-    assert plan[0] == 1 and plan[3] is None
-    assert (plan[2]["WARPS"], plan[2]["BLOCK_N"], plan[2]["PAGE_SHIFT"], plan[2]["num_stages"]) == (4, 64, 4, 4)
-    monkeypatch.setattr(decode, "PAGED_WARP_SPLIT", False)
-    assert not wanted()
-
-
 def test_warp_split_plans(h200_plans):
     # Only unsplit plans of contiguous 16-bit caches with head dim 128, from WARP_SPLIT_MIN_KEYS keys
     # and at most one program per SM, without left windows, softcap or ALiBi.

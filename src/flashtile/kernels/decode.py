@@ -30,7 +30,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import key_blocks, tile_pages, tile_rows, visible
+from .common import key_blocks, visible
 from .forward import LOG2E, _arch, _attn_fwd_inner, head_dim_padded, interpreting, small_shared_memory
 from .launch import launch
 
@@ -145,47 +145,22 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
 
 @triton.jit
 def _warp_split_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, keys, rows_pos, blk_lo,
-                      blk_hi, seqlen_k, window_right, qk_scale, block_table_row, num_pages, stride_kpage,
-                      stride_vpage, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                      UPCAST: tl.constexpr, PAGED: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+                      blk_hi, seqlen_k, window_right, qk_scale, BLOCK_N: tl.constexpr,
+                      MASKED: tl.constexpr, HAS_RIGHT: tl.constexpr, UPCAST: tl.constexpr):
     """Key tiles [blk_lo, blk_hi) with the tile's keys split among the warps (``keys`` [WARPS, SUB]:
     warp w's offsets in a tile), every warp its own running max, sum and output ([WARPS, ...]
-    states): the row reductions stay inside a warp (the 3-D dots put one warp on each slice).
-    PAGED: ``k_ptrs``/``v_ptrs`` point at one KV head of page pools of 2**PAGE_SHIFT keys, each
-    key's row found through ``block_table_row``; PAGED >= 2: the next tile's page numbers load one
-    step ahead, so the K/V loads never wait on the block table."""
-    if PAGED:  # pages of at least a warp's keys: one table entry per warp and tile ([WARPS, 1])
-        slice_start = tl.min(keys, 1)[:, None]
-        if PAGED >= 2:
-            page_ahead = tile_pages(block_table_row, blk_lo * BLOCK_N + slice_start, 0, seqlen_k, 1, True,
-                                    PAGE_SHIFT)
-    else:
-        k_ptrs += (blk_lo * BLOCK_N).to(tl.int64) * stride_ks
-        v_ptrs += (blk_lo * BLOCK_N).to(tl.int64) * stride_vs
+    states): the row reductions stay inside a warp (the 3-D dots put one warp on each slice)."""
+    k_ptrs += (blk_lo * BLOCK_N).to(tl.int64) * stride_ks
+    v_ptrs += (blk_lo * BLOCK_N).to(tl.int64) * stride_vs
     for blk in range(blk_lo, blk_hi):
-        cols = blk * BLOCK_N + keys
-        if PAGED:
-            if PAGED >= 2:
-                page = page_ahead
-                page_ahead = tile_pages(block_table_row, (blk + 1) * BLOCK_N + slice_start, 0, seqlen_k, 1,
-                                        True, PAGE_SHIFT)
-            else:  # (PAGED == 1: the software pipeline's own schedule of the dependent load)
-                page = tile_pages(block_table_row, blk * BLOCK_N + slice_start, 0, seqlen_k, 1, True,
-                                  PAGE_SHIFT)
-            k_at = k_ptrs + tile_rows(page, blk * BLOCK_N, keys, 1, num_pages, stride_kpage, stride_ks,
-                                      False, PAGE_SHIFT)[:, :, None]
-            v_at = v_ptrs + tile_rows(page, blk * BLOCK_N, keys, 1, num_pages, stride_vpage, stride_vs,
-                                      False, PAGE_SHIFT)[:, :, None]
-        else:
-            k_at = k_ptrs
-            v_at = v_ptrs
         if MASKED:
+            cols = blk * BLOCK_N + keys
             ok = cols < seqlen_k
-            k = tl.load(k_at, mask=ok[:, :, None], other=0.0)
-            v = tl.load(v_at, mask=ok[:, :, None], other=0.0)
+            k = tl.load(k_ptrs, mask=ok[:, :, None], other=0.0)
+            v = tl.load(v_ptrs, mask=ok[:, :, None], other=0.0)
         else:
-            k = tl.load(k_at)
-            v = tl.load(v_at)
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -200,20 +175,17 @@ def _warp_split_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, ke
         l_i = l_i * alpha + tl.sum(p, 2)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, :, None])
         m_i = m_new
-        if not PAGED:
-            k_ptrs += BLOCK_N * stride_ks
-            v_ptrs += BLOCK_N * stride_vs
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
     return acc, l_i, m_i
 
 
 @triton.jit
 def _warp_split_loop(q, k_base, v_base, stride_ks, stride_vs, rows_pos, s_lo, full_lo, full_hi, s_hi,
-                     seqlen_k, window_right, qk_scale, block_table_row, num_pages, stride_kpage, stride_vpage,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WARPS: tl.constexpr,
-                     HAS_RIGHT: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr = 0,
-                     PAGE_SHIFT: tl.constexpr = -1):
-    """The key tiles [s_lo, s_hi) of plain calls (16-bit cache, contiguous or (PAGED) in pages of a
-    power of two with ``k_base``/``v_base`` at the pools' KV head, head dim a power of two,
+                     seqlen_k, window_right, qk_scale, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, WARPS: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """The key tiles [s_lo, s_hi) of plain calls (contiguous 16-bit cache, head dim a power of two,
     no left window, softcap or ALiBi, one row block) with each tile's keys split among WARPS warps,
     their states merged once at the end: (acc, l_i, m_i) as the 2-D loop leaves them. On sm_90 the
     2-D loop runs ~350 instructions and 10 barriers per warp and 64-key tile (cross-warp row max and
@@ -223,28 +195,21 @@ def _warp_split_loop(q, k_base, v_base, stride_ks, stride_vs, rows_pos, s_lo, fu
     w = tl.arange(0, WARPS)
     keys = w[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB]
     d = tl.arange(0, HEAD_DIM)[None, None, :]
-    if PAGED:  # (each tile adds its keys' rows)
-        k_ptrs = k_base + d
-        v_ptrs = v_base + d
-    else:
-        k_ptrs = k_base + keys[:, :, None] * stride_ks + d
-        v_ptrs = v_base + keys[:, :, None] * stride_vs + d
+    k_ptrs = k_base + keys[:, :, None] * stride_ks + d
+    v_ptrs = v_base + keys[:, :, None] * stride_vs + d
     q3 = tl.broadcast_to(q[None, :, :], (WARPS, ROWS, HEAD_DIM))
     m_i = tl.full([WARPS, ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
     acc = tl.zeros([WARPS, ROWS, HEAD_DIM], dtype=tl.float32)
     acc, l_i, m_i = _warp_split_tiles(acc, l_i, m_i, q3, k_ptrs, v_ptrs, stride_ks, stride_vs, keys,
-                                      rows_pos, s_lo, full_lo, seqlen_k, window_right, qk_scale, block_table_row,
-                                      num_pages, stride_kpage, stride_vpage, BLOCK_N, True, HAS_RIGHT,
-                                      UPCAST, PAGED, PAGE_SHIFT)
+                                      rows_pos, s_lo, full_lo, seqlen_k, window_right, qk_scale,
+                                      BLOCK_N, True, HAS_RIGHT, UPCAST)
     acc, l_i, m_i = _warp_split_tiles(acc, l_i, m_i, q3, k_ptrs, v_ptrs, stride_ks, stride_vs, keys,
                                       rows_pos, full_lo, full_hi, seqlen_k, window_right, qk_scale,
-                                      block_table_row, num_pages, stride_kpage, stride_vpage, BLOCK_N,
-                                      False, HAS_RIGHT, UPCAST, PAGED, PAGE_SHIFT)
+                                      BLOCK_N, False, HAS_RIGHT, UPCAST)
     acc, l_i, m_i = _warp_split_tiles(acc, l_i, m_i, q3, k_ptrs, v_ptrs, stride_ks, stride_vs, keys,
-                                      rows_pos, full_hi, s_hi, seqlen_k, window_right, qk_scale, block_table_row,
-                                      num_pages, stride_kpage, stride_vpage, BLOCK_N, True, HAS_RIGHT,
-                                      UPCAST, PAGED, PAGE_SHIFT)
+                                      rows_pos, full_hi, s_hi, seqlen_k, window_right, qk_scale,
+                                      BLOCK_N, True, HAS_RIGHT, UPCAST)
     m_all = tl.max(m_i, 0)
     share = tl.exp2(m_i - m_all[None, :])
     return tl.sum(acc * share[:, :, None], 0), tl.sum(l_i * share, 0), m_all
@@ -390,15 +355,9 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
 
     if WARPS > 0:
-        if PAGED:
-            tl.static_assert(PAGE_SHIFT >= 0, "the warp split reads pages of a power of two")
-            k_base = K + kv_head.to(tl.int64) * stride_kh
-            v_base = V + kv_head.to(tl.int64) * stride_vh
         acc, l_i, m_i = _warp_split_loop(q, k_base, v_base, stride_ks, stride_vs, rows_pos, s_lo,
                                          full_lo, full_hi, s_hi, seqlen_k, window_right, qk_scale,
-                                         block_table_row, num_pages, stride_kb, stride_vb,
-                                         ROWS, BLOCK_N, HEAD_DIM, WARPS, HAS_RIGHT, UPCAST, PAGED,
-                                         PAGE_SHIFT)
+                                         ROWS, BLOCK_N, HEAD_DIM, WARPS, HAS_RIGHT, UPCAST)
     else:
         m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -968,35 +927,6 @@ def out_dtype(q_dtype: torch.dtype) -> torch.dtype:
 # worst case, taken.
 WARP_SPLIT = True
 WARP_SPLIT_MIN_KEYS = 16384
-# ... and page pools of a power of two keys: the same unsplit plan and loop, each key's row found
-# through the block table (a page number per key, loaded a tile ahead), where the Gluon kernel's
-# one-split plan had read 0.96-0.97x the contiguous cache (bench paged, B64 12/2 from 16k). Where
-# this rule holds the Gluon kernel is not asked.
-PAGED_WARP_SPLIT = False
-PAGED_WARP_SPLIT_CONFIG = DecodeConfig(64, 4, 4, waves=1, min_split_keys=128, max_splits=1)
-
-
-def paged_warp_split_wanted(batch: int, heads_k: int, rows: int, head_dim: int, dtype: torch.dtype,
-                            page_size: int, capacity: int, device: torch.device, num_splits: int,
-                            has_left: bool, has_softcap: bool, has_alibi: bool, fp8_cache: bool,
-                            one_launch: bool) -> bool:
-    """Whether a paged call takes PAGED_WARP_SPLIT_CONFIG and the warp-split loop (sm_90): the
-    contiguous warp split's shapes (16-bit, head dim 128, at most 16 query rows a KV head, no left
-    window, softcap or ALiBi, WARP_SPLIT_MIN_KEYS keys) with the (sequence, KV head) pairs between
-    3/4 of the SMs and the SMs, and pages of a power of two of at least a warp's 16 keys."""
-    if not (PAGED_WARP_SPLIT and WARP_SPLIT) or fp8_cache or one_launch or num_splits > 1:
-        return False
-    if has_left or has_softcap or has_alibi or head_dim != 128 or rows > 16:
-        return False
-    if dtype not in (torch.float16, torch.bfloat16) or capacity < WARP_SPLIT_MIN_KEYS:
-        return False
-    if page_size < 16 or page_size & (page_size - 1):
-        return False
-    if interpreting() or device.type != "cuda" or _arch(
-            device.index if device.index is not None else torch.cuda.current_device()) != 90:
-        return False
-    sms = _sm_count(device)
-    return 3 * sms <= 4 * batch * heads_k <= 4 * sms
 
 
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
@@ -1013,11 +943,8 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     tile_rows = tile_rows_for(rows, fp8_cache, device, head_dim)
     # programs per sequence: KV heads x blocks of rows (see _attn_decode)
     heads_k_blocks = heads_k * -(-rows // tile_rows)
-    paged_warp_split = paged and config is None and paged_warp_split_wanted(
-        batch, heads_k, rows, head_dim, dtype, page_size, capacity, device, num_splits, has_left,
-        has_softcap, has_alibi, fp8_cache, one_launch)
-    cfg = config or (PAGED_WARP_SPLIT_CONFIG if paged_warp_split else decode_config(
-        paged, device, batch * heads_k_blocks, fp8_cache, capacity, head_dim, rows))
+    cfg = config or decode_config(paged, device, batch * heads_k_blocks, fp8_cache, capacity, head_dim,
+                                  rows)
     # (every stream-K program holds a vector of all the lengths: up to STREAM_MAX_BATCH of them)
     stream_ok = not one_launch and rows <= tile_rows and batch <= STREAM_MAX_BATCH
     if config is None and STREAM_PLANS and not fp8_cache and num_splits == 0 and stream_ok:
@@ -1052,7 +979,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
     # measured, and the interpreter): the tile's keys split among the warps (_warp_split_loop)
     hopper = device.type == "cuda" and _arch(
         device.index if device.index is not None else torch.cuda.current_device()) >= 90
-    warps = cfg.num_warps if (paged_warp_split and not stream and splits == 1) else cfg.num_warps if (
+    warps = cfg.num_warps if (
         WARP_SPLIT and (hopper or interpreting()) and config is None and not paged and not fp8_cache
         and not stream and splits == 1 and not (has_left or has_softcap or has_alibi)
         and rows <= tile_rows <= 16 and head_dim == 128 and dtype in (torch.float16, torch.bfloat16)
@@ -1468,10 +1395,6 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                               (softmax_scale, causal))
     fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
-                and not (paged and paged_warp_split_wanted(
-                    batch, heads_k, heads // heads_k * seqlen_q, head_dim, q.dtype, k_cache.shape[1],
-                    capacity, device, num_splits, window_left >= 0, softcap > 0, alibi_slopes is not None,
-                    fp8_cache, one_launch))
                 and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache,
                                  heads // heads_k * seqlen_q)
                 and gluon_supported(q, k_cache, v_cache, paged=paged,
