@@ -979,3 +979,41 @@ def test_paged_keys_packed_clamps_unchecked_values(monkeypatch):
     assert vt.shape[1] == 64  # 16 keys' columns + 16 a sequence + 16
     assert torch.equal(vt[0, 32:40].view(torch.uint8), torch.cat([v[2], v[2]]).view(torch.uint8))
     assert (vt[0, 8:32].float() == 0).all() and (vt[0, 40:].float() == 0).all()
+
+
+@pytest.mark.parametrize("batch,heads_k,blocks,transposed", [(2, 3, 5, False), (1, 2, 600, True), (3, 1, 1, False)])
+def test_fused_kernel_descales_match_the_torch_formula(batch, heads_k, blocks, transposed):
+    # The one-launch form of fp8_kernel_descales (GPU calls) run by the interpreter against the
+    # torch formula it replaces, bit for bit: rows longer than the kernel's 256-block steps, descale
+    # tensors with other strides, V's largest anywhere in the row.
+    from flashtile.kernels.forward import _fused_kernel_descales, fp8_kernel_descales
+    shape = (batch, blocks, heads_k) if transposed else (batch, heads_k, blocks)
+    k_d = torch.rand(shape) + 0.01
+    v_d = torch.exp2(torch.randint(-6, 6, shape).float())
+    if transposed:
+        k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)
+    q_d = torch.rand(batch, 4, 2)
+    k_out, v_out = _fused_kernel_descales(k_d, v_d)
+    same_q, k_ref, v_ref = fp8_kernel_descales(q_d, k_d, v_d)  # (the CPU's torch path)
+    assert same_q is q_d
+    assert k_out.shape == v_out.shape == (batch, heads_k, blocks + 1) and k_out.is_contiguous()
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+
+
+def test_attention_names_malformed_descales():
+    # Descales the kernels would read past or misread: wrong block counts, a strided last dim, other
+    # dtypes; each named before any launch.
+    import dataclasses
+    q, k, v = (torch.randn(1, 64, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    z = fp8.quantize_qkv(q, k, v, block=(32, 16))
+    assert z.q_descale.shape == (1, 4, 2) and z.k_descale.shape == (1, 2, 4)
+    with pytest.raises(ValueError, match="q_descale must be \\(1, 4, 2\\)"):
+        fp8.attention(dataclasses.replace(z, q_descale=torch.ones(1, 4, 3)))
+    with pytest.raises(ValueError, match="k_descale must be \\(1, 2, 4\\)"):  # (k and v share a layout)
+        fp8.attention(dataclasses.replace(z, k_descale=torch.ones(1, 2, 3), v_descale=torch.ones(1, 2, 3)))
+    with pytest.raises(ValueError, match="q_descale.*contiguous"):
+        fp8.attention(dataclasses.replace(z, q_descale=torch.ones(1, 4, 4)[:, :, ::2]))
+    with pytest.raises(TypeError, match="k_descale must be a float32"):
+        fp8.attention(dataclasses.replace(z, v_descale=z.v_descale.double(), k_descale=z.k_descale.double()))
+    with pytest.raises(TypeError, match="v_descale must be a float32"):
+        fp8.attention(dataclasses.replace(z, v_descale=z.v_descale.half()))

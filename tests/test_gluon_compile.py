@@ -959,3 +959,95 @@ def test_windowed_varlen_launch_takes_the_window_variant_and_its_sides(monkeypat
             gluon_forward.gluon_varlen_forward(*e4m3, cu_q, cu_k, 300, 300, softmax_scale=0.1, causal=causal,
                                                window_size=window, scale_blocks=(512, 512))
     assert len(launches) == 1  # the refused calls launched nothing
+
+
+@pytest.mark.parametrize("shape", [
+    # (B, Sq, Sk, H, Hk, causal)
+    (1, 4096, 4096, 12, 2, True),
+    (2, 1000, 3000, 8, 8, False),
+    (3, 777, 777, 4, 1, True),
+])
+def test_fp8_forward_launches_what_gluon_attention_forward_launches(monkeypatch, shape):
+    """The cached plan of an e4m3 call gives the launch the general path would make (kernel, grid,
+    options, scalars, descriptor geometry, descales), on the CPU with the GPU parts stubbed; a call
+    the kernel does not take (other scale blocks, V not keys-contiguous) launches nothing."""
+    b, sq, sk, h, hk, causal = shape
+    e4m3 = torch.float8_e4m3fn
+    q = torch.randn(b, sq, h, 128).to(e4m3)
+    k = torch.randn(b, sk, hk, 128).to(e4m3)
+    v = forward.keys_contiguous(torch.randn(b, sk, hk, 128).to(e4m3))
+    block_q, block_k = 128, 256
+    q_d = torch.rand(b, h, -(-sq // block_q)) + 0.5
+    k_d = torch.rand(b, hk, -(-sk // block_k)) + 0.5
+    v_d = torch.exp2(torch.randint(-3, 3, k_d.shape).float())
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "_on_one_sm90", lambda *tensors: True)
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    monkeypatch.setattr(gluon_forward, "_FP8", {})
+    scale = 128 ** -0.5
+    for _ in range(2):  # the second call takes the cached plan
+        out, lse = gluon_forward.fp8_forward(q, k, v, (q_d, k_d, v_d), (block_q, block_k), scale, causal)
+    kernel_descales = forward.fp8_kernel_descales(q_d, k_d, v_d)
+    ref_out, ref_lse = gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=scale, causal=causal,
+                                                             descales=kernel_descales,
+                                                             scale_blocks=(block_q, block_k))
+    assert len(launches) == 3 and len(gluon_forward._FP8) == 1
+    planned, cached, general = launches
+    for got in (planned, cached):
+        jit, grid, tensors, scalars, options, descriptors = got
+        assert (jit, grid, scalars) == general[:2] + general[3:4]
+        assert options is general[4]
+        assert tensors[1] is q_d and general[2][1] is q_d
+        assert torch.equal(tensors[2], general[2][2]) and torch.equal(tensors[3], general[2][3])
+        assert tensors[7].shape == ref_out.shape and tensors[0].shape == ref_lse.shape
+        for mine, theirs in zip(descriptors, general[5]):
+            assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
+                   (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
+        assert [x.base.data_ptr() for x in descriptors[:3]] == [y.base.data_ptr() for y in general[5][:3]]
+        assert descriptors[3].base is tensors[7]
+    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape and out.stride() == ref_out.stride()
+    assert lse.shape == ref_lse.shape and lse.stride() == ref_lse.stride()
+    # refused, nothing launched: scale blocks under the key tile, V as given (not keys-contiguous),
+    # descales of another block count
+    assert gluon_forward.fp8_forward(q, k, v, (q_d, k_d, v_d), (block_q, 64), scale, causal) is None
+    plain_v = torch.randn(b, sk, hk, 128).to(e4m3)
+    assert gluon_forward.fp8_forward(q, k, plain_v, (q_d, k_d, v_d), (block_q, block_k), scale, causal) is None
+    longer = torch.ones(b, hk, k_d.shape[2] + 1)
+    assert gluon_forward.fp8_forward(q, k, v, (q_d, longer, longer), (block_q, block_k), scale, causal) is None
+    assert len(launches) == 3
+
+
+def test_attention_forward_sends_plain_e4m3_calls_to_the_cached_plan(monkeypatch):
+    """attention_forward: an e4m3 call without window, softcap, ALiBi, packed sequences or given
+    out/lse goes to fp8_forward with its descales as given (causal only bottom-right) and V
+    keys-contiguous (copied once when it is not); fp8_forward declining, or any of those options,
+    takes the general path."""
+    from flashtile.kernels import forward as fwd
+    e4m3 = torch.float8_e4m3fn
+    q = torch.randn(1, 64, 4, 64).to(e4m3)
+    k = torch.randn(1, 96, 2, 64).to(e4m3)
+    v = fwd.keys_contiguous(k)
+    asked, copied = [], []
+    monkeypatch.setattr(fwd, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(gluon_forward, "fp8_forward", lambda *a: asked.append(a) or ("out", "lse"))
+    monkeypatch.setattr(fwd, "keys_contiguous", lambda x: copied.append(x) or v)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    descales = (torch.ones(1, 4, 1), torch.ones(1, 2, 1), torch.ones(1, 2, 1))
+    kw = dict(softmax_scale=0.1, window_left=-1, descales=descales, scale_blocks=(64, 128))
+    assert fwd.attention_forward(q, k, v, window_right=0, diag_offset=32, **kw) == ("out", "lse")
+    assert asked[-1][2] is v and asked[-1][3] is descales and asked[-1][4:] == ((64, 128), 0.1, True)
+    assert fwd.attention_forward(q, k, k, window_right=-1, diag_offset=32, **kw) == ("out", "lse")
+    assert asked[-1][2] is v and asked[-1][6] is False and copied == [k]
+    general = []
+    monkeypatch.setattr(gluon_forward, "fp8_forward", lambda *a: asked.append(a))  # (declines: None)
+    monkeypatch.setattr(fwd, "_launch_forward", lambda *a, **k: general.append(a))
+    monkeypatch.setattr(fwd, "gluon_fp8_applies", lambda *a, **k: False)
+    monkeypatch.setattr(fwd, "pick_config", lambda *a, **k: fwd.TileConfig(64, 64, 4, 2))
+    monkeypatch.setattr(fwd, "fp8_kernel_descales", lambda *d: d)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    fwd.attention_forward(q, k, v, window_right=0, diag_offset=32, **kw)  # declined: the general path
+    fwd.attention_forward(q, k, v, window_right=0, diag_offset=0, **kw)  # causal, but not bottom-right
+    assert len(general) == 2 and len(asked) == 3 and copied == [k]

@@ -242,6 +242,18 @@ def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = Non
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
     if x.k_descale.stride() != x.v_descale.stride():
         raise ValueError("k_descale and v_descale must share a layout")
+    device = q.get_device()
+    for name, d, heads, seqlen, block in (("q_descale", x.q_descale, q.shape[2], q.shape[1], x.block_q),
+                                          ("k_descale", x.k_descale, k.shape[2], k.shape[1], x.block_k),
+                                          ("v_descale", x.v_descale, k.shape[2], k.shape[1], x.block_k)):
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor")
+        # (the kernels read the blocks of a row as contiguous, V's largest past its last one)
+        want = (q.shape[0], heads, -(-seqlen // block) if block > 0 else -1)
+        if d.shape != want or d.get_device() != device or (d.stride(-1) != 1 and d.numel()):
+            raise ValueError(f"{name} must be {want} on {q.device} with its last dim contiguous (one "
+                             f"descale per {block} tokens of each batch and head), got "
+                             f"{tuple(d.shape)} strides {d.stride()} on {d.device}")
     left, right = window_size
     if causal:
         right = 0

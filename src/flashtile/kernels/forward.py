@@ -788,9 +788,58 @@ P_SHIFT = 256.0
 def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor):
     """The descales as the e4m3 kernels read them: Q's as given; K's and V's relative to V's
     largest (times P_SHIFT), each row followed by that largest (over P_SHIFT: the kernels multiply
-    the output by it), both (B, Hk, blocks + 1) in one layout."""
+    the output by it), both (B, Hk, blocks + 1) in one layout. On a GPU (outside the interpreter)
+    one launch of _kernel_descale_rows, whose values are bit for bit these."""
+    if k_d.is_cuda and not _INTERPRET and k_d.dim() == 3 and v_d.shape == k_d.shape:
+        return (q_d, *_fused_kernel_descales(k_d, v_d))
     v_max = v_d.amax(-1, keepdim=True) / P_SHIFT
     return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0), torch.cat([v_d / v_max, v_max], -1))
+
+
+@triton.jit
+def _kernel_descale_rows(KIn, VIn, KOut, VOut, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                         stride_vn, heads_k, blocks, P_SHIFT_: tl.constexpr, BLOCK: tl.constexpr):
+    """One (batch, KV head) row of fp8_kernel_descales: K's row then 1, V's row over its largest
+    / P_SHIFT_ then that. (Five torch operations cost ~35 us of host time a call, more than the
+    GPU time of a short e4m3 prefill.)"""
+    row = tl.program_id(0)
+    b = row // heads_k
+    h = row % heads_k
+    k_in = KIn + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_in = VIn + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    out_row = row.to(tl.int64) * (blocks + 1)
+    offs = tl.arange(0, BLOCK)
+    largest = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, blocks, BLOCK):
+        n = start + offs
+        largest = tl.maximum(largest, tl.load(v_in + n * stride_vn, mask=n < blocks, other=float("-inf")))
+    v_max = tl.max(largest, 0) / P_SHIFT_
+    for start in range(0, blocks, BLOCK):
+        n = start + offs
+        keep = n < blocks
+        tl.store(KOut + out_row + n, tl.load(k_in + n * stride_kn, mask=keep), mask=keep)
+        tl.store(VOut + out_row + n, tl.load(v_in + n * stride_vn, mask=keep) / v_max, mask=keep)
+    tl.store(KOut + out_row + blocks, 1.0)
+    tl.store(VOut + out_row + blocks, v_max)
+
+
+_DESCALE_ROW_OPTIONS = {"P_SHIFT_": P_SHIFT, "BLOCK": 256, "num_warps": 1}
+
+
+def _fused_kernel_descales(k_d: torch.Tensor, v_d: torch.Tensor):
+    from .launch import launch
+    batch, heads_k, blocks = k_d.shape
+    # one allocation, V's half 16-byte aligned as a tensor of its own would be (the kernels that read
+    # it are specialized on that)
+    total = batch * heads_k * (blocks + 1)
+    half = -(-total // 4) * 4
+    both = torch.empty(2 * half, dtype=torch.float32, device=k_d.device)
+    k_out = both[:total].view(batch, heads_k, blocks + 1)
+    v_out = both[half:half + total].view(batch, heads_k, blocks + 1)
+    if batch * heads_k:
+        launch(_kernel_descale_rows, (batch * heads_k,), (k_d, v_d, k_out, v_out),
+               (*k_d.stride(), *v_d.stride(), heads_k, blocks), _DESCALE_ROW_OPTIONS)
+    return k_out, v_out
 
 
 # e4m3 calls with one descale per (sequence, KV head): flash_attn_varlen_func's, on page pools or
@@ -923,6 +972,19 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 return decode_attention(q, k, v, lengths, softmax_scale=softmax_scale, window_left=-1,
                                         window_right=0 if causal else -1)
             result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal)
+            if result is not None:
+                return result
+    if (_PLAIN_GLUON and descales is not None and out is None and lse is None and config is None
+            and cu_seqlens_q is None and dropout_seed is None and block_table is None and not softcap
+            and alibi_slopes is None and window_left < 0 and q.is_cuda and q.dtype == torch.float8_e4m3fn):
+        # an e4m3 plain call (flashtile.fp8.attention, flash_attn_func's): the Gluon kernel's plan
+        # looked up by geometry
+        causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
+        if window_right < 0 or causal:
+            from . import gluon_forward
+            if v.stride(1) != 1 or v.stride(3) % 16:  # V^T, as the general path below reads it too
+                v = keys_contiguous(v)
+            result = gluon_forward.fp8_forward(q, k, v, descales, scale_blocks, softmax_scale, causal)
             if result is not None:
                 return result
     if (_PLAIN_GLUON and cu_seqlens_q is not None and out is None and lse is None and config is None

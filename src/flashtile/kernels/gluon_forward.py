@@ -1827,6 +1827,109 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     return out, lse
 
 
+class _FP8Plan(NamedTuple):
+    geometry: _Geometry
+    device: torch.device
+    device_index: int
+    lse_shape: tuple
+    out_strides: tuple
+    vt_view: tuple  # (shape, strides) of V^T (B, Hk, D, Sk), keys contiguous
+    scalars_head: tuple  # before the score scale
+    scalars_tail: tuple  # after it
+
+
+# e4m3 plain calls (flashtile.fp8.attention, flash_attn_func on e4m3) by the geometry of q, k, v,
+# the Q descales' layout, the scale blocks and causal: their plan, or None where fp8_shapes_supported
+# refuses them.
+_FP8: dict = {}
+
+
+def fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: bool) -> _FP8Plan | None:
+    """The cached launch plan of an e4m3 call on tensors of this geometry (as ``plain_plan``);
+    ``kv_blocks``: K's and V's descales per row, which must be those ``scale_blocks`` give."""
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), q_descale.shape, q_descale.stride(),
+           q_descale.dtype, q_descale.get_device(), kv_blocks, tuple(scale_blocks), causal)
+    plan = _FP8.get(key, False)
+    if plan is False:
+        plan = _fp8_plan(q, k, v, q_descale, kv_blocks, tuple(scale_blocks), causal)
+        if len(_FP8) >= _MAX_PLAIN:
+            _FP8.clear()
+        _FP8[key] = plan
+    return plan
+
+
+def _on_one_sm90(*tensors) -> bool:
+    """CUDA tensors on one compute capability 9.0 GPU (and the Gluon kernels built)."""
+    if not _GLUON or not all(t.is_cuda for t in tensors):
+        return False
+    return len({t.device for t in tensors}) == 1 and _arch(tensors[0].device.index) == 90
+
+
+def _fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: bool) -> _FP8Plan | None:
+    if not _on_one_sm90(q, k, v, q_descale):
+        return None
+    if not fp8_shapes_supported(q, k, v, scale_blocks, causal):
+        return None
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or heads == 0 or seqlen_k == 0:
+        return None  # the general path's conventions for empty inputs
+    q_blocks, k_blocks = -(-seqlen_q // scale_blocks[0]), -(-seqlen_k // scale_blocks[1])
+    # (the kernels read Q's descales along contiguous blocks, and V's largest at index k_blocks)
+    if (q_descale.dtype != torch.float32 or tuple(q_descale.shape) != (batch, heads, q_blocks)
+            or q_descale.stride(-1) != 1 or kv_blocks != k_blocks):
+        return None
+    variant = dispatch_variant(head_dim, "fp8", causal, seqlen_k)
+    geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
+    vt = v.permute(0, 2, 3, 1)
+    # descales as kernels.forward.fp8_kernel_descales makes them: K's and V's (B, Hk, blocks + 1)
+    return _FP8Plan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
+                    (seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1),
+                    (tuple(vt.shape), tuple(vt.stride())),
+                    (heads * seqlen_q, seqlen_q, seqlen_q, seqlen_k, heads // heads_k, heads,
+                     geo.num_m_blocks, batch),
+                    (q_descale.stride(0), q_descale.stride(1), heads_k * (k_blocks + 1), k_blocks + 1,
+                     scale_blocks[0].bit_length() - 1, scale_blocks[1].bit_length() - 1, k_blocks,
+                     geo.head_group, 0, 0, 0, 0))
+
+
+def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, scale_blocks: tuple,
+                softmax_scale: float, causal: bool):
+    """``gluon_attention_forward`` of an e4m3 call (``descales`` (q, k, v) as flashtile.fp8.FP8QKV
+    holds them, before kernels.forward.fp8_kernel_descales) with the checks and the launch geometry
+    looked up (as ``plain_forward``): ~200 us of host time a call had made short e4m3 prefills slower
+    than bf16. Returns None, having launched nothing, where the kernel does not take the call (v not
+    stored keys-contiguous, other scale blocks, another device): the caller's general path then
+    does. out (B, Sq, H, D) bfloat16 and lse (B, H, Sq)."""
+    q_d, k_d, v_d = descales
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
+        return None
+    if k_d.dim() != 3 or v_d.shape != k_d.shape or k_d.shape[:2] != (k.shape[0], k.shape[2]):
+        return None
+    if k_d.dtype != torch.float32 or v_d.dtype != torch.float32:
+        return None
+    plan = fp8_plan(q, k, v, q_d, k_d.shape[2], scale_blocks, causal)
+    if (plan is None or plan.device_index != torch._C._cuda_getDevice()
+            or k_d.get_device() != plan.device_index or v_d.get_device() != plan.device_index):
+        return None
+    from .forward import fp8_kernel_descales
+    _, k_scales, v_scales = fp8_kernel_descales(q_d, k_d, v_d)
+    geo = plan.geometry
+    q_shape = q.shape
+    out = torch.empty(q_shape, dtype=torch.bfloat16, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
+    q_layout, k_layout, v_layout, o_layout = geo.layouts
+    variant_block_n = geo.kv_block[1]
+    descriptors = (_Descriptor(q, q_shape, q.stride(), geo.q_block, q_layout),
+                   _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
+                   _Descriptor(v, *plan.vt_view, (1, 1, q_shape[3], variant_block_n), v_layout),
+                   _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
+    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out),
+           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+    return out, lse
+
+
 class _PackedPlan(NamedTuple):
     geometry: _Geometry
     device: torch.device
