@@ -1017,3 +1017,21 @@ def test_attention_names_malformed_descales():
         fp8.attention(dataclasses.replace(z, v_descale=z.v_descale.double(), k_descale=z.k_descale.double()))
     with pytest.raises(TypeError, match="v_descale must be a float32"):
         fp8.attention(dataclasses.replace(z, v_descale=z.v_descale.half()))
+
+
+def test_kernel_descales_on_another_device_than_the_current_one_use_torch(monkeypatch):
+    # The fused launch goes to the current device: descales living on another GPU (a call made
+    # from a different current device) take the torch formula, which follows its tensors.
+    from flashtile.kernels import forward
+    fused = []
+    monkeypatch.setattr(forward, "_INTERPRET", False)
+    monkeypatch.setattr(forward, "_fused_kernel_descales", lambda k, v: fused.append(k) or (k, v))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 1)
+    q_d, k_d, v_d = torch.rand(1, 4, 2), torch.rand(1, 2, 3), torch.rand(1, 2, 3)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    _, k_out, v_out = forward.fp8_kernel_descales(q_d, k_d, v_d)
+    assert not fused and k_out.shape == (1, 2, 4) and torch.allclose(v_out[..., :3] * v_out[..., 3:], v_d)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
+    forward.fp8_kernel_descales(q_d, k_d, v_d)
+    assert fused == [k_d]

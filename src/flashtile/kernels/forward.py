@@ -789,8 +789,10 @@ def fp8_kernel_descales(q_d: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor)
     """The descales as the e4m3 kernels read them: Q's as given; K's and V's relative to V's
     largest (times P_SHIFT), each row followed by that largest (over P_SHIFT: the kernels multiply
     the output by it), both (B, Hk, blocks + 1) in one layout. On a GPU (outside the interpreter)
-    one launch of _kernel_descale_rows, whose values are bit for bit these."""
-    if k_d.is_cuda and not _INTERPRET and k_d.dim() == 3 and v_d.shape == k_d.shape:
+    one launch of _kernel_descale_rows, whose values are bit for bit these (descales on the current
+    device: the launch goes there; torch follows the tensors to another one)."""
+    if (k_d.is_cuda and not _INTERPRET and k_d.dim() == 3 and v_d.shape == k_d.shape
+            and k_d.get_device() == v_d.get_device() == torch._C._cuda_getDevice()):
         return (q_d, *_fused_kernel_descales(k_d, v_d))
     v_max = v_d.amax(-1, keepdim=True) / P_SHIFT
     return (q_d, torch.nn.functional.pad(k_d, (0, 1), value=1.0), torch.cat([v_d / v_max, v_max], -1))
