@@ -312,6 +312,21 @@ def test_p_pack_is_the_default_and_its_alternate_is_named():
     assert not fp8.name.endswith("-prmt")
 
 
+def _assert_same_launch(got, general):
+    """A cached plan's launch (jit, grid, tensors, scalars, options, descriptors) against the general
+    path's: the same kernel, grid, scalars and options object, descriptors of the same geometry over
+    the same inputs, the output's over this call's output (the last pointer)."""
+    jit, grid, tensors, scalars, options, descriptors = got
+    assert (jit, grid, scalars) == general[:2] + general[3:4]
+    assert options is general[4]
+    assert len(descriptors) == len(general[5]) == 4
+    for mine, theirs in zip(descriptors, general[5]):
+        assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
+               (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
+    assert [x.base.data_ptr() for x in descriptors[:3]] == [y.base.data_ptr() for y in general[5][:3]]
+    assert descriptors[3].base is tensors[7]
+
+
 @pytest.mark.parametrize("shape", [
     # (B, Sq, Sk, H, Hk, D, causal, dtype)
     (1, 2048, 2048, 12, 2, 128, True, torch.bfloat16),
@@ -341,16 +356,12 @@ def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatc
     assert len(launches) == 3 and len(gluon_forward._PLAIN) == 1
     plain, cached, general = launches
     for got in (plain, cached):
-        jit, grid, tensors, scalars, options, descriptors = got
-        assert (jit, grid, scalars) == general[:2] + general[3:4]
-        assert options is general[4]
+        _assert_same_launch(got, general)
+        tensors, descriptors = got[2], got[5]
         # the lse stands in for every pointer a plain call does not read; Out (read by packed
         # sequences' last blocks only) is the output
         assert len(tensors) == 8 and all(t.shape == ref_lse.shape for t in tensors[:7])
         assert tensors[7].shape == ref_out.shape
-        for mine, theirs in zip(descriptors, general[5]):
-            assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
-                   (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
         assert [x.base is y for x, y in zip(descriptors[:3], (q, k, v))] == [True] * 3
     assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and out.dtype == dtype
     assert lse.shape == ref_lse.shape and lse.stride() == ref_lse.stride()
@@ -583,15 +594,10 @@ def test_packed_forward_launches_what_gluon_varlen_forward_launches(monkeypatch,
     assert len(launches) == 3 and len(gluon_forward._PACKED) == 1
     *mine, general = launches
     for got in mine:
-        jit, grid, tensors, scalars, options, descriptors = got
-        assert (jit, grid, scalars) == general[:2] + general[3:4]
-        assert options is general[4]
+        _assert_same_launch(got, general)
+        tensors = got[2]
         assert tensors[4] is cu_k and tensors[6] is cu_q and tensors[7].shape == ref_out.shape
         assert all(t.shape == ref_lse.shape for i, t in enumerate(tensors) if i not in (4, 6, 7))
-        for a, b in zip(descriptors, general[5]):
-            assert (tuple(a.shape), tuple(a.strides), a.block_shape, a.layout, a.base.data_ptr()) == \
-                   (tuple(b.shape), tuple(b.strides), b.block_shape, b.layout, b.base.data_ptr()) or \
-                   a.base is tensors[7]  # (the output: a fresh tensor per call)
     assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and out.dtype == dtype
     assert lse.shape == ref_lse.shape and lse.stride() == ref_lse.stride()
     gluon_forward.packed_forward(q, k, v, cu_q, cu_k, 299, max_k, 0.1, causal)
@@ -997,17 +1003,11 @@ def test_fp8_forward_launches_what_gluon_attention_forward_launches(monkeypatch,
     assert len(launches) == 3 and len(gluon_forward._FP8) == 1
     planned, cached, general = launches
     for got in (planned, cached):
-        jit, grid, tensors, scalars, options, descriptors = got
-        assert (jit, grid, scalars) == general[:2] + general[3:4]
-        assert options is general[4]
+        _assert_same_launch(got, general)
+        tensors = got[2]
         assert tensors[1] is q_d and general[2][1] is q_d
         assert torch.equal(tensors[2], general[2][2]) and torch.equal(tensors[3], general[2][3])
         assert tensors[7].shape == ref_out.shape and tensors[0].shape == ref_lse.shape
-        for mine, theirs in zip(descriptors, general[5]):
-            assert (tuple(mine.shape), tuple(mine.strides), mine.block_shape, mine.layout) == \
-                   (tuple(theirs.shape), tuple(theirs.strides), theirs.block_shape, theirs.layout)
-        assert [x.base.data_ptr() for x in descriptors[:3]] == [y.base.data_ptr() for y in general[5][:3]]
-        assert descriptors[3].base is tensors[7]
     assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape and out.stride() == ref_out.stride()
     assert lse.shape == ref_lse.shape and lse.stride() == ref_lse.stride()
     # refused, nothing launched: scale blocks under the key tile, V as given (not keys-contiguous),
