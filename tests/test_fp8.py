@@ -1035,3 +1035,107 @@ def test_kernel_descales_on_another_device_than_the_current_one_use_torch(monkey
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)
     forward.fp8_kernel_descales(q_d, k_d, v_d)
     assert fused == [k_d]
+
+
+def _compiled_equals_eager(fn, *args):
+    """fn under torch.compile(fullgraph=True) gives eager's outputs bit for bit."""
+    torch._dynamo.reset()
+    eager = fn(*args)
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    eager, compiled = (x if isinstance(x, tuple) else (x,) for x in (eager, compiled))
+    assert len(eager) == len(compiled)
+    for e, c in zip(eager, compiled):
+        assert c.dtype == e.dtype and torch.equal(c, e)
+
+
+def test_fp8_calls_compile_with_fullgraph():
+    """flash_attn_func on e4m3 (FlashAttention-3's descales, and without them) and fp8.attention
+    run the registered op under torch.compile(fullgraph=True): Dynamo has no graph break to make
+    (it cannot trace the launch plans), and the compiled call gives eager's output and LSE."""
+    import flashtile
+    q = torch.randn(2, 40, 4, 32)
+    k, v = torch.randn(2, 50, 2, 32), torch.randn(2, 50, 2, 32)
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    d = [torch.rand(2, 2) + 0.5 for _ in range(3)]
+
+    def fa3(q8, k8, v8, qd, kd, vd):
+        return flashtile.flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd,
+                                         v_descale=vd, return_attn_probs=True)[:2]
+
+    _compiled_equals_eager(fa3, q8, k8, v8, *d)
+    _compiled_equals_eager(lambda q8, k8, v8: flashtile.flash_attn_func(q8, k8, v8, window_size=(7, 3)),
+                           q8, k8, v8)
+    z = fp8.quantize_qkv(q, k, v, block=(32, 32), hadamard=False)
+    _compiled_equals_eager(lambda z: fp8.attention(z, causal=True, return_lse=True), z)
+
+    def quantized(q, k, v):  # quantize_qkv inside the compiled region too (its own registered op)
+        z = fp8.quantize_qkv(q, k, v, block=(32, 64), hadamard=True, seed=5)
+        return fp8.attention(z, causal=True, return_lse=True) + (z.k_descale, z.signs)
+
+    _compiled_equals_eager(quantized, q, k, v)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "page-pools"])
+def test_fp8_varlen_compiles_with_fullgraph(paged):
+    import flashtile
+    from test_varlen import paged_copy
+    lens_q, lens_k, heads_k = [5, 17], [9, 30], 2
+    cu_q, cu_k, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, 4, heads_k, 32)
+    q, k, v = tensors
+    table = None
+    if paged:
+        k, v, table = paged_copy(k.float(), v.float(), cu_k, 8)
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+
+    def fn(q, k, v, qd, kd, vd):
+        return flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                block_table=table, q_descale=qd, k_descale=kd, v_descale=vd,
+                                                return_attn_probs=True)[:2]
+
+    _compiled_equals_eager(fn, q, k, v, *descales)
+
+
+def test_fp8_ops_pass_opcheck():
+    from flashtile import ops
+    torch.library.opcheck(ops.quantize_qkv_op, (torch.randn(1, 40, 4, 32), torch.randn(2, 33, 2, 32)[:1],
+                                                torch.randn(1, 33, 2, 32), 32, 16, True, 3),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    x = fp8.quantize_qkv(torch.randn(1, 40, 4, 32), torch.randn(1, 40, 2, 32), torch.randn(1, 40, 2, 32),
+                         block=(64, 64), hadamard=False)
+    torch.library.opcheck(ops.attn_fwd_fp8, (x.q, x.k, x.v, x.q_descale, x.k_descale, x.v_descale, 0.2, -1, 0,
+                                             0, 0.0, None, 64, 64),
+                          # (test_schema multiplies the inputs, which e4m3 tensors do not support on the CPU)
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_fp8_kvcache_compiles_with_fullgraph():
+    """flash_attn_with_kvcache on an e4m3 cache, appending bf16 keys (quantized into the cache and
+    its per-key descales in place), and FlashAttention-3's all-e4m3 call: compiled as eager, the
+    caches and descales mutated alike."""
+    import flashtile
+    batch, slots, heads_k, dim = 2, 64, 2, 32
+    k_cache, v_cache = (torch.randn(batch, slots, heads_k, dim).to(torch.float8_e4m3fn) for _ in range(2))
+    k_d, v_d = torch.rand(batch, slots, heads_k) + 0.5, torch.rand(batch, slots, heads_k) + 0.5
+    q = torch.randn(batch, 1, 4, dim, dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(batch, 1, heads_k, dim, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([30, 50], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k_d, v_d):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                                 k_descale=k_d, v_descale=v_d, causal=True)
+
+    eager_state = [t.clone() for t in (k_cache, v_cache, k_d, v_d)]
+    compiled_state = [t.clone() for t in (k_cache, v_cache, k_d, v_d)]
+    torch._dynamo.reset()
+    eager = step(q, *eager_state)
+    compiled = torch.compile(step, fullgraph=True)(q, *compiled_state)
+    assert torch.equal(compiled, eager)
+    for e, c in zip(eager_state, compiled_state):
+        assert torch.equal(c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c,
+                           e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
+    assert not torch.equal(eager_state[2], k_d)  # the append wrote descales
+
+    q8 = torch.randn(batch, 1, 4, dim).to(torch.float8_e4m3fn)
+    fixed = [torch.rand(batch, heads_k) + 0.5 for _ in range(3)]
+    _compiled_equals_eager(lambda q8, kc, vc, qd, kd, vd: flashtile.flash_attn_with_kvcache(
+        q8, kc, vc, cache_seqlens=lengths, q_descale=qd, k_descale=kd, v_descale=vd), q8, k_cache, v_cache, *fixed)

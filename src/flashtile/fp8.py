@@ -174,6 +174,16 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: tuple
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     block_q, block_k = block
+    if torch.compiler.is_compiling():  # the registered op: Dynamo cannot trace the seeded draw or the launches
+        from .ops import quantize_qkv_op
+        *tensors, signs = quantize_qkv_op(q, k, v, block_q, block_k, hadamard, seed)
+    else:
+        *tensors, signs = _quantize_qkv(q, k, v, block_q, block_k, hadamard, seed)
+    return FP8QKV(*tensors, block_q, block_k, signs if hadamard else None)
+
+
+def _quantize_qkv(q, k, v, block_q: int, block_k: int, hadamard: bool, seed: int):
+    """quantize_qkv on checked inputs: (q8, k8, v8, q_descale, k_descale, v_descale, signs)."""
     signs = random_signs(q.shape[-1], seed, q.device) if hadamard else torch.ones(q.shape[-1], device=q.device)
     fp8 = torch.float8_e4m3fn
     q8, q_descale = _launch(q, signs, block_q, hadamard, True, fp8)
@@ -185,8 +195,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: tuple
     # 4% of that key's value: fuzz-gpu-h200-20261202-seed10-fp8-before.json). In (224, 448] instead
     # of up to 448, the e4m3 values keep their 3 mantissa bits.
     v8, v_descale = _launch(v, signs, block_k, False, True, fp8, keys_contiguous=True, pow2_descale=True)
-    return FP8QKV(q8, k8, v8, q_descale, k_descale, v_descale, block_q, block_k,
-                  signs if hadamard else None)
+    return q8, k8, v8, q_descale, k_descale, v_descale, signs
 
 
 def quantize_per_key(x: torch.Tensor, descale: torch.Tensor | None = None):
@@ -234,7 +243,7 @@ def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = Non
     descales applied in fp32, P and V in e4m3 for the second product; bfloat16 output (B, Sq, H, D)
     and, with ``return_lse``, the LSE (B, H, Sq). Causal and windows align bottom-right as in
     flash_attn_func; GQA/MQA as there. The rotation needs no undoing: it leaves the scores as they were."""
-    from .kernels.forward import attention_forward
+    from . import ops
     q, k, v = x.q, x.k, x.v
     if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
@@ -258,8 +267,6 @@ def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = Non
     if causal:
         right = 0
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = attention_forward(q, k, v, softmax_scale=scale, window_left=left, window_right=right,
-                                 diag_offset=k.shape[1] - q.shape[1], softcap=softcap,
-                                 descales=(x.q_descale, x.k_descale, x.v_descale),
-                                 scale_blocks=(x.block_q, x.block_k))
+    out, lse = ops.fp8_forward(q, k, v, x.q_descale, x.k_descale, x.v_descale, scale, int(left), int(right),
+                               k.shape[1] - q.shape[1], float(softcap), None, x.block_q, x.block_k)
     return (out, lse) if return_lse else out

@@ -181,7 +181,6 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
     page_size, Hk, D); descales per sequence. For per-block scales (and the Hadamard rotation) use
     flashtile.fp8.quantize_qkv and flashtile.fp8.attention."""
-    from .kernels.forward import attention_forward, pick_config
     if packed is None:
         _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
     elif block_table is None:
@@ -231,19 +230,18 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
                              f"{tuple(d.shape)} on {d.device}")
         per_head.append(d)
     group = heads // heads_k
-    # One scale block spanning the whole (longest) sequence: a power of two, so a multiple of every tile.
-    cfg = pick_config(head_dim, q.device, fp8=True)
-    block_q = 1 << max(seqlen_q, cfg.block_m, 1).bit_length()
-    block_k = 1 << max(seqlen_k, cfg.block_n, 1).bit_length()
+    # One scale block spanning the whole (longest) sequence: a power of two of at least 256, so a
+    # multiple of every kernel's tile (the portable kernel's are at most 128, the Gluon one's 256 keys);
+    # no tile lookup, which under torch.compile would trace the device query behind it.
+    block_q = 1 << max(seqlen_q, 128).bit_length()
+    block_k = 1 << max(seqlen_k, 128).bit_length()
     q_d = per_head[0].repeat_interleave(group, dim=1).unsqueeze(-1).contiguous()
     k_d, v_d = (d.unsqueeze(-1).contiguous() for d in per_head[1:])
     scale = _check_scale(softmax_scale, head_dim)
     left, right = _check_window(window_size, causal)
     alibi = _check_alibi(alibi_slopes, batch, heads, q.device)
-    out, lse = attention_forward(q, k, v, softmax_scale=scale, window_left=left, window_right=right,
-                                 diag_offset=seqlen_k - seqlen_q, softcap=_check_softcap(softcap),
-                                 alibi_slopes=alibi, descales=(q_d, k_d, v_d),
-                                 scale_blocks=(block_q, block_k), **varlen)
+    out, lse = ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
+                               _check_softcap(softcap), alibi, block_q, block_k, **varlen)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -164,6 +164,87 @@ class _EagerAttention(torch.autograd.Function):
         return _attn_fwd_backward(ctx, grad_out, grad_lse, backward=_attn_bwd_impl)
 
 
+def fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale: float, window_left: int,
+                window_right: int, diag_offset: int, softcap: float, alibi_slopes, block_q: int,
+                block_k: int, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
+                max_seqlen_k: int = 0, block_table=None):
+    """The e4m3 forward as flash_attn_func / flash_attn_varlen_func (on float8_e4m3fn inputs) and
+    flashtile.fp8.attention call it: (out bfloat16, lse). As ``forward``: eager calls go straight to
+    the launcher; under torch.compile the registered op runs (its Python, the launch plans and the
+    kernels' pointer checks, is not something Dynamo can trace)."""
+    args = (q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left, window_right,
+            diag_offset, softcap, alibi_slopes, block_q, block_k, cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, block_table)
+    if torch.compiler.is_compiling():
+        return attn_fwd_fp8(*args)
+    return _attn_fwd_fp8_impl(*args)
+
+
+def _attn_fwd_fp8_impl(q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left,
+                       window_right, diag_offset, softcap, alibi_slopes, block_q, block_k, cu_seqlens_q,
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):
+    packed = {} if cu_seqlens_q is None else dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, block_table=block_table)
+    return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
+                             window_right=window_right, diag_offset=diag_offset, softcap=softcap,
+                             alibi_slopes=alibi_slopes, descales=(q_descale, k_descale, v_descale),
+                             scale_blocks=(block_q, block_k), **packed)
+
+
+@torch.library.custom_op("flashtile::attn_fwd_fp8", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor,
+                 k_descale: torch.Tensor, v_descale: torch.Tensor, softmax_scale: float,
+                 window_left: int, window_right: int, diag_offset: int, softcap: float,
+                 alibi_slopes: Optional[torch.Tensor], block_q: int, block_k: int,
+                 cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                 max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                 block_table: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 attention forward on validated tensors and kernel-layout descales (one per block_q
+    queries / block_k keys of each batch row and head, or per sequence when packed); returns (out
+    bfloat16, lse float32). Forward only."""
+    return _attn_fwd_fp8_impl(q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left,
+                              window_right, diag_offset, softcap, alibi_slopes, block_q, block_k,
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+
+
+@attn_fwd_fp8.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left, window_right, diag_offset,
+      softcap, alibi_slopes, block_q, block_k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+      max_seqlen_k=0, block_table=None):
+    out = q.new_empty(q.shape, dtype=torch.bfloat16)
+    if cu_seqlens_q is not None:
+        total_q, heads, _ = q.shape
+        return out, q.new_empty(heads, total_q, dtype=torch.float32)
+    batch, seqlen_q, heads, _ = q.shape
+    return out, q.new_empty(batch, heads, seqlen_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtile::quantize_qkv", mutates_args=(), device_types=("cuda", "cpu"))
+def quantize_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int, block_k: int,
+                    hadamard: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flashtile.fp8.quantize_qkv on checked inputs, for torch.compile: (q8, k8, v8, q_descale,
+    k_descale, v_descale, signs), V keys-contiguous as the e4m3 forward reads it, signs all ones
+    without the rotation."""
+    from .fp8 import _quantize_qkv
+    return tuple(_quantize_qkv(q, k, v, block_q, block_k, hadamard, seed))
+
+
+@quantize_qkv_op.register_fake
+def _(q, k, v, block_q, block_k, hadamard, seed):
+    from .kernels.forward import empty_keys_contiguous
+
+    def descales(x, block):
+        batch, seqlen, heads, _ = x.shape
+        return x.new_empty(batch, heads, max(-(-seqlen // block), 1), dtype=torch.float32)
+
+    e4m3 = torch.float8_e4m3fn
+    return (q.new_empty(q.shape, dtype=e4m3), k.new_empty(k.shape, dtype=e4m3),
+            empty_keys_contiguous(v.shape, e4m3, v.device), descales(q, block_q), descales(k, block_k),
+            descales(v, block_k), q.new_empty(q.shape[-1], dtype=torch.float32))
+
+
 def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
             softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
             cache_leftpad=None, k_descale=None, v_descale=None, need_lse: bool = True, q_descale=None,
