@@ -8,10 +8,12 @@ For each shape: host microseconds per call (enqueueing 200 calls without waiting
 rounds), GPU microseconds per call (20 calls in a CUDA graph) and do_bench's median, for
 flash_attn_func (bf16) and fp8.attention on the same inputs quantized once (outside the timed call,
 as bench prefill --dtype fp8 does), the latter also as the code before the cached e4m3 plan ran it
+and with its kernel descales made beforehand (what finding V's largest descale inside the kernel
+could save), and flash_attn_func on e4m3 inputs with FlashAttention-3's (B, Hk) descales
 (host times differ by up to 2x between machine starts: compare within one run); the e4m3 outputs are compared with float64 attention of the
 dequantized inputs first, and fp8.attention's output and LSE through the cached plan against the
-general path's, bit for bit (--check-only: that alone, small shapes). --profile: a cProfile of
-fp8.attention at the first shape. Writes fp8-host.json under --out.
+general path's, bit for bit (--check-only: that alone, small shapes). --profile: cProfiles of
+fp8.attention and of flash_attn_func's e4m3 call at the first shape. Writes fp8-host.json under --out.
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ def before(call):
         return call()
     finally:
         gluon_forward.fp8_forward, forward._fused_kernel_descales = plan, fused
+
+
+def descales_given(call, z: fp8.FP8QKV):
+    """``call()`` with the kernel descales made once beforehand (a lookup instead of their launch):
+    what the call's host time would be with that launch gone, e.g. V's largest descale found inside
+    the attention kernel. The values are the same, so is the output."""
+    from flashtile.kernels import forward
+    made = forward.fp8_kernel_descales(z.q_descale, z.k_descale, z.v_descale)
+    real = forward.fp8_kernel_descales
+    forward.fp8_kernel_descales = lambda q_d, k_d, v_d: made
+    try:
+        return call()
+    finally:
+        forward.fp8_kernel_descales = real
 
 
 def bitwise(shapes) -> bool:
@@ -131,9 +147,14 @@ def main() -> int:
         v = torch.randn_like(k)
         z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(128, dev), hadamard=True)
         err = check(z, causal)
+        q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        fa3 = {n: torch.rand(b, hk, device=dev) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
         calls = {"flash_attn_func bf16": lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
                  "fp8.attention": lambda: fp8.attention(z, causal=causal),
-                 "fp8.attention before": lambda: before(lambda: fp8.attention(z, causal=causal))}
+                 "fp8.attention before": lambda: before(lambda: fp8.attention(z, causal=causal)),
+                 "fp8.attention descales given": lambda: descales_given(lambda: fp8.attention(z, causal=causal), z),
+                 "flash_attn_func e4m3 (FA3 descales)":
+                     lambda: flashtile.flash_attn_func(q8, k8, v8, causal=causal, **fa3)}
         for name, fn in calls.items():
             with torch.no_grad():
                 rec = {"batch": b, "seqlen": s, "heads": h, "heads_k": hk, "causal": causal,
@@ -157,16 +178,22 @@ def main() -> int:
         q = torch.randn(b, s, h, 128, device=dev, dtype=torch.bfloat16)
         k = torch.randn(b, s, hk, 128, device=dev, dtype=torch.bfloat16)
         z = fp8.quantize_qkv(q, k, k, block=fp8.kernel_blocks(128, dev))
-        profile = cProfile.Profile()
-        with torch.no_grad():
-            for _ in range(20):
-                fp8.attention(z, causal=causal)
-            profile.enable()
-            for _ in range(500):
-                fp8.attention(z, causal=causal)
-            profile.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+        d = torch.rand(b, hk, device=dev) + 0.5
+        for name, fn in (("fp8.attention", lambda: fp8.attention(z, causal=causal)),
+                         ("flash_attn_func e4m3", lambda: flashtile.flash_attn_func(
+                             q8, k8, k8, causal=causal, q_descale=d, k_descale=d, v_descale=d))):
+            profile = cProfile.Profile()
+            with torch.no_grad():
+                for _ in range(20):
+                    fn()
+                profile.enable()
+                for _ in range(500):
+                    fn()
+                profile.disable()
+            torch.cuda.synchronize()
+            print(f"--- cProfile of {name}, 500 calls")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
     return 0
 
 

@@ -235,11 +235,20 @@ def _launch_copy_keys(grid, x, out, cu_seqlens, block_table, x_strides, out_stri
     page_args = ((block_table.stride(0), block_table.shape[1], x.shape[1], x.shape[0]) if paged
                  else (0, 0, 1, 1))
     x_strides = (0,) * (4 - len(x_strides)) + tuple(x_strides)  # packed (total, H, D): no batch stride
+    key = (head_dim, packed, paged, transposed)
+    options = _COPY_OPTIONS.get(key)
+    if options is None:  # one dict per constexpr set: ``launch`` keys its cache by the dict's identity
+        options = _COPY_OPTIONS[key] = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                                            BLOCK_K=_COPY_BLOCK_K, PACKED=packed, PAGED=paged,
+                                            TRANSPOSED=transposed)
+    from .launch import launch  # (its direct launch: the JIT's dispatch cost ~40 us of host time a call)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _copy_keys[grid](x, out, cu_seqlens, block_table if paged else cu_seqlens, *x_strides,
-                         *out_strides, seqlen, batch, width, *page_args, HEAD_DIM=head_dim,
-                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_K=_COPY_BLOCK_K, PACKED=packed,
-                         PAGED=paged, TRANSPOSED=transposed)
+        launch(_copy_keys, grid, (x, out, cu_seqlens, block_table if paged else cu_seqlens),
+               (*map(int, x_strides), *map(int, out_strides), int(seqlen), int(batch), int(width),
+                *map(int, page_args)), options)
+
+
+_COPY_OPTIONS: dict = {}
 
 
 @triton.jit
