@@ -1,7 +1,7 @@
 """The FP8 calls under torch.compile on the GPU: flash_attn_func / flash_attn_varlen_func on e4m3
 inputs (FlashAttention-3's descales), flashtile.fp8.quantize_qkv + fp8.attention and
-flash_attn_with_kvcache on e4m3 caches, each compiled with fullgraph=True against the same call
-eager, bit for bit (output and LSE; the caches and descales an append writes), at shapes that take
+flash_attn_with_kvcache on e4m3 caches (and flash_attn_combine, the other op new to torch.compile),
+each compiled with fullgraph=True against the same call eager, bit for bit (output and LSE; the caches and descales an append writes), at shapes that take
 the Gluon e4m3 kernels (d128, d256), the portable one (d64) and the decode kernels. Then one
 function under mode="reduce-overhead" (CUDA graphs through Inductor) replayed on new inputs, and
 do_bench of the compiled and eager calls.
@@ -103,6 +103,16 @@ def kvcache_case(b, slots, h, hk, d, length):
     return fn, (q, *caches, *descales)
 
 
+def combine_case(splits, b, s, h, d):
+    parts = torch.randn(splits, b, s, h, d, device=DEV, dtype=torch.bfloat16)
+    lse = torch.randn(splits, b, h, s, device=DEV) * 3
+    lse[0, 0] = float("-inf")
+
+    def fn(parts, lse):
+        return flashtile.flash_attn_combine(parts, lse, out_dtype=torch.bfloat16)
+    return fn, (parts, lse)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
@@ -112,7 +122,8 @@ def main() -> int:
     if args.smoke:
         return run({"fa3": fa3_case(1, 70, 4, 2, 64, True), "quantized": quantized_case(1, 70, 4, 2, 64, True),
                     "varlen paged": varlen_case([20, 1, 33], 4, 2, 32, 8),
-                    "kvcache": kvcache_case(2, 64, 4, 2, 32, 30)}, "", timing=False)
+                    "kvcache": kvcache_case(2, 64, 4, 2, 32, 30), "combine": combine_case(3, 2, 5, 4, 32)},
+                   "", timing=False)
     cases = {
         "flash_attn_func e4m3 d128 causal B2 4k 16/16": fa3_case(2, 4096, 16, 16, 128, True),
         "flash_attn_func e4m3 d128 full B1 3000 12/2": fa3_case(1, 3000, 12, 2, 128, False),
@@ -123,6 +134,7 @@ def main() -> int:
         "flash_attn_varlen_func e4m3 d128 packed": varlen_case([700, 1, 2048, 33], 16, 4, 128, 0),
         "flash_attn_varlen_func e4m3 d128 pages of 16": varlen_case([700, 1, 2048, 33], 16, 4, 128, 16),
         "flash_attn_with_kvcache e4m3 cache + append B4 32/8 8k": kvcache_case(4, 8192, 32, 8, 128, 5000),
+        "flash_attn_combine (bf16, not FP8) 4 splits B2 Sq 16 32 heads": combine_case(4, 2, 16, 32, 128),
     }
     return run(cases, args.out)
 

@@ -886,6 +886,12 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         raise TypeError(f"lse_partial must be float32, got {lse_partial.dtype}")
     if out_partial.stride(-1) != 1:
         out_partial = out_partial.contiguous()
+    if torch.compiler.is_compiling():  # the registered op (Dynamo cannot trace the launch)
+        if out is not None and tuple(out.shape) != (batch, seqlen, heads, head_dim):
+            raise ValueError(f"out must have shape {(batch, seqlen, heads, head_dim)}, got {tuple(out.shape)}")
+        merged, lse = ops.attn_combine(out_partial, lse_partial,
+                                       out.dtype if out is not None else out_dtype or out_partial.dtype)
+        return (merged, lse) if out is None else (out.copy_(merged), lse)
     if out is None:
         out = torch.empty(batch, seqlen, heads, head_dim, device=out_partial.device,
                           dtype=out_dtype or out_partial.dtype)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .kernels.backward import attention_backward
-from .kernels.decode import decode_attention, out_dtype
+from .kernels.decode import combine, decode_attention, out_dtype
 from .kernels.forward import attention_forward
 
 
@@ -243,6 +243,25 @@ def _(q, k, v, block_q, block_k, hadamard, seed):
     return (q.new_empty(q.shape, dtype=e4m3), k.new_empty(k.shape, dtype=e4m3),
             empty_keys_contiguous(v.shape, e4m3, v.device), descales(q, block_q), descales(k, block_k),
             descales(v, block_k), q.new_empty(q.shape[-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("flashtile::combine", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_combine on checked inputs, for torch.compile: (out (B, Sq, H, D) in ``out_dtype``,
+    lse (B, H, Sq))."""
+    _, batch, seqlen, heads, head_dim = out_partial.shape
+    out = torch.empty(batch, seqlen, heads, head_dim, device=out_partial.device, dtype=out_dtype)
+    lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=out_partial.device)
+    combine(out_partial, lse_partial, out, lse)
+    return out, lse
+
+
+@attn_combine.register_fake
+def _(out_partial, lse_partial, out_dtype):
+    _, batch, seqlen, heads, head_dim = out_partial.shape
+    return (out_partial.new_empty(batch, seqlen, heads, head_dim, dtype=out_dtype),
+            out_partial.new_empty(batch, heads, seqlen, dtype=torch.float32))
 
 
 def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
