@@ -2,9 +2,9 @@
 inputs (FlashAttention-3's descales), flashtile.fp8.quantize_qkv + fp8.attention and
 flash_attn_with_kvcache on e4m3 caches (and flash_attn_combine, the other op new to torch.compile),
 each compiled with fullgraph=True against the same call eager, bit for bit (output and LSE; the
-caches and descales an append writes), at shapes that take the Gluon e4m3 kernels (d128, d256), the portable one (d64) and the decode kernels. Then one
-function under mode="reduce-overhead" (CUDA graphs through Inductor) replayed on new inputs, and
-do_bench of the compiled and eager calls.
+caches and descales an append writes), at shapes that take the Gluon e4m3 kernels (d128, d256),
+the portable one (d64) and the decode kernels. Then one function under mode="reduce-overhead"
+(CUDA graphs through Inductor) replayed on new inputs, and do_bench of the compiled and eager calls.
 
     PYTHONPATH=src python benchmarks/fp8_compile.py [--out DIR]
 
