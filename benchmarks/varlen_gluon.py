@@ -13,8 +13,9 @@ dequantized tensors under the prefill-fp8 rule of fuzz_gpu (_check_e4m3: 2x the 
 kernel's error on that sequence), the ratio to 2x textbook bf16's error reported.
 --check also runs packed sequences on page pools (block_table; pages shuffled, every unused slot
 NaN): the same rules per sequence, the direct call bit for bit the public one and the contiguous
-packed call on the same keys, and page sizes the kernel does not take (not multiples of 16) left
-to the portable kernel. e4m3 page pools (any page size: the keys are gathered into the packed
+packed call on the same keys; page sizes no TMA box fits (not multiples of 16) gathered into packed
+rows first where the queries reuse the keys enough (bit for bit the contiguous packed call), else
+left to the portable kernel. e4m3 page pools (any page size: the keys are gathered into the packed
 layouts first) are held to the e4m3 rule and compared bit for bit with the contiguous e4m3 call.
 --bench: CUDA-graph replays (do_bench median), 32/8 heads, at equal lengths (SDPA flash / cuDNN
 and flash_attn_func on the same problem) and ragged ones: the Gluon varlen call against the
@@ -49,14 +50,21 @@ def offsets(lens):
 
 
 def routes():
-    """Count the calls attention_forward hands to the Gluon varlen kernel."""
+    """Count the calls attention_forward hands to the Gluon varlen kernel: through
+    gluon_varlen_forward, or (plain 16-bit packed calls since f392a57) the cached plan of
+    packed_forward, where it takes the call."""
     count = [0]
-    original = gluon_forward.gluon_varlen_forward
+    original, planned = gluon_forward.gluon_varlen_forward, gluon_forward.packed_forward
 
     def counted(*a, **kw):
         count[0] += 1
         return original(*a, **kw)
-    gluon_forward.gluon_varlen_forward = counted
+
+    def counted_plan(*a, **kw):
+        result = planned(*a, **kw)
+        count[0] += result is not None
+        return result
+    gluon_forward.gluon_varlen_forward, gluon_forward.packed_forward = counted, counted_plan
     return count
 
 
@@ -129,7 +137,9 @@ CASES_PAGED = [  # (head dim, dtype, heads, heads_k, causal, lens_q, lens_k, pag
     (256, torch.float16, 4, 2, False, [100, 1, 257], [3000, 5, 257], 256),
     (128, torch.float16, 8, 8, True, [1024, 1000, 1], [1024, 1000, 2048], 128),
     (64, torch.bfloat16, 8, 2, True, [1, 2, 3, 190, 191, 192, 193], [1, 2, 3, 190, 191, 192, 193], 64),
-    (128, torch.bfloat16, 8, 2, True, [37, 1, 200, 65], [300, 17, 200, 129], 3),  # portable kernel
+    (128, torch.bfloat16, 8, 2, True, [37, 1, 200, 65], [300, 17, 200, 129], 3),  # gathered first
+    (128, torch.bfloat16, 8, 2, True, [1, 1, 2, 1], [300, 17, 200, 129], 3),  # portable: too few queries
+    (64, torch.float16, 4, 1, False, [500, 7, 0, 260], [400, 1, 9, 260], 1),  # gathered first
 ]
 
 
@@ -143,15 +153,23 @@ def check_paged(cases, count) -> int:
         k_pool, v_pool, table = fuzz_gpu._varlen_pools(k, v, lens_k, page, nan_fill=True)
         label = f"paged {page} d{d} {str(dtype)[6:]} {h}/{hk} causal={causal} q{lens_q} k{lens_k}"
         try:
-            gluon = page % 16 == 0
+            # pages no TMA box fits: gathered into packed rows first where that pays, else the portable kernel
+            gathered = page % 16 != 0 and forward._gathering_pays(q, k_pool, table, cu_q, max(lens_k))
+            gluon = page % 16 == 0 or gathered
             before = count[0]
             pub, pub_lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lens_q),
                                                                max(lens_k), causal=causal, return_attn_probs=True,
                                                                block_table=table)
             assert count[0] == before + gluon, f"the public call took the {'portable' if gluon else 'Gluon'} kernel"
             assert not pub.isnan().any(), "NaN in the output"
-            note = "portable kernel (page size not a multiple of 16)"
-            if gluon:
+            note = "portable kernel (page size not a multiple of 16, too few queries to gather)"
+            if gathered:
+                flat, flat_lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                                     causal=causal, return_attn_probs=True)
+                same = torch.equal(flat, pub) and torch.equal(flat_lse, pub_lse)
+                assert same, "the gathered route differs from the contiguous packed call"
+                note = "gathered, bit for bit the contiguous packed call"
+            elif gluon:
                 out = torch.full_like(q, float("nan"))
                 lse = torch.full((h, q.shape[0]), float("nan"), device=DEV)
                 gluon_forward.gluon_varlen_forward(q, k_pool, v_pool, cu_q, cu_k, max(lens_q), max(lens_k),
@@ -400,7 +418,7 @@ def main(argv=None) -> int:
         failures += check8(cases8, count)
         if not args.e4m3_only:
             failures += check16(cases16, count)
-            failures += check_paged([CASES_PAGED[i] for i in (0, 2, 7)] if args.small else CASES_PAGED, count)
+            failures += check_paged([CASES_PAGED[i] for i in (0, 2, 7, 8)] if args.small else CASES_PAGED, count)
         if not (args.small or args.e4m3_only):
             failures += check_backward()
         print(f"check: {failures} failed", flush=True)

@@ -140,6 +140,41 @@ def paged_copy(k, v, cu_k, page_size, spare_pages=3, fill=None):
     return k_pool, v_pool, table
 
 
+@pytest.mark.parametrize("page_size", [1, 3, 7])
+def test_16bit_pools_gather_into_packed_rows_with_zeros_after(page_size):
+    """The gather that brings 16-bit pools of pages no TMA box fits to the Gluon forward (on the
+    H200): sequence b's keys from row cu_seqlens_k[b], read through its shuffled table row, and with
+    ``zeros`` every row past the last sequence zero (the last key tile's P V reads them; the pools'
+    unused slots are NaN here)."""
+    from flashtile.kernels import forward
+    lens = [9, 0, 31, 20]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    k, v = torch.randn(sum(lens), 2, 24, dtype=BF16), torch.randn(sum(lens), 2, 24, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(k, v, cu, page_size, fill=float("nan"))
+    rows = forward._paged_rows(v_pool, table, cu, max(lens), zeros=True)
+    assert rows.shape == (len(lens) * max(lens), 2, 24)
+    assert torch.equal(rows[:sum(lens)], v) and (rows[sum(lens):] == 0).all()
+    assert torch.equal(forward._paged_rows(k_pool, table, cu, max(lens))[:sum(lens)], k)
+
+
+def test_gathering_pays_by_query_reuse(monkeypatch):
+    """Pools are gathered only where the queries (times the GQA group) outnumber the gathered keys
+    by GATHER_QUERY_REUSE, and within _gather_fits's bound."""
+    from flashtile.kernels import forward
+    pool = torch.empty(40, 1, 2, 16, dtype=BF16)
+    table = torch.zeros(4, 10, dtype=torch.int32)  # 4 sequences of up to 10 keys: 40 keys gathered
+    cu_q = torch.zeros(5, dtype=torch.int32)
+    monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 1.0)
+    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 10)  # 10 x 4 >= 40
+    assert not forward._gathering_pays(torch.empty(9, 8, 16, dtype=BF16), pool, table, cu_q, 10)
+    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 0)
+    monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 0.25)
+    assert forward._gathering_pays(torch.empty(3, 8, 16, dtype=BF16), pool, table, cu_q, 10)  # 12 >= 10
+    assert not forward._gathering_pays(torch.empty(2, 8, 16, dtype=BF16), pool, table, cu_q, 10)
+    monkeypatch.setattr(forward, "FP8_GATHER_BYTES", 0)  # copies above the pools' own size: not taken
+    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 1000)
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(10, 5), softcap=4.0)], ids=["causal", "window"])
 def test_paged_kv_matches_contiguous(page_size, kw):

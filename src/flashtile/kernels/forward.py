@@ -205,12 +205,14 @@ def paged_keys_packed(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tenso
 
 
 def _paged_rows(pool: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int) -> torch.Tensor:
-    """paged_keys_packed's rows: (B * L, H, D), sequence b from row cu_seqlens[b]."""
+                max_seqlen: int, zeros: bool = False) -> torch.Tensor:
+    """paged_keys_packed's rows: (B * L, H, D), sequence b from row cu_seqlens[b]; with ``zeros`` the
+    rows past the last sequence are zeros, else left unwritten."""
     batch = cu_seqlens.shape[0] - 1
     heads, head_dim = pool.shape[-2:]
     longest = max(0, min(max_seqlen, block_table.shape[1] * pool.shape[1]))
-    rows = torch.empty(batch * longest, heads, head_dim, dtype=pool.dtype, device=pool.device)
+    rows = (torch.zeros if zeros else torch.empty)(batch * longest, heads, head_dim, dtype=pool.dtype,
+                                                    device=pool.device)
     if batch > 0 and heads > 0 and longest > 0:
         raw, raw_out = _as_bytes(pool), _as_bytes(rows)
         _launch_copy_keys((-(-longest // _COPY_BLOCK_K), heads, batch), raw, raw_out, cu_seqlens,
@@ -1160,7 +1162,16 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
                                           scale_blocks if fp8 else None, block_table):
-        return None
+        if block_table is None or fp8 or not _gathering_pays(q, k, block_table, cu_seqlens_q, max_seqlen_k):
+            return None
+        # 16-bit pools whose pages no TMA box fits (sizes that are no multiple of 16, e.g. SGLang's 1):
+        # the sequences gathered into packed rows first, then the contiguous packed route. V's rows
+        # past the last sequence are zeros: the last key tile reads them (0 x NaN would be NaN).
+        k_gathered = _paged_rows(k, block_table, cu_seqlens_k, max_seqlen_k)
+        v_gathered = _paged_rows(v, block_table, cu_seqlens_k, max_seqlen_k, zeros=True)
+        if not gluon_forward.varlen_supported(q, k_gathered, v_gathered, cu_seqlens_q, cu_seqlens_k, causal):
+            return None
+        k, v, block_table = k_gathered, v_gathered, None
     if out is not None and not (out.is_contiguous() and gluon_forward._tma_ok(out.unsqueeze(0))):
         return None
     if lse is not None and lse.stride(-1) != 1:
@@ -1173,6 +1184,22 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
         scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right))
+
+
+# 16-bit page pools whose pages no TMA box fits are gathered (two copies of B x max_seqlen_k keys)
+# when the query rows, times a GQA group's heads, are at least this share of the gathered keys, and
+# within _gather_fits's bound. H200, 32/8 heads, d128, pages of 1 and 8 (varlen-gather-h200-20261204):
+# the gathered route 1.42-2.61x the portable kernel reading the pages in place, from 4 x 4096 to
+# 256 queries of 8192 keys a sequence (share 0.125: 2.06x); not measured below that, where each key
+# is read by fewer queries (decode-like rows keep the portable kernel).
+GATHER_QUERY_REUSE = 1 / 16
+
+
+def _gathering_pays(q, pool, block_table, cu_seqlens_q, max_seqlen_k) -> bool:
+    if max_seqlen_k <= 0 or not _gather_fits(pool, block_table, max_seqlen_k):
+        return False
+    keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
+    return q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_QUERY_REUSE * keys
 
 
 # e4m3 page pools reach the Gluon kernel through copies of B x max_seqlen_k keys (K rows, V rows and
