@@ -158,8 +158,8 @@ def test_16bit_pools_gather_into_packed_rows_with_zeros_after(page_size):
 
 
 def test_gathering_pays_by_query_reuse(monkeypatch):
-    """Pools are gathered only where the queries (times the GQA group) outnumber the gathered keys
-    by GATHER_QUERY_REUSE, and within _gather_fits's bound."""
+    """Pools are gathered only where the queries (times the GQA group) are GATHER_QUERY_REUSE of the
+    gathered keys or more, and the two copies within GATHER_BYTES."""
     from flashtile.kernels import forward
     pool = torch.empty(40, 1, 2, 16, dtype=BF16)
     table = torch.zeros(4, 10, dtype=torch.int32)  # 4 sequences of up to 10 keys: 40 keys gathered
@@ -171,8 +171,10 @@ def test_gathering_pays_by_query_reuse(monkeypatch):
     monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 0.25)
     assert forward._gathering_pays(torch.empty(3, 8, 16, dtype=BF16), pool, table, cu_q, 10)  # 12 >= 10
     assert not forward._gathering_pays(torch.empty(2, 8, 16, dtype=BF16), pool, table, cu_q, 10)
-    monkeypatch.setattr(forward, "FP8_GATHER_BYTES", 0)  # copies above the pools' own size: not taken
+    monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2 - 1)  # two copies over the bound
     assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 1000)
+    monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2)
+    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 1000)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])

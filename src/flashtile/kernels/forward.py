@@ -1187,18 +1187,21 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 # 16-bit page pools whose pages no TMA box fits are gathered (two copies of B x max_seqlen_k keys)
-# when the query rows, times a GQA group's heads, are at least this share of the gathered keys, and
-# within _gather_fits's bound. H200, 32/8 heads, d128, pages of 1 and 8 (varlen-gather-h200-20261204):
+# when the query rows, times a GQA group's heads, are at least this share of the gathered keys. H200, 32/8 heads, d128, pages of 1 and 8 (varlen-gather-h200-20261204):
 # the gathered route 1.42-2.61x the portable kernel reading the pages in place, from 4 x 4096 to
 # 256 queries of 8192 keys a sequence (share 0.125: 2.06x); not measured below that, where each key
-# is read by fewer queries (decode-like rows keep the portable kernel).
+# is read by fewer queries (decode-like rows keep the portable kernel). The two copies are bounded
+# by GATHER_BYTES, not by the pools' size: a serving engine's pools fill most of the GPU's memory.
 GATHER_QUERY_REUSE = 1 / 16
+GATHER_BYTES = 1 << 30
 
 
 def _gathering_pays(q, pool, block_table, cu_seqlens_q, max_seqlen_k) -> bool:
-    if max_seqlen_k <= 0 or not _gather_fits(pool, block_table, max_seqlen_k):
+    if max_seqlen_k <= 0:
         return False
     keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
+    if 2 * keys * pool.shape[2] * pool.shape[3] * pool.element_size() > GATHER_BYTES:
+        return False
     return q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_QUERY_REUSE * keys
 
 
