@@ -110,7 +110,7 @@ def main() -> int:
             for key in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
                 times[key].append(1e3 * triton.testing.do_bench(graphs[key].replay, return_mode="median"))
         med = {key: round(statistics.median(t), 1) for key, t in times.items()}
-        pays = forward._gathering_pays(q, k_pool, table, cu_q, mk)
+        pays = forward._gathering_pays(q, k_pool, table, mk)
         rec = {"point": name, "page": page, "causal": causal, "lens_q": lens_q, "lens_k": lens_k,
                "us": med, "gathered_over_portable": round(med["portable"] / med["gathered"], 3),
                "gathered_bitwise_contiguous": same, "shipped_rule_gathers": pays}

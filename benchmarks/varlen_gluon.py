@@ -154,7 +154,7 @@ def check_paged(cases, count) -> int:
         label = f"paged {page} d{d} {str(dtype)[6:]} {h}/{hk} causal={causal} q{lens_q} k{lens_k}"
         try:
             # pages no TMA box fits: gathered into packed rows first where that pays, else the portable kernel
-            gathered = page % 16 != 0 and forward._gathering_pays(q, k_pool, table, cu_q, max(lens_k))
+            gathered = page % 16 != 0 and forward._gathering_pays(q, k_pool, table, max(lens_k))
             gluon = page % 16 == 0 or gathered
             before = count[0]
             pub, pub_lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lens_q),

@@ -163,18 +163,17 @@ def test_gathering_pays_by_query_reuse(monkeypatch):
     from flashtile.kernels import forward
     pool = torch.empty(40, 1, 2, 16, dtype=BF16)
     table = torch.zeros(4, 10, dtype=torch.int32)  # 4 sequences of up to 10 keys: 40 keys gathered
-    cu_q = torch.zeros(5, dtype=torch.int32)
     monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 1.0)
-    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 10)  # 10 x 4 >= 40
-    assert not forward._gathering_pays(torch.empty(9, 8, 16, dtype=BF16), pool, table, cu_q, 10)
-    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 0)
+    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 10)  # 10 x 4 >= 40
+    assert not forward._gathering_pays(torch.empty(9, 8, 16, dtype=BF16), pool, table, 10)
+    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 0)
     monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 0.25)
-    assert forward._gathering_pays(torch.empty(3, 8, 16, dtype=BF16), pool, table, cu_q, 10)  # 12 >= 10
-    assert not forward._gathering_pays(torch.empty(2, 8, 16, dtype=BF16), pool, table, cu_q, 10)
+    assert forward._gathering_pays(torch.empty(3, 8, 16, dtype=BF16), pool, table, 10)  # 12 >= 10
+    assert not forward._gathering_pays(torch.empty(2, 8, 16, dtype=BF16), pool, table, 10)
     monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2 - 1)  # two copies over the bound
-    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 1000)
+    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 1000)
     monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2)
-    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, cu_q, 1000)
+    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 1000)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])

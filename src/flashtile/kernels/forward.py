@@ -1162,7 +1162,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
                                           scale_blocks if fp8 else None, block_table):
-        if block_table is None or fp8 or not _gathering_pays(q, k, block_table, cu_seqlens_q, max_seqlen_k):
+        if block_table is None or fp8 or not _gathering_pays(q, k, block_table, max_seqlen_k):
             return None
         # 16-bit pools whose pages no TMA box fits (sizes that are no multiple of 16, e.g. SGLang's 1):
         # the sequences gathered into packed rows first, then the contiguous packed route. V's rows
@@ -1187,16 +1187,17 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 # 16-bit page pools whose pages no TMA box fits are gathered (two copies of B x max_seqlen_k keys)
-# when the query rows, times a GQA group's heads, are at least this share of the gathered keys. H200, 32/8 heads, d128, pages of 1 and 8 (varlen-gather-h200-20261204):
-# the gathered route 1.42-2.61x the portable kernel reading the pages in place, from 4 x 4096 to
-# 256 queries of 8192 keys a sequence (share 0.125: 2.06x); not measured below that, where each key
-# is read by fewer queries (decode-like rows keep the portable kernel). The two copies are bounded
-# by GATHER_BYTES, not by the pools' size: a serving engine's pools fill most of the GPU's memory.
+# when the query rows, times a GQA group's heads, are at least this share of the gathered keys.
+# H200, 32/8 heads, d128, pages of 1 and 8 (varlen-gather-h200-20261204): the gathered route
+# 1.43-2.60x the portable kernel reading the pages in place, from 4 x 4096 to 256 queries of 8192
+# keys a sequence (share 0.125: 2.07x); not measured below that, where each key is read by fewer
+# queries (decode-like rows keep the portable kernel). The two copies are bounded by GATHER_BYTES,
+# not by the pools' size: a serving engine's pools fill most of the GPU's memory.
 GATHER_QUERY_REUSE = 1 / 16
 GATHER_BYTES = 1 << 30
 
 
-def _gathering_pays(q, pool, block_table, cu_seqlens_q, max_seqlen_k) -> bool:
+def _gathering_pays(q, pool, block_table, max_seqlen_k) -> bool:
     if max_seqlen_k <= 0:
         return False
     keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
