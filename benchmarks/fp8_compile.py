@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import triton.testing
@@ -23,7 +24,11 @@ import triton.testing
 import flashtile
 from flashtile import fp8
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fuzz_gpu  # noqa: E402
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+fuzz_gpu.DEV = DEV  # its page pools on this device (the CPU for --smoke)
 E4M3 = torch.float8_e4m3fn
 
 
@@ -62,22 +67,8 @@ def varlen_case(lens, h, hk, d, page_size):
     q = torch.randn(total, h, d, device=DEV).to(E4M3)
     k, v = (torch.randn(total, hk, d, device=DEV) for _ in range(2))
     table = None
-    if page_size:
-        pages = [-(-n // page_size) for n in lens]
-        perm = torch.randperm(sum(pages) + 3, device=DEV)
-        table = torch.zeros(len(lens), max(pages), dtype=torch.int32, device=DEV)
-        k_pool = torch.full((sum(pages) + 3, page_size, hk, d), float("nan"), device=DEV)
-        v_pool = k_pool.clone()
-        at = 0
-        for i, n in enumerate(lens):
-            for p in range(pages[i]):
-                page = perm[at + p]
-                table[i, p] = page
-                rows = slice(cu[i] + p * page_size, cu[i] + min(n, (p + 1) * page_size))
-                width = rows.stop - rows.start
-                k_pool[page, :width], v_pool[page, :width] = k[rows], v[rows]
-            at += pages[i]
-        k, v = k_pool, v_pool
+    if page_size:  # shuffled pages, NaN in every unused slot
+        k, v, table = fuzz_gpu._varlen_pools(k, v, lens, page_size, nan_fill=True)
     k, v = k.to(E4M3), v.to(E4M3)
     ds = [torch.rand(len(lens), hk, device=DEV) + 0.5 for _ in range(3)]
     top = max(lens)
