@@ -4,7 +4,7 @@ forward (flash_attn_func) on the same keys.
 
     PYTHONPATH=src python benchmarks/chunked_prefill.py --out $OUT [--points 'B,H,Hk,ctx,Sq;...']
         [--configs 'block_n,warps,stages[,waves[,pdl[,min split keys]]];...'] [--check-only]
-        [--small]
+        [--small] [--pages 'p,...'] [--only 'provider,...']
 
 Each point: a contiguous bf16 cache of ``ctx`` keys per sequence (all filled, the chunk's own keys
 included, as after the append), q (B, Sq, H, 128). The check covers the first KV head's query heads
@@ -15,8 +15,12 @@ turned off (decode.PREFILL_MIN_QUERIES raised), i.e. the decode kernel's default
 "route-forced" the call with the route taken whatever the query and work-tile counts, "paged-256"
 and "paged-16" the same cache as shuffled pools of 256- and 16-key pages, "paged-16-ordered" the
 cache itself read as a pool of 16-key pages in order (the same bytes as the contiguous call, through
-the paged boxes), "paged-16-decode-kernel" the shuffled 16-key pool with the route turned off; "sdpa-flash"/"sdpa-cudnn" SDPA's backends on the same tensors
-(bottom-right causal mask, enable_gqa) as anchors.
+the paged boxes), "paged-16-decode-kernel" the shuffled 16-key pool with the route turned off;
+``--pages`` picks the pools (default 256,16): "paged-P" for each, and for sizes no TMA box fits
+(no multiple of 16, read through a contiguous copy where the queries pay for it:
+decode.prefill_gathers) also "paged-P-decode-kernel" (the route off) and "paged-P-gather-forced"
+(the copy whatever the query rows); "sdpa-flash"/"sdpa-cudnn" SDPA's backends on the same tensors
+(bottom-right causal mask, enable_gqa) as anchors. ``--only`` times these providers alone.
 
 First, correctness of the route (``check_route``, every case against float64 attention per
 sequence within the accuracy rule): caches longer than the sequences with NaN in every slot past
@@ -147,7 +151,12 @@ PAGED_CHECKS = (
     (2, 16, 4, 128, 60, 32, (1, 1500), 150, False, "bf16", True, True),  # boxes of 32 keys
     (2, 8, 8, 64, 12, 192, (500, 2000), 130, True, "fp16", True, True),  # 64-key boxes, 1.5-tile pages
     (2, 8, 2, 64, 30, 96, (17, 2700), 256, False, "bf16", False, True),  # 32-key boxes
-    (2, 16, 4, 128, 200, 8, (100, 1000), 200, True, "bf16", True, False),  # the decode kernel
+    (2, 16, 4, 128, 200, 8, (100, 1000), 256, True, "bf16", True, True),  # gathered (8-key pages)
+    (2, 16, 4, 128, 200, 8, (100, 1000), 255, True, "bf16", True, False),  # 1020 rows: the decode kernel
+    (2, 16, 4, 128, 1300, 1, (100, 1000), 256, True, "bf16", True, True),  # gathered (1-key pages)
+    (3, 8, 2, 64, 450, 3, (0, 1000, 17), 256, False, "fp16", True, True),  # gathered (3-key pages)
+    (2, 16, 2, 256, 300, 5, (640, 1300), 130, True, "bf16", False, True),  # gathered (5-key pages)
+    (1, 8, 8, 128, 16000, 1, (15000,), 128, True, "bf16", True, False),  # the decode kernel (no reuse)
 )
 SMALL_PAGED_CHECKS = (
     (2, 4, 2, 128, 6, 128, (100, 0), 130, True, "bf16", True, True),
@@ -155,6 +164,7 @@ SMALL_PAGED_CHECKS = (
     (2, 4, 1, 256, 6, 64, (3, 200), 128, False, "bf16", False, True),
     (2, 4, 2, 128, 12, 64, (100, 250), 130, True, "bf16", True, True),
     (2, 4, 2, 64, 20, 32, (3, 400), 128, False, "bf16", True, True),
+    (2, 8, 1, 128, 400, 1, (100, 250), 130, True, "bf16", True, True),  # gathered (1040 rows)
 )
 
 
@@ -289,7 +299,8 @@ def _check_route(device, small: bool) -> list:
         k_new = torch.randn(batch, seqlen_q, heads_k, d, device=device, dtype=dtype) if append else None
         v_new = torch.randn_like(k_new) if append else None
         after = lengths + seqlen_q if append else lengths
-        plan = dec.describe_plan(q, k_pool, v_pool, block_table=table, causal=causal)["kernel"]
+        described = dec.describe_plan(q, k_pool, v_pool, block_table=table, causal=causal)
+        plan = described["kernel"] + ("-gathered" if described["gathered"] else "")
         out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lengths,
                                                      block_table=table, causal=causal,
                                                      return_softmax_lse=True)
@@ -301,7 +312,7 @@ def _check_route(device, small: bool) -> list:
                          for b, n in enumerate(after.tolist()))
                      and bool(torch.isnan(k_pool[~owned]).all() and torch.isnan(v_pool[~owned]).all()))
         worst = _reference_check(out, lse, q, k_seq, v_seq, after.tolist(), causal)
-        route_ok = (plan == "gluon-prefill") == routed
+        route_ok = plan.startswith("gluon-prefill") == routed and described["gathered"] == (routed and page % 16 != 0)
         records.append({"case": list(case), "paged": True, "route": plan, "err_over_budget": worst,
                         "slack_untouched": slack_nan, "ok": route_ok})
         print(f"check paged {case}: route {plan}, error/budget {worst:.3f}, slack untouched {slack_nan}",
@@ -366,11 +377,16 @@ def main():
     parser.add_argument("--configs", default="")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--pages", default="256,16", help="page sizes of the paged providers")
+    parser.add_argument("--no-check", action="store_true", help="time only (the route checks ran before)")
+    parser.add_argument("--only", default="", help="comma-separated providers to time (kvcache always)")
     args = parser.parse_args()
+    pages = [int(x) for x in args.pages.split(",") if x]
+    only = {x for x in args.only.split(",") if x}
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
     device = torch.device("cuda")
     torch.manual_seed(1)
-    checks = check_route(device, args.small)
+    checks = check_route(device, args.small) if not args.no_check else []
     failed = [c for c in checks if c.get("err_over_budget", 0) > 1 or c.get("slack_untouched") is False
               or c.get("ok") is False or (c.get("bitwise_equal") and not all(c["bitwise_equal"]))]
     print(f"route checks: {len(checks) - len(failed)} of {len(checks)} passed", flush=True)
@@ -406,31 +422,45 @@ def main():
                 return kvcache()
             finally:
                 dec.PREFILL_MIN_QUERIES, dec.PREFILL_MIN_TILES_PER_SM = saved
-        pools = {page: page_pools(k, v, page, spare=0) for page in (256, 16)}
-        pools["16-ordered"] = (k.view(-1, 16, heads_k, 128), v.view(-1, 16, heads_k, 128),
-                               torch.arange(batch * ctx // 16, device=device, dtype=torch.int32
-                                            ).view(batch, -1))
+        pools = {page: page_pools(k, v, page, spare=0) for page in pages}
+        if 16 in pages:
+            pools["16-ordered"] = (k.view(-1, 16, heads_k, 128), v.view(-1, 16, heads_k, 128),
+                                   torch.arange(batch * ctx // 16, device=device, dtype=torch.int32
+                                                ).view(batch, -1))
 
-        def paged(page):
+        def paged(page, min_queries=None, gather_rows=None):
+            """The paged call, with decode.PREFILL_MIN_QUERIES / PREFILL_GATHER_MIN_ROWS overridden
+            while it runs (and is captured)."""
             k_pool, v_pool, table = pools[page]
-            return lambda: flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
+
+            def call():
+                saved = dec.PREFILL_MIN_QUERIES, dec.PREFILL_GATHER_MIN_ROWS
+                if min_queries is not None:
+                    dec.PREFILL_MIN_QUERIES = min_queries
+                if gather_rows is not None:
+                    dec.PREFILL_GATHER_MIN_ROWS = gather_rows
+                try:
+                    return flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
                                                              block_table=table, causal=True)
+                finally:
+                    dec.PREFILL_MIN_QUERIES, dec.PREFILL_GATHER_MIN_ROWS = saved
+            return call
         record["route"] = dec.describe_plan(q, k, v, causal=True)["kernel"]
         for page, (k_pool, v_pool, table) in pools.items():
-            record[f"route_paged-{page}"] = dec.describe_plan(q, k_pool, v_pool, block_table=table,
-                                                               causal=True)["kernel"]
-        def paged_decode():
-            saved, dec.PREFILL_MIN_QUERIES = dec.PREFILL_MIN_QUERIES, 1 << 30
-            try:
-                return paged(16)()
-            finally:
-                dec.PREFILL_MIN_QUERIES = saved
+            described = dec.describe_plan(q, k_pool, v_pool, block_table=table, causal=True)
+            record[f"route_paged-{page}"] = described["kernel"] + ("-gathered" if described["gathered"] else "")
         providers = [("kvcache", kvcache), ("prefill", prefill), ("decode-kernel", kvcache_decode),
-                     ("route-forced", kvcache_route), ("paged-256", paged(256)), ("paged-16", paged(16)),
-                     ("paged-16-ordered", paged("16-ordered")),
-                     ("paged-16-decode-kernel", paged_decode),
-                     ("sdpa-flash", sdpa_call(q, k, v, True, "FLASH_ATTENTION")),
-                     ("sdpa-cudnn", sdpa_call(q, k, v, True, "CUDNN_ATTENTION"))]
+                     ("route-forced", kvcache_route)]
+        for page in pools:
+            providers.append((f"paged-{page}", paged(page)))
+            if page == 16 or (isinstance(page, int) and page % 16):
+                providers.append((f"paged-{page}-decode-kernel", paged(page, min_queries=1 << 30)))
+            if isinstance(page, int) and page % 16:
+                providers.append((f"paged-{page}-gather-forced", paged(page, gather_rows=0)))
+        providers += [("sdpa-flash", sdpa_call(q, k, v, True, "FLASH_ATTENTION")),
+                      ("sdpa-cudnn", sdpa_call(q, k, v, True, "CUDNN_ATTENTION"))]
+        if only:
+            providers = [(name, fn) for name, fn in providers if name in only or name == "kvcache"]
         providers += [(f"kvcache {config_name(c)}", forced(lambda layer: kvcache(), False,
                                                            decode_config=triton_config(*c)))
                       for c in configs]
@@ -450,6 +480,8 @@ def main():
         records.append(record)
 
         def cell(name):
+            if f"{name}_us" not in record:
+                return f"{'-':>11s} {'':>8s}"
             if f"{name}_error" in record:
                 return f"{'error':>11s} {'':>8s}"
             return f"{record[name + '_us']:11.1f} {record[name + '_tflops']:8.1f}"
@@ -457,9 +489,10 @@ def main():
                  if "kvcache_us" in record and "prefill_us" in record else float("nan"))
         print(f"B{batch} {heads}/{heads_k} ctx{ctx} Sq{seqlen_q:<6d} {cell('kvcache')} "
               f"{record.get('kvcache_check', math.nan):6.3f} {cell('prefill')} {ratio:15.3f}", flush=True)
-        for name, _ in providers[2:]:
-            if name in ("decode-kernel", "route-forced", "paged-256", "paged-16", "paged-16-ordered",
-                        "paged-16-decode-kernel", "sdpa-flash", "sdpa-cudnn") and f"{name}_us" in record:
+        for name, _ in providers:
+            if name in ("kvcache", "prefill"):
+                continue
+            if not name.startswith("kvcache ") and f"{name}_us" in record:
                 route = record.get(f"route_{name}", record["route"])
                 print(f"  (route {route}) {name} {record[name + '_us']:9.1f} us "
                       f"{record[name + '_tflops']:6.1f} TFLOP/s check {record[name + '_check']:.3f}",

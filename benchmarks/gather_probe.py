@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         def first_pass(extra):
             out = torch.empty(8, 128, width, dtype=torch.uint8, device="cuda")
             forward._launch_copy_keys((-(-(mx + extra) // 128), 8, batch), raw, out, cu, None, raw.stride(),
-                                      (0, out.stride(0), out.stride(1)), total, batch, width, 128, packed=True)
+                                      (0, 1, out.stride(0), out.stride(1)), total, batch, width, 128, packed=True)
             return out
         nbytes = 2 * k.numel()  # one tensor read and written
         calls = {("contiguous V^T pack", 1): lambda: forward.packed_keys_transposed(v, cu, mx),

@@ -753,13 +753,16 @@ def test_varlen_launch_gathers_e4m3_page_pools(monkeypatch, d, causal, page):
 
 def test_e4m3_pool_gather_stays_within_its_memory_bound(monkeypatch):
     """e4m3 page pools go to the Gluon kernel through copies of B x max_seqlen_k keys (K rows, V
-    rows, V^T): only while those stay within the two pools' size or FP8_GATHER_BYTES."""
+    rows, V^T): only while those stay within FP8_GATHER_BYTES, however large the pools are (a
+    serving engine's fill most of the GPU)."""
     from flashtile.kernels import forward as fwd
     pool = torch.empty(64, 16, 2, 128, dtype=torch.float8_e4m3fn)  # 1,024 slots, 256 KiB a pool
     table = torch.zeros(4, 64, dtype=torch.int32)
-    monkeypatch.setattr(fwd, "FP8_GATHER_BYTES", 0)
-    assert fwd._gather_fits(pool, table, 170)  # 3 copies of 4 x 170 keys: under the two pools' 512 KiB
+    monkeypatch.setattr(fwd, "FP8_GATHER_BYTES", 3 * 4 * 170 * 256)  # 3 copies of 4 x 170 keys
+    assert fwd._gather_fits(pool, table, 170)
     assert not fwd._gather_fits(pool, table, 171)
+    monkeypatch.setattr(fwd, "FP8_GATHER_BYTES", 0)
+    assert not fwd._gather_fits(pool, table, 1)  # no allowance for the pools' own size
     monkeypatch.setattr(fwd, "FP8_GATHER_BYTES", 1 << 30)
     assert fwd._gather_fits(pool, table, 1024)
 

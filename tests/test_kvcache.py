@@ -704,6 +704,120 @@ def test_chunked_prefill_route_runs_the_forward_on_the_cache_lengths(prefill_rou
     assert kw["seqused_k"].dtype == torch.int32 and kw["seqused_k"].tolist() == [700, 3]
 
 
+def _shuffled_pool(batch, pages, page_size, heads_k, head_dim, dtype=F16):
+    """A pool of batch x pages pages in shuffled order plus two spare pages, NaN everywhere, and
+    its (batch, pages) table."""
+    order = torch.randperm(batch * pages + 2)
+    table = order[:batch * pages].view(batch, pages).to(torch.int32)
+    pool = torch.full((batch * pages + 2, page_size, heads_k, head_dim), math.nan, dtype=dtype)
+    return pool, table
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 7])
+def test_page_pools_gather_into_a_contiguous_cache(page_size):
+    """forward.gathered_cache, the copy that brings pools of pages no TMA box fits to the prefill
+    forward: sequence b's first lengths[b] keys (clamped to its table's capacity) through its
+    shuffled table row into row b of a (B, capacity, Hk, D) cache; nothing of a page past the
+    length is read into it (the pools hold NaN there)."""
+    from flashtile.kernels import forward
+    pages = 6
+    k_pool, table = _shuffled_pool(4, pages, page_size, 2, 24, BF16)
+    capacity = pages * page_size
+    lengths = [capacity - 1, 0, 5, capacity + 9]  # the last one clamped to the capacity
+    keys = [torch.randn(min(n, capacity), 2, 24, dtype=BF16) for n in lengths]
+    for b, rows in enumerate(keys):
+        for t in range(rows.shape[0]):
+            k_pool[table[b, t // page_size], t % page_size] = rows[t]
+    got = forward.gathered_cache(k_pool, table, torch.tensor(lengths, dtype=torch.int32))
+    assert got.shape == (4, capacity, 2, 24) and got.dtype == BF16
+    for b, rows in enumerate(keys):
+        assert torch.equal(got[b, :rows.shape[0]], rows)
+    # table entries past a sequence's pages may hold anything: clamped into the pool, never read
+    table[2, -(-5 // page_size):] = 10 ** 6
+    got = forward.gathered_cache(k_pool, table, torch.tensor(lengths, dtype=torch.int32))
+    assert torch.equal(got[2, :5], keys[2])
+
+
+@pytest.fixture
+def gather_route(prefill_route, monkeypatch):
+    """prefill_route, with gluon_forward.paged_supported answering yes (the sm_90 check)."""
+    from flashtile.kernels import gluon_forward
+    dec, asked = prefill_route
+    monkeypatch.setattr(gluon_forward, "paged_supported", lambda *args, **kw: True)
+    return dec, asked
+
+
+@pytest.mark.parametrize("page_size, seqlen_q, pages, gathered", [
+    (1, 512, 4096, True),  # 512 positions x group 4: 2048 rows a KV head
+    (3, 512, 1366, True),
+    (1, 512, 40000, True),  # the rows pay whatever the keys (the copy grows with them as the work)
+    (8, 256, 64, True),  # 1024 rows
+    (8, 255, 64, False),
+    (1, 128, 4096, False),  # 512 rows: the copy would cost more than the decode kernel loses
+])
+def test_chunked_prefill_gathers_pools_no_box_fits(gather_route, page_size, seqlen_q, pages, gathered):
+    """Page pools of a size no TMA box fits (no multiple of 16) reach the prefill forward through a
+    contiguous copy from PREFILL_GATHER_MIN_ROWS query rows a KV head; the plan is then asked
+    about that copy at run time, not about the pools."""
+    dec, asked = gather_route
+    q = torch.randn(4, seqlen_q, 32, 64, dtype=F16)
+    pool = torch.empty(4 * pages, page_size, 8, 64, dtype=F16)
+    table = torch.arange(4 * pages, dtype=torch.int32).view(4, pages)
+    assert dec.prefill_wanted(q, pool, pool, **_route_args(block_table=table)) is gathered
+    assert dec.prefill_gathers(q, pool, pool, table) is gathered
+    assert asked == []
+    # pages of a multiple of 16 keys are read in place, as before
+    pool16 = torch.empty(64, 16, 8, 64, dtype=F16)
+    table16 = torch.arange(64, dtype=torch.int32).view(4, 16)
+    assert dec.prefill_wanted(q, pool16, pool16, **_route_args(block_table=table16)) is True
+    assert not dec.prefill_gathers(q, pool16, pool16, table16) and asked[-1][5] is table16
+
+
+def test_chunked_prefill_gather_is_bounded_in_bytes(gather_route, monkeypatch):
+    from flashtile.kernels import forward
+    dec, _ = gather_route
+    q = torch.randn(2, 512, 32, 64, dtype=F16)
+    pool = torch.empty(2 * 1000, 1, 8, 64, dtype=F16)
+    table = torch.arange(2000, dtype=torch.int32).view(2, 1000)
+    copies = 2 * 2 * 1000 * 8 * 64 * 2  # K and V, B x capacity keys
+    monkeypatch.setattr(forward, "GATHER_BYTES", copies)
+    assert dec.prefill_gathers(q, pool, pool, table)
+    monkeypatch.setattr(forward, "GATHER_BYTES", copies - 1)
+    assert not dec.prefill_gathers(q, pool, pool, table)
+    assert not dec.prefill_wanted(q, pool, pool, **_route_args(block_table=table))
+
+
+def test_chunked_prefill_gather_runs_the_forward_on_the_copy(gather_route, monkeypatch):
+    """run_decode on a gathered route: the forward gets contiguous K and V holding each sequence's
+    keys up to its length (the pools' NaN past them not read), the lengths, and no table."""
+    from flashtile.kernels import gluon_forward
+    dec, _ = gather_route
+    calls = []
+    monkeypatch.setattr(gluon_forward, "plain_forward",
+                        lambda *args, **kw: calls.append((args, kw)) or ("out", "lse"))
+    page_size, pages = 3, 200
+    k_pool, table = _shuffled_pool(2, pages, page_size, 4, 64)
+    v_pool = k_pool.clone()
+    lengths = [599, 250]
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            k_pool[table[b, t // page_size], t % page_size] = torch.randn(4, 64, dtype=F16)
+            v_pool[table[b, t // page_size], t % page_size] = torch.randn(4, 64, dtype=F16)
+    q = torch.randn(2, 512, 16, 64, dtype=F16)
+    plan = dec.describe_plan(q, k_pool, v_pool, block_table=table)
+    assert plan["kernel"] == "gluon-prefill" and plan["gathered"]
+    assert dec.decode_attention(q, k_pool, v_pool, torch.tensor(lengths), softmax_scale=0.3, window_left=-1,
+                                window_right=0, block_table=table) == ("out", "lse")
+    (args, kw), = calls
+    assert args[0] is q and args[3:] == (0.3, True) and kw["block_table"] is None
+    assert kw["seqused_k"].tolist() == lengths
+    for cache, pool in zip(args[1:3], (k_pool, v_pool)):
+        assert cache.shape == (2, pages * page_size, 4, 64)
+        for b, n in enumerate(lengths):
+            want = pool[table[b].long()].reshape(-1, 4, 64)[:n]
+            assert torch.equal(cache[b, :n], want)
+
+
 @pytest.mark.parametrize("batch, seqlen_q, heads, seqlen_k, wanted", [
     (1, 128, 32, 2048, True),  # 32 work tiles on 132 SMs
     (1, 256, 12, 65536, True),

@@ -1272,11 +1272,12 @@ def describe_plan(q, k_cache, v_cache, block_table=None, causal: bool = True,
                   in_graph: bool = True) -> dict:
     """The kernel and split count a default flash_attn_with_kvcache call on these tensors gets (for
     reports; ``in_graph``: as captured in a CUDA graph, where short caches keep their splits):
-    {"kernel": "gluon-prefill", "gluon-tma" or "triton", "num_splits": n}."""
+    {"kernel": "gluon-prefill", "gluon-tma" or "triton", "num_splits": n, "gathered": whether the
+    prefill forward reads a contiguous copy of the page pools}."""
     p = prepare_decode(q, k_cache, v_cache, softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
                        window_right=0 if causal else -1, block_table=block_table, in_graph=in_graph)
     kernel = "gluon-prefill" if p.prefill is not None else "gluon-tma" if p.gluon is not None else "triton"
-    return {"kernel": kernel, "num_splits": p.splits}
+    return {"kernel": kernel, "num_splits": p.splits, "gathered": p.prefill is not None and p.prefill[2]}
 
 
 # Query positions from which a call on a contiguous 16-bit cache may run the Gluon prefill forward
@@ -1297,9 +1298,11 @@ def prefill_wanted(q, k_cache, v_cache, *, causal: bool, window_left: int, windo
     """Whether a flash_attn_with_kvcache call is chunked prefill the Gluon forward takes: at least
     PREFILL_MIN_QUERIES query positions, a contiguous cache of one row per sequence, rows picked by
     ``cache_batch_idx`` (read as one-page tables: ``prefill_table``) or page pools, with rows or
-    pages of a multiple of 16 keys (``gluon_forward.paged_supported``), in q's 16-bit dtype, causal or full attention without softcap or ALiBi, no
-    forced split count or plan, on an sm_90 GPU (the answer cached by the tensors' geometry, as the
-    plain forward's plan), and work tiles for at least half the SMs."""
+    pages of a multiple of 16 keys (``gluon_forward.paged_supported``) or of other sizes gathered
+    into a contiguous cache first (``prefill_gathers``), in q's 16-bit dtype, causal or full
+    attention without softcap or ALiBi, no forced split count or plan, on an sm_90 GPU (the answer
+    cached by the tensors' geometry, as the plain forward's plan), and work tiles for at least half
+    the SMs."""
     if (q.shape[1] < PREFILL_MIN_QUERIES or config is not None or num_splits > 1
             or cache_leftpad is not None
             or alibi_slopes is not None or softcap > 0 or window_left >= 0
@@ -1311,8 +1314,35 @@ def prefill_wanted(q, k_cache, v_cache, *, causal: bool, window_left: int, windo
     from . import gluon_forward
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
         return False
+    if block_table is not None and k_cache.shape[1] % min(gluon_forward.PAGED_BOX_ROWS):
+        return prefill_gathers(q, k_cache, v_cache, block_table)
     return gluon_forward.plain_plan(q, k_cache, v_cache, causal, True,
                                     prefill_table(block_table, cache_batch_idx)) is not None
+
+
+# Query rows a KV head (positions x GQA group) from which chunked prefill on page pools that no TMA
+# box fits runs the prefill forward on a contiguous copy of the pools rather than the decode kernel
+# on the pages. The copy's share of the forward's time goes as 1 / rows (both grow with the keys);
+# H200, 32/8 and 12/2 heads, d128, pages of 1 and 8 (chunked-prefill-h200-20261204-gather): ~20% at
+# 1536 rows, ~60% at 512, while the decode kernel took 1.5-1.65x the forward's time on the
+# contiguous cache: the copy and forward 1.30-1.54x the decode kernel at 1536-4096 rows (8k-64k
+# keys), 0.95x at 512 (B8, 2k keys).
+PREFILL_GATHER_MIN_ROWS = 1024
+
+
+def prefill_gathers(q, k_cache, v_cache, block_table) -> bool:
+    """Whether a chunked-prefill call on page pools whose pages no TMA box fits (16-bit, pages of
+    no multiple of 16 keys, e.g. SGLang's 1) runs the prefill forward on a contiguous copy of its
+    sequences (``forward.gathered_cache``, the table's whole capacity a sequence): from
+    PREFILL_GATHER_MIN_ROWS query rows a KV head, with K and V copies within forward.GATHER_BYTES."""
+    from . import gluon_forward
+    from .forward import gather_fits
+    if (block_table is None or k_cache.shape[1] % min(gluon_forward.PAGED_BOX_ROWS) == 0
+            or not gluon_forward.paged_supported(q, k_cache, v_cache, block_table, any_page_size=True)):
+        return False
+    batch, seqlen_q, heads, _ = q.shape
+    return (seqlen_q * (heads // k_cache.shape[2]) >= PREFILL_GATHER_MIN_ROWS
+            and gather_fits(k_cache, batch * block_table.shape[1] * k_cache.shape[1]))
 
 
 def prefill_table(block_table, cache_batch_idx):
@@ -1345,7 +1375,9 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     dtype: torch.dtype
     device: torch.device
     gluon: tuple | None = None  # (variant, softmax_scale, causal) of the Gluon kernel, or None
-    prefill: tuple | None = None  # (softmax_scale, causal) of the Gluon prefill forward, or None
+    # (softmax_scale, causal, gather) of the Gluon prefill forward (gather: on prefill_gathers's
+    # contiguous copy of the pools), or None
+    prefill: tuple | None = None
     # stream-K (_attn_decode's STREAM): _combine_stream's scalars (its tensors are the call's),
     # else None; ``splits`` counts the programs then, partials (programs + B x Hk, Sq, H, D)
     stream: tuple | None = None
@@ -1392,7 +1424,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             config=config):
         return PreparedDecode(1, False, None, None, (), (batch, seqlen_q, heads, head_dim),
                               (batch, heads, seqlen_q), (1,), q.dtype, device, None,
-                              (softmax_scale, causal))
+                              (softmax_scale, causal, prefill_gathers(q, k_cache, v_cache, block_table)))
     fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
                 and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache,
@@ -1477,10 +1509,15 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
     (the caller's guarantee). Returns (out, lse or None)."""
     if p.prefill is not None:
         from .gluon_forward import gluon_attention_forward, plain_forward
-        softmax_scale, causal = p.prefill
+        softmax_scale, causal, gather = p.prefill
         if cache_seqlens.dtype != torch.int32:
             cache_seqlens = cache_seqlens.to(torch.int32)
         table = prefill_table(block_table, cache_batch_idx)
+        if gather:
+            from .forward import gathered_cache
+            k_cache = gathered_cache(k_cache, block_table, cache_seqlens)
+            v_cache = gathered_cache(v_cache, block_table, cache_seqlens)
+            table = None
         result = plain_forward(q, k_cache, v_cache, softmax_scale, causal, seqused_k=cache_seqlens,
                                block_table=table)
         if result is None:  # inputs on another than the current device: the general path

@@ -150,8 +150,7 @@ def keys_contiguous(x: torch.Tensor) -> torch.Tensor:
         return out.copy_(x)
     raw, raw_out = _as_bytes(x), _as_bytes(out)
     _launch_copy_keys((-(-seqlen // _COPY_BLOCK_K), heads, batch), raw, raw_out, raw, None, raw.stride(),
-                      (raw_out.stride(0), raw_out.stride(2), raw_out.stride(3)), seqlen, batch, 0,
-                      head_dim, packed=False)
+                      raw_out.stride(), seqlen, batch, 0, head_dim, packed=False)
     return out
 
 
@@ -176,7 +175,7 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
     # a sequence's programs also zero the gap after it: up to 31 columns (47 after the last)
     grid = (-(-(longest + 48) // _COPY_BLOCK_K), heads, batch)
     _launch_copy_keys(grid, raw, raw_out, cu_seqlens, None, raw.stride(),
-                      (0, raw_out.stride(0), raw_out.stride(1)), total, batch, width, head_dim, packed=True)
+                      (0, 1, raw_out.stride(0), raw_out.stride(1)), total, batch, width, head_dim, packed=True)
     # x may hold rows past the last sequence (flash_attn_varlen_func allows k past cu_seqlens_k[-1];
     # paged_keys_packed's rows are laid out for B x L keys): a second launch zeros PACKED_TAIL columns
     # after it (a widened first grid with clamped spans was 7x slower: gather-probe-h200-20261202-c).
@@ -216,9 +215,26 @@ def _paged_rows(pool: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch
     if batch > 0 and heads > 0 and longest > 0:
         raw, raw_out = _as_bytes(pool), _as_bytes(rows)
         _launch_copy_keys((-(-longest // _COPY_BLOCK_K), heads, batch), raw, raw_out, cu_seqlens,
-                          block_table, raw.stride(), raw_out.stride(), 0, batch, rows.shape[0], head_dim,
+                          block_table, raw.stride(), (0, *raw_out.stride()), 0, batch, rows.shape[0], head_dim,
                           packed=True, transposed=False)
     return rows
+
+
+def gathered_cache(pool: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sequences on a page pool (num_pages, page_size, H, D) gathered through ``block_table``
+    (B, max_pages) int32 into a (B, max_pages * page_size, H, D) cache: sequence b's first
+    lengths[b] keys ((B,) int32, read on the device and clamped to the table row's capacity) from
+    row 0; the rows past them are left unwritten. Table entries are clamped into the pool."""
+    batch, pages = block_table.shape
+    heads, head_dim = pool.shape[-2:]
+    capacity = pages * pool.shape[1]
+    out = torch.empty(batch, capacity, heads, head_dim, dtype=pool.dtype, device=pool.device)
+    if out.numel():
+        raw, raw_out = _as_bytes(pool), _as_bytes(out)
+        _launch_copy_keys((-(-capacity // _COPY_BLOCK_K), heads, batch), raw, raw_out, lengths, block_table,
+                          raw.stride(), raw_out.stride(), 0, batch, 0, head_dim, packed=False,
+                          transposed=False)
+    return out
 
 
 _COPY_BLOCK_K = 128
@@ -271,7 +287,8 @@ def _zero_after_last(Out, CuSeqlens, batch, width, stride_oh, stride_od, HEAD_DI
 
 @triton.jit
 def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, stride_xd, stride_ob,
-               stride_oh, stride_od, seqlen, batch, width, stride_bt, table_width, page_size, num_pages,
+               stride_ot, stride_oh, stride_od, seqlen, batch, width, stride_bt, table_width, page_size,
+               num_pages,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                PACKED: tl.constexpr, PAGED: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Keys [chunk * BLOCK_K, +BLOCK_K) of sequence ``seq``, head ``head``.
@@ -283,7 +300,9 @@ def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, s
     ``width`` after the last). _paged_rows (PACKED, PAGED, not TRANSPOSED): X
     a page pool (num_pages, page_size, H, D), key t of sequence b in page BlockTable[b, t //
     page_size], slot t % page_size, its length clamped to the table row's capacity, into Out
-    (width, H, D) rows from row cu_seqlens[b]."""
+    (width, H, D) rows from row cu_seqlens[b]. gathered_cache (PAGED, neither PACKED nor TRANSPOSED):
+    the same gather, CuSeqlens then holding each sequence's length (B,), into Out (B, L, H, D)
+    from row 0 of batch b. Out's four strides (batch, key, head, dim) place every form's tile."""
     tl.static_assert(not (PAGED and TRANSPOSED), "pages are gathered into rows (see paged_keys_packed)")
     chunk = tl.program_id(0)
     head = tl.program_id(1)
@@ -303,6 +322,11 @@ def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, s
         else:
             column = start
             span = length
+    elif PAGED:  # CuSeqlens: the lengths
+        start = 0
+        length = tl.minimum(tl.maximum(tl.load(CuSeqlens + seq), 0), table_width * page_size)
+        column = 0
+        span = length
     else:
         start = 0
         length = seqlen
@@ -324,15 +348,16 @@ def _copy_keys(X, Out, CuSeqlens, BlockTable, stride_xb, stride_xt, stride_xh, s
         inside = (keys < span) & (column + keys >= 0)
         if PACKED:
             inside = inside & (column + keys < width)
+        base = Out + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
         if TRANSPOSED:
             # stored through the transposed tile, so that a thread's neighbours write neighbouring keys
             store = (dims < HEAD_DIM)[:, None] & inside[None, :]
-            tl.store(Out + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-                     + dims[:, None] * stride_od + (column + keys).to(tl.int64)[None, :], tl.trans(x), mask=store)
+            tl.store(base + dims[:, None] * stride_od + (column + keys).to(tl.int64)[None, :] * stride_ot,
+                     tl.trans(x), mask=store)
         else:
             store = inside[:, None] & (dims < HEAD_DIM)[None, :]
-            tl.store(Out + (column + keys).to(tl.int64)[:, None] * stride_ob + head.to(tl.int64) * stride_oh
-                     + dims[None, :] * stride_od, x, mask=store)
+            tl.store(base + (column + keys).to(tl.int64)[:, None] * stride_ot + dims[None, :] * stride_od, x,
+                     mask=store)
 
 
 @triton.jit
@@ -1201,21 +1226,26 @@ def _gathering_pays(q, pool, block_table, max_seqlen_k) -> bool:
     if max_seqlen_k <= 0:
         return False
     keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
-    if 2 * keys * pool.shape[2] * pool.shape[3] * pool.element_size() > GATHER_BYTES:
-        return False
-    return q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_QUERY_REUSE * keys
+    return (gather_fits(pool, keys)
+            and q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_QUERY_REUSE * keys)
+
+
+def gather_fits(pool: torch.Tensor, keys: int) -> bool:
+    """Whether K and V copies of ``keys`` keys of ``pool`` (num_pages, page_size, Hk, D) stay
+    within GATHER_BYTES."""
+    return 2 * keys * pool.shape[2] * pool.shape[3] * pool.element_size() <= GATHER_BYTES
 
 
 # e4m3 page pools reach the Gluon kernel through copies of B x max_seqlen_k keys (K rows, V rows and
-# V^T, gluon_forward.gluon_varlen_forward): taken while those copies stay within the two pools' own
-# size or this many bytes, else the portable kernel reads the pages in place.
+# V^T, gluon_forward.gluon_varlen_forward): taken while those copies stay within this many bytes,
+# else the portable kernel reads the pages in place. Not the pools' size: a serving engine's pools
+# fill most of the GPU's memory, so copies as large as they are would not fit beside them.
 FP8_GATHER_BYTES = 1 << 30
 
 
 def _gather_fits(pool: torch.Tensor, block_table: torch.Tensor, max_seqlen_k: int) -> bool:
     keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
-    copies = 3 * keys * pool.shape[2] * pool.shape[3] * pool.element_size()
-    return copies <= max(2 * pool.numel() * pool.element_size(), FP8_GATHER_BYTES)
+    return 3 * keys * pool.shape[2] * pool.shape[3] * pool.element_size() <= FP8_GATHER_BYTES
 
 
 def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, alibi_stride_b,

@@ -2207,13 +2207,15 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     return out, lse
 
 
-def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | None = None) -> bool:
+def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | None = None,
+                    any_page_size: bool = False) -> bool:
     """Whether the forward reads these page pools with seqused_k: q (B, Sq, H, D) as ``supported``
     takes it, k and v (num_pages, page_size, Hk, D) alike with TMA-addressable rows, page_size a
     multiple of the smallest PAGED_BOX_ROWS (pages of whole key tiles are read a box a tile, others
     in smaller boxes: ``paged_variant``), and block_table (B, max_pages) int32 with a
     contiguous last dim, all on one sm_90 GPU. ``batch``: the table's rows, where q's first
-    dimension is not B (packed sequences)."""
+    dimension is not B (packed sequences). ``any_page_size``: the rest of the checks, for pools
+    gathered into a contiguous cache first (decode.prefill_gathers)."""
     if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
             and block_table.dtype == torch.int32
             and block_table.shape[0] == (q.shape[0] if batch is None else batch)
@@ -2228,7 +2230,7 @@ def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | Non
             or head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape
             or k.shape[0] == 0 or heads_k == 0 or heads % heads_k or not all(_tma_ok(t) for t in tensors)):
         return False
-    return k.shape[1] % min(PAGED_BOX_ROWS) == 0
+    return any_page_size or k.shape[1] % min(PAGED_BOX_ROWS) == 0
 
 
 def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,

@@ -444,19 +444,20 @@ def compile_fp8(variant: Variant, arch: int) -> list:
 
 
 def compile_copy_keys(head_dim: int, arch: int) -> list:
-    """forward._copy_keys in the three forms its launches take (keys_contiguous, packed V^T and rows
-    gathered from page pools; e4m3 moved as bytes) and the packed V^T's _zero_after_last."""
+    """forward._copy_keys in the four forms its launches take (keys_contiguous, packed V^T, rows
+    gathered from page pools into packed rows and into a contiguous cache; e4m3 moved as bytes) and
+    the packed V^T's _zero_after_last."""
     import triton
     from .forward import _COPY_BLOCK_K, PACKED_TAIL, _copy_keys, _zero_after_last
     variant = Variant(head_dim, "bf16", kind="fp8")
     pointers = {"X": "*u8", "Out": "*u8", "CuSeqlens": "*i32", "BlockTable": "*i32"}
     kernels = []
-    for packed, paged, transposed in ((False, False, True), (True, False, True), (True, True, False)):
+    for packed, paged, transposed in ((False, False, True), (True, False, True), (True, True, False),
+                                      (False, True, False)):
         values = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_K": _COPY_BLOCK_K,
                   "PACKED": packed, "PAGED": paged, "TRANSPOSED": transposed,
                   "stride_xd": 1}  # the JIT specializes unit strides
-        if not transposed:
-            values["stride_od"] = 1
+        values["stride_ot" if transposed else "stride_od"] = 1
         kernels.append(_compile(_copy_keys, values, variant, arch, 4, 3, pointer_types=pointers))
     values = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "TAIL": PACKED_TAIL}
     kernels.append(_compile(_zero_after_last, values, variant, arch, 4, 3, pointer_types=pointers))
