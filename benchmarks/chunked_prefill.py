@@ -47,6 +47,7 @@ import flashtile
 from flashtile import reference
 from flashtile.bench.decode import build_replay
 from flashtile.kernels import decode as dec
+from flashtile.kernels import forward as fwd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_gap import forced  # noqa: E402
@@ -429,21 +430,21 @@ def main():
                                                 ).view(batch, -1))
 
         def paged(page, min_queries=None, gather_rows=None):
-            """The paged call, with decode.PREFILL_MIN_QUERIES / PREFILL_GATHER_MIN_ROWS overridden
+            """The paged call, with decode.PREFILL_MIN_QUERIES / forward.GATHER_MIN_ROWS overridden
             while it runs (and is captured)."""
             k_pool, v_pool, table = pools[page]
 
             def call():
-                saved = dec.PREFILL_MIN_QUERIES, dec.PREFILL_GATHER_MIN_ROWS
+                saved = dec.PREFILL_MIN_QUERIES, fwd.GATHER_MIN_ROWS
                 if min_queries is not None:
                     dec.PREFILL_MIN_QUERIES = min_queries
                 if gather_rows is not None:
-                    dec.PREFILL_GATHER_MIN_ROWS = gather_rows
+                    fwd.GATHER_MIN_ROWS = gather_rows
                 try:
                     return flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths,
                                                              block_table=table, causal=True)
                 finally:
-                    dec.PREFILL_MIN_QUERIES, dec.PREFILL_GATHER_MIN_ROWS = saved
+                    dec.PREFILL_MIN_QUERIES, fwd.GATHER_MIN_ROWS = saved
             return call
         record["route"] = dec.describe_plan(q, k, v, causal=True)["kernel"]
         for page, (k_pool, v_pool, table) in pools.items():

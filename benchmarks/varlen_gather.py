@@ -2,14 +2,16 @@
 16; SGLang's default is 1): gathered into packed rows then the Gluon forward, against the portable
 kernel reading the pages in place (the route before), on an H200.
 
-    PYTHONPATH=src python benchmarks/varlen_gather.py [--out DIR] [--rounds N]
+    PYTHONPATH=src python benchmarks/varlen_gather.py [--out DIR] [--rounds N] [--long]
 
 Per point (32/8 heads, d128, bf16, shuffled pages whose unused slots hold NaN): the public call with
-the gather forced (forward.GATHER_QUERY_REUSE = 0) and with it refused (inf), each output and LSE
+the gather forced (forward.GATHER_MIN_ROWS = 0) and with it refused (inf), each output and LSE
 compared bit for bit with the contiguous packed call on the same keys (the gathered route) or held
 to the test suite's rule per sequence (the portable one); then CUDA-graph replays of both in
 balanced rounds (do_bench medians), the gather's two copies alone, and whether the shipped rule
-(GATHER_QUERY_REUSE) would gather there. Writes varlen-gather.json under --out.
+(GATHER_MIN_ROWS) would gather there. ``--long``: instead, chunks of few queries on long keys
+and decode-like batches (LONG_POINTS), where the rule's bound on query rows a sequence is tested.
+Writes varlen-gather.json under --out.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ POINTS = [
 ]
 
 
+LONG_POINTS = [
+    ("chunk 512 of 32768, B1", True, [512], [32768], 1),
+    ("chunk 512 of 65536, B1", True, [512], [65536], 1),
+    ("chunk 256 of 32768, B2", True, [256] * 2, [32768] * 2, 1),
+    ("chunk 128 of 8192, B8", True, [128] * 8, [8192] * 8, 1),
+    ("chunk 64 of 4096, B16", True, [64] * 16, [4096] * 16, 1),
+    ("chunk 16 of 4096, B16", True, [16] * 16, [4096] * 16, 1),
+    ("chunk 256 of 16384, B4", True, [256] * 4, [16384] * 4, 8),
+]
+
+
 def ragged(n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(64, 8192, (n,), generator=g).tolist()
@@ -54,13 +67,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--long", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     lens = ragged(16, 5)
-    points = POINTS + [("causal ragged 16", True, lens, lens, 1)]
+    points = LONG_POINTS if args.long else POINTS + [("causal ragged 16", True, lens, lens, 1)]
     h, hk, d = 32, 8, 128
     rows, ok = [], True
-    shipped_reuse = forward.GATHER_QUERY_REUSE
+    shipped_rows = forward.GATHER_MIN_ROWS
     for name, causal, lens_q, lens_k, page in points:
         cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).to(torch.int32)
@@ -70,17 +84,17 @@ def main() -> int:
         k_pool, v_pool, table = fuzz_gpu._varlen_pools(k, v, lens_k, page, nan_fill=True)
         mq, mk = max(lens_q), max(lens_k)
 
-        def call(reuse):
+        def call(min_rows):
             def run():
-                forward.GATHER_QUERY_REUSE = reuse
+                forward.GATHER_MIN_ROWS = min_rows
                 try:
                     return flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, mq, mk, causal=causal,
                                                             block_table=table, return_attn_probs=True)[:2]
                 finally:
-                    forward.GATHER_QUERY_REUSE = shipped_reuse
+                    forward.GATHER_MIN_ROWS = shipped_rows
             return run
 
-        gathered, portable = call(0.0), call(math.inf)
+        gathered, portable = call(0), call(math.inf)
         flat, flat_lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
                                                              return_attn_probs=True)
         out, lse = gathered()
@@ -121,7 +135,7 @@ def main() -> int:
     if args.out:
         with open(os.path.join(args.out, "varlen-gather.json"), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "heads": [h, hk], "head_dim": d, "rows": rows,
-                       "gather_query_reuse": shipped_reuse, "all_bitwise": ok}, f, indent=1)
+                       "gather_min_rows": shipped_rows, "all_bitwise": ok}, f, indent=1)
     print("PASS" if ok else "FAIL", "gathered route bit for bit the contiguous packed call")
     return 0 if ok else 1
 

@@ -137,9 +137,9 @@ CASES_PAGED = [  # (head dim, dtype, heads, heads_k, causal, lens_q, lens_k, pag
     (256, torch.float16, 4, 2, False, [100, 1, 257], [3000, 5, 257], 256),
     (128, torch.float16, 8, 8, True, [1024, 1000, 1], [1024, 1000, 2048], 128),
     (64, torch.bfloat16, 8, 2, True, [1, 2, 3, 190, 191, 192, 193], [1, 2, 3, 190, 191, 192, 193], 64),
-    (128, torch.bfloat16, 8, 2, True, [37, 1, 200, 65], [300, 17, 200, 129], 3),  # gathered first
+    (128, torch.bfloat16, 8, 2, True, [537, 1, 400, 265], [600, 17, 400, 300], 3),  # gathered first
     (128, torch.bfloat16, 8, 2, True, [1, 1, 2, 1], [300, 17, 200, 129], 3),  # portable: too few queries
-    (64, torch.float16, 4, 1, False, [500, 7, 0, 260], [400, 1, 9, 260], 1),  # gathered first
+    (64, torch.float16, 4, 1, False, [700, 7, 0, 400], [400, 1, 9, 260], 1),  # gathered first
 ]
 
 

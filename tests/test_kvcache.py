@@ -757,7 +757,7 @@ def gather_route(prefill_route, monkeypatch):
 ])
 def test_chunked_prefill_gathers_pools_no_box_fits(gather_route, page_size, seqlen_q, pages, gathered):
     """Page pools of a size no TMA box fits (no multiple of 16) reach the prefill forward through a
-    contiguous copy from PREFILL_GATHER_MIN_ROWS query rows a KV head; the plan is then asked
+    contiguous copy from forward.GATHER_MIN_ROWS query rows a KV head; the plan is then asked
     about that copy at run time, not about the pools."""
     dec, asked = gather_route
     q = torch.randn(4, seqlen_q, 32, 64, dtype=F16)

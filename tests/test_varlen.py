@@ -157,19 +157,19 @@ def test_16bit_pools_gather_into_packed_rows_with_zeros_after(page_size):
     assert torch.equal(forward._paged_rows(k_pool, table, cu, max(lens))[:sum(lens)], k)
 
 
-def test_gathering_pays_by_query_reuse(monkeypatch):
-    """Pools are gathered only where the queries (times the GQA group) are GATHER_QUERY_REUSE of the
-    gathered keys or more, and the two copies within GATHER_BYTES."""
+def test_gathering_pays_by_query_rows_a_sequence(monkeypatch):
+    """Pools are gathered only where the query rows a sequence (times the GQA group), on average,
+    reach GATHER_MIN_ROWS, however many keys the sequences have, and the two copies stay within
+    GATHER_BYTES."""
     from flashtile.kernels import forward
     pool = torch.empty(40, 1, 2, 16, dtype=BF16)
     table = torch.zeros(4, 10, dtype=torch.int32)  # 4 sequences of up to 10 keys: 40 keys gathered
-    monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 1.0)
-    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 10)  # 10 x 4 >= 40
+    monkeypatch.setattr(forward, "GATHER_MIN_ROWS", 10)
+    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 10)  # 10 x 4 >= 4 x 10
     assert not forward._gathering_pays(torch.empty(9, 8, 16, dtype=BF16), pool, table, 10)
+    assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 1)  # not the keys
     assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 0)
-    monkeypatch.setattr(forward, "GATHER_QUERY_REUSE", 0.25)
-    assert forward._gathering_pays(torch.empty(3, 8, 16, dtype=BF16), pool, table, 10)  # 12 >= 10
-    assert not forward._gathering_pays(torch.empty(2, 8, 16, dtype=BF16), pool, table, 10)
+    assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table[:0], 10)
     monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2 - 1)  # two copies over the bound
     assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 1000)
     monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2)

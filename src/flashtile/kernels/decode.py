@@ -1320,29 +1320,19 @@ def prefill_wanted(q, k_cache, v_cache, *, causal: bool, window_left: int, windo
                                     prefill_table(block_table, cache_batch_idx)) is not None
 
 
-# Query rows a KV head (positions x GQA group) from which chunked prefill on page pools that no TMA
-# box fits runs the prefill forward on a contiguous copy of the pools rather than the decode kernel
-# on the pages. The copy's share of the forward's time goes as 1 / rows (both grow with the keys);
-# H200, 32/8 and 12/2 heads, d128, pages of 1 and 8 (chunked-prefill-h200-20261204-gather): ~20% at
-# 1536 rows, ~60% at 512, while the decode kernel took 1.5-1.65x the forward's time on the
-# contiguous cache: the copy and forward 1.30-1.54x the decode kernel at 1536-4096 rows (8k-64k
-# keys), 0.95x at 512 (B8, 2k keys).
-PREFILL_GATHER_MIN_ROWS = 1024
-
-
 def prefill_gathers(q, k_cache, v_cache, block_table) -> bool:
     """Whether a chunked-prefill call on page pools whose pages no TMA box fits (16-bit, pages of
     no multiple of 16 keys, e.g. SGLang's 1) runs the prefill forward on a contiguous copy of its
     sequences (``forward.gathered_cache``, the table's whole capacity a sequence): from
-    PREFILL_GATHER_MIN_ROWS query rows a KV head, with K and V copies within forward.GATHER_BYTES."""
-    from . import gluon_forward
-    from .forward import gather_fits
+    forward.GATHER_MIN_ROWS query rows a KV head (positions x GQA group; the copy's share of the time
+    goes as their inverse), with K and V copies within forward.GATHER_BYTES."""
+    from . import forward, gluon_forward
     if (block_table is None or k_cache.shape[1] % min(gluon_forward.PAGED_BOX_ROWS) == 0
             or not gluon_forward.paged_supported(q, k_cache, v_cache, block_table, any_page_size=True)):
         return False
     batch, seqlen_q, heads, _ = q.shape
-    return (seqlen_q * (heads // k_cache.shape[2]) >= PREFILL_GATHER_MIN_ROWS
-            and gather_fits(k_cache, batch * block_table.shape[1] * k_cache.shape[1]))
+    return (seqlen_q * (heads // k_cache.shape[2]) >= forward.GATHER_MIN_ROWS
+            and forward.gather_fits(k_cache, batch * block_table.shape[1] * k_cache.shape[1]))
 
 
 def prefill_table(block_table, cache_batch_idx):

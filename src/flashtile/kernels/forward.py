@@ -1211,23 +1211,27 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right))
 
 
-# 16-bit page pools whose pages no TMA box fits are gathered (two copies of B x max_seqlen_k keys)
-# when the query rows, times a GQA group's heads, are at least this share of the gathered keys.
-# H200, 32/8 heads, d128, pages of 1 and 8 (varlen-gather-h200-20261204): the gathered route
-# 1.43-2.60x the portable kernel reading the pages in place, from 4 x 4096 to 256 queries of 8192
-# keys a sequence (share 0.125: 2.07x); not measured below that, where each key is read by fewer
-# queries (decode-like rows keep the portable kernel). The two copies are bounded by GATHER_BYTES,
-# not by the pools' size: a serving engine's pools fill most of the GPU's memory.
-GATHER_QUERY_REUSE = 1 / 16
+# 16-bit page pools whose pages no TMA box fits are gathered (K and V copies of B x max_seqlen_k keys
+# here, of the tables' capacity in flash_attn_with_kvcache's chunked prefill: decode.prefill_gathers)
+# where the query rows a sequence, times a GQA group's heads, reach GATHER_MIN_ROWS on average. Those
+# rows are the attention's work per gathered key, so the copies' share of the time goes as their
+# inverse, whatever the keys. H200, 32/8 and 12/2 heads, d128, pages of 1 and 8: packed calls
+# (varlen-gather-h200-20261204, -long) 1.44-2.62x the portable kernel from 1024 rows (1k-64k keys),
+# 1.02x at 512, 0.99x at 256 and 64; chunked prefill (chunked-prefill-h200-20261204-gather, -b)
+# 1.14-1.57x the decode kernel at 1024-4096 rows, 0.95x at 512. The copies are bounded by
+# GATHER_BYTES, not by the pools' size: a serving engine's pools fill most of the GPU's memory.
+GATHER_MIN_ROWS = 1024
 GATHER_BYTES = 1 << 30
 
 
 def _gathering_pays(q, pool, block_table, max_seqlen_k) -> bool:
-    if max_seqlen_k <= 0:
+    """For packed q (total, H, D) of block_table.shape[0] sequences."""
+    sequences = block_table.shape[0]
+    if max_seqlen_k <= 0 or sequences <= 0:
         return False
-    keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
+    keys = sequences * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
     return (gather_fits(pool, keys)
-            and q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_QUERY_REUSE * keys)
+            and q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_MIN_ROWS * sequences)
 
 
 def gather_fits(pool: torch.Tensor, keys: int) -> bool:
