@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
-import triton.testing
 
 import flashtile
 from flashtile.kernels import forward
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fuzz_gpu  # noqa: E402
+from varlen_gather import graph_rounds  # noqa: E402
 from varlen_paged_fp8 import quantize  # noqa: E402
 
 DEV = "cuda"
@@ -73,17 +72,7 @@ def main() -> int:
         diff = (outs["shipped"] - outs["portable"]).abs().max().item()
         agree = all(bool(torch.isfinite(o).all()) for o in outs.values()) and diff <= 0.05 * max(scale, 1e-6)
         ok &= agree
-        graphs = {}
-        for key, fn in timed.items():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graphs[key] = graph
-        times = {key: [] for key in graphs}
-        for r in range(args.rounds):
-            for key in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
-                times[key].append(1e3 * triton.testing.do_bench(graphs[key].replay, return_mode="median"))
-        med = {key: round(statistics.median(t), 1) for key, t in times.items()}
+        med = graph_rounds(timed, args.rounds)
         gathers = forward._gather_fits(k_pool, table, sk)
         rec = {"sequences": batch, "query_rows": sq, "keys": sk, "page": page, "rows_a_sequence": sq * h // hk,
                "us": med, "portable_over_shipped": round(med["portable"] / med["shipped"], 3),
@@ -93,7 +82,7 @@ def main() -> int:
               f"({'gathered' if gathers else 'portable'}) {med['shipped']:8.1f} us  portable {med['portable']:8.1f} us"
               f"  portable/shipped {rec['portable_over_shipped']:.3f}  {'agree' if agree else 'DISAGREE'}",
               flush=True)
-        del graphs, outs
+        del outs
         torch.cuda.empty_cache()
     if args.out:
         with open(os.path.join(args.out, "fp8-pool-gather.json"), "w") as f:

@@ -58,6 +58,24 @@ LONG_POINTS = [
 ]
 
 
+def graph_rounds(timed: dict, rounds: int) -> dict:
+    """Median us of each call in ``timed`` (name -> function), each captured in a CUDA graph after
+    one eager call and replayed by do_bench in ``rounds`` rounds of alternating order."""
+    graphs = {}
+    for key, fn in timed.items():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs[key] = graph
+    times = {key: [] for key in graphs}
+    for r in range(rounds):
+        for key in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
+            times[key].append(1e3 * triton.testing.do_bench(graphs[key].replay, return_mode="median"))
+    return {key: round(statistics.median(t), 1) for key, t in times.items()}
+
+
 def ragged(n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(64, 8192, (n,), generator=g).tolist()
@@ -110,20 +128,7 @@ def main() -> int:
             forward._paged_rows(k_pool, table, cu_k, mk)
             forward._paged_rows(v_pool, table, cu_k, mk, zeros=True)
 
-        timed = {"gathered": gathered, "portable": portable, "copies": copies}
-        graphs = {}
-        for key, fn in timed.items():
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graphs[key] = graph
-        times = {key: [] for key in graphs}
-        for r in range(args.rounds):
-            for key in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
-                times[key].append(1e3 * triton.testing.do_bench(graphs[key].replay, return_mode="median"))
-        med = {key: round(statistics.median(t), 1) for key, t in times.items()}
+        med = graph_rounds({"gathered": gathered, "portable": portable, "copies": copies}, args.rounds)
         pays = forward._gathering_pays(q, k_pool, table, mk)
         rec = {"point": name, "page": page, "causal": causal, "lens_q": lens_q, "lens_k": lens_k,
                "us": med, "gathered_over_portable": round(med["portable"] / med["gathered"], 3),
