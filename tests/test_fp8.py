@@ -271,10 +271,15 @@ def test_varlen_takes_fp8_with_per_sequence_descales(causal, by_sequence, monkey
 def test_varlen_fp8_on_page_pools(page_size, kw, nan_empty):
     """e4m3 q with e4m3 page pools through block_table (vLLM's FP8 KV cache on FlashAttention-3):
     per-sequence descales, pages scattered, the pools' unused slots NaN."""
+    _e4m3_pools_match_reference([3, 40, 1, 0, 7], [70, 40, 130, 5, 0], 40, page_size, kw)
+
+
+def _e4m3_pools_match_reference(lens_q, lens_k, head_dim, page_size, kw, heads=6, heads_k=2):
+    """flash_attn_varlen_func on fresh e4m3 sequences on shuffled pools (unused slots NaN), each
+    sequence against the reference on its dequantized inputs."""
     import flashtile
     from test_varlen import paged_copy
-    lens_q, lens_k, heads_k = [3, 40, 1, 0, 7], [70, 40, 130, 5, 0], 2
-    cu_q, cu_k, tensors, descales, shape = _packed_e4m3(lens_q, lens_k, 6, heads_k, 40)
+    cu_q, cu_k, tensors, descales, shape = _packed_e4m3(lens_q, lens_k, heads, heads_k, head_dim)
     k_pool, v_pool, table = paged_copy(tensors[1].float(), tensors[2].float(), cu_k, page_size,
                                        fill=float("nan"))
     out, lse, _ = flashtile.flash_attn_varlen_func(
@@ -283,6 +288,22 @@ def test_varlen_fp8_on_page_pools(page_size, kw, nan_empty):
         v_descale=descales[2], return_attn_probs=True, **kw)
     assert out.dtype == torch.bfloat16 and out.shape == shape
     _check_per_sequence(out, lse, tensors, descales, cu_q, cu_k, heads_k, **kw)
+    return descales
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 1), softcap=4.0)],
+                         ids=["causal", "window-softcap"])
+def test_varlen_fp8_decode_steps_on_page_pools(page_size, kw, monkeypatch, nan_empty):
+    """A decode step through flash_attn_varlen_func on e4m3 pools (at most VARLEN_DECODE_MAX_QUERIES
+    queries a sequence) runs the all-e4m3 decode of flash_attn_with_kvcache with the per-sequence
+    descales; each sequence against the reference on its dequantized inputs."""
+    from flashtile import interface
+    calls = []
+    real = interface.ops.kvcache
+    monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **k: calls.append(k) or real(*a, **k))
+    descales = _e4m3_pools_match_reference([1, 2, 0, 1], [70, 5, 9, 0], 32, page_size, kw)
+    assert len(calls) == 1 and calls[0]["seq_descales"] and calls[0]["q_descale"] is descales[0]
 
 
 def test_varlen_fp8_page_pools_are_checked():

@@ -191,6 +191,61 @@ def test_paged_kv_matches_contiguous(page_size, kw):
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
 
 
+def _count_decode_calls(monkeypatch):
+    from flashtile import interface
+    calls = []
+    real = interface.ops.kvcache
+    monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(), dict(window_size=(6, 2), softcap=4.0),
+                                dict(causal=True, alibi=True)], ids=["causal", "full", "window-softcap", "alibi"])
+def test_few_queries_a_sequence_on_pools_run_the_decode(page_size, kw, monkeypatch, nan_empty):
+    """Decode and speculative steps through flash_attn_varlen_func (vLLM batches them so): page
+    pools with at most VARLEN_DECODE_MAX_QUERIES queries a sequence go to flash_attn_with_kvcache's
+    split-KV decode, each sequence's queries in the last rows of a padded block; every sequence
+    as if alone (against float64), sequences without queries or keys among them."""
+    kw = dict(kw)
+    calls = _count_decode_calls(monkeypatch)
+    lengths_q, lengths_k = [1, 0, 3, 2, 3], [5, 17, 0, 40, 2]
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    heads, heads_k = 6, 2
+    q = torch.randn(sum(lengths_q), heads, 64, dtype=BF16)
+    k, v = torch.randn(sum(lengths_k), heads_k, 64, dtype=BF16), torch.randn(sum(lengths_k), heads_k, 64, dtype=BF16)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(len(lengths_q), heads)
+    k_pool, v_pool, table = paged_copy(k, v, cu_k, page_size, fill=float("nan"))
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 3, 40, block_table=table,
+                                                   return_attn_probs=True, **kw)
+    assert calls == [(5, 3, heads, 64)] and out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    from helpers import assert_matches_reference
+    alibi = kw.pop("alibi_slopes", None)
+    for b in range(len(lengths_q)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if sq.stop == sq.start:
+            continue
+        slopes = None if alibi is None else alibi[b:b + 1]
+        assert_matches_reference(out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0), q[sq].unsqueeze(0),
+                                 k[sk].unsqueeze(0), v[sk].unsqueeze(0), alibi_slopes=slopes, **kw)
+
+
+def test_more_queries_a_sequence_keep_the_prefill_kernels(monkeypatch):
+    from flashtile import interface
+    calls = _count_decode_calls(monkeypatch)
+    cu = offsets([17, 3])
+    q, k = torch.randn(20, 4, 32, dtype=F16), torch.randn(20, 2, 32, dtype=F16)
+    k_pool, v_pool, table = paged_copy(k, k, cu, 4)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 17, 17, block_table=table)
+    flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 17, 17)  # contiguous keys: no cache to decode from
+    flashtile.flash_attn_varlen_func(q[:6], k, k, offsets([3, 3]), cu, 3, 17)
+    assert calls == []
+    monkeypatch.setattr(interface, "VARLEN_DECODE_MAX_QUERIES", 17)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 17, 17, block_table=table)
+    assert calls == [(2, 17, 4, 32)]
+
+
 def _bad_pages():
     return [
         pytest.param(lambda t: t.long(), TypeError, "block_table must be int32", id="int64"),

@@ -241,6 +241,10 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     scale = _check_scale(softmax_scale, head_dim)
     left, right = _check_window(window_size, causal)
     alibi = _check_alibi(alibi_slopes, batch, heads, q.device)
+    if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table):
+        out, lse = _varlen_decode(q, k, v, packed[0], packed[1], seqlen_q, scale, left, right,
+                                  _check_softcap(softcap), alibi, block_table, per_head)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
                                _check_softcap(softcap), alibi, block_q, block_k, **varlen)
     return (out, lse, None) if return_attn_probs else out
@@ -442,6 +446,59 @@ def _checked_cache_rows(cache_batch_idx: torch.Tensor, cache_rows: int) -> torch
     return cache_batch_idx
 
 
+# flash_attn_varlen_func calls on page pools with at most this many queries a sequence (decode and
+# speculative steps, batched the way vLLM's FlashAttention backend batches them) run
+# flash_attn_with_kvcache's split-KV decode, whose tiles pack a KV head's query heads and read each key
+# once, instead of the prefill kernels, which spend a 128-row tile on each query head's few rows.
+VARLEN_DECODE_MAX_QUERIES = 16
+
+
+def _varlen_decode_wanted(q, max_seqlen_q: int, dropout_p: float, block_table) -> bool:
+    return (block_table is not None and 0 < max_seqlen_q <= VARLEN_DECODE_MAX_QUERIES and dropout_p == 0
+            and q.shape[0] > 0 and block_table.shape[0] > 0)
+
+
+def _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale: float, left: int,
+                   right: int, softcap: float, alibi, block_table, descales=None):
+    """Packed queries q (total_q, H, D) of sequences on page pools k, v through the decode of
+    flash_attn_with_kvcache (validated inputs; ``descales``: the e4m3 call's (B, Hk) ones). Sequence
+    b's queries take the last rows of a (B, max_seqlen_q, H, D) block, so that each row keeps its
+    bottom-right position; the rows before them are zeros whose outputs are dropped (their
+    positions come before the sequence's first query, so no mask moves). Keys: cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] a sequence, read on the device. Returns out (total_q, H, D) and lse (H, total_q);
+    rows past cu_seqlens_q[-1] hold no sequence's result."""
+    batch = cu_seqlens_q.shape[0] - 1
+    total, heads, head_dim = q.shape
+    seqlen = max_seqlen_q
+    ends = cu_seqlens_q[1:].long()
+    slots = ends[:, None] - seqlen + torch.arange(seqlen, device=q.device)  # packed row of (b, j)
+    valid = slots >= cu_seqlens_q[:-1, None]
+    raw = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q  # e4m3 gathered as bytes
+    padded = raw[slots.clamp(0, total - 1).flatten()].view(batch, seqlen, heads, head_dim)
+    padded = padded.masked_fill(~valid[:, :, None, None], 0).view(q.dtype)
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    fp8 = q.dtype == torch.float8_e4m3fn
+    k_view = v_view = q_descale = None
+    per_sequence = False
+    if fp8:
+        q_descale = descales[0]
+        k_view, v_view, per_sequence = _cache_descales(descales[1], descales[2], k, batch, True, False)
+    rows = heads // k.shape[2] * seqlen
+    decode.check_grid(batch, seqlen, heads, k.shape[2],
+                      decode.tile_rows_for(rows, fp8, q.device, head_dim)
+                      if rows > decode.SMALL_SHARED_MEMORY_TILE_ROWS else None)
+    out, lse = ops.kvcache(padded, k, v, lengths, block_table, None, alibi, scale, left, right, softcap, 0,
+                           None, k_view, v_view, need_lse=True, q_descale=q_descale,
+                           seq_descales=per_sequence)
+    # packed row r of sequence b (ends[b - 1] <= r < ends[b]) sits at (b, r - ends[b] + seqlen)
+    packed = torch.arange(total, device=q.device)
+    seq = torch.searchsorted(ends, packed, right=True).clamp(max=batch - 1)
+    flat = (seq * seqlen + packed - ends[seq] + seqlen).clamp(0, batch * seqlen - 1)
+    out = out.reshape(batch * seqlen, heads, head_dim).index_select(0, flat)
+    lse = lse.permute(1, 0, 2).reshape(heads, batch * seqlen).index_select(1, flat)
+    return out, lse
+
+
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, deterministic=False, names=("q", "k", "v"),
@@ -482,6 +539,10 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q, max_seqlen_k)
     if block_table is not None:
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
+    if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table):
+        out, lse = _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, left, right,
+                                  softcap, alibi, block_table)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                            ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,
