@@ -455,7 +455,7 @@ VARLEN_DECODE_MAX_QUERIES = 16
 
 def _varlen_decode_wanted(q, max_seqlen_q: int, dropout_p: float, block_table) -> bool:
     return (block_table is not None and 0 < max_seqlen_q <= VARLEN_DECODE_MAX_QUERIES and dropout_p == 0
-            and q.shape[0] > 0 and block_table.shape[0] > 0)
+            and q.shape[0] > 0 and 0 < block_table.shape[0] <= decode.MAX_GRID_Z)
 
 
 def _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale: float, left: int,
