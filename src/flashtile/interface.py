@@ -229,6 +229,13 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
             raise ValueError(f"{n} must have shape ({batch}, {heads_k}) on {q.device}, got "
                              f"{tuple(d.shape)} on {d.device}")
         per_head.append(d)
+    scale = _check_scale(softmax_scale, head_dim)
+    left, right = _check_window(window_size, causal)
+    alibi = _check_alibi(alibi_slopes, batch, heads, q.device)
+    if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table):
+        out, lse = _varlen_decode(q, k, v, packed[0], packed[1], seqlen_q, scale, left, right,
+                                  _check_softcap(softcap), alibi, block_table, per_head)
+        return (out, lse, None) if return_attn_probs else out
     group = heads // heads_k
     # One scale block spanning the whole (longest) sequence: a power of two of at least 256, so a
     # multiple of every kernel's tile (the portable kernel's are at most 128, the Gluon one's 256 keys);
@@ -238,13 +245,6 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     # query head h reads its KV head's descale (one copy; repeat_interleave cost ~50 us of host time)
     q_d = per_head[0][:, :, None].expand(batch, heads_k, group).reshape(batch, heads, 1).contiguous()
     k_d, v_d = (d.unsqueeze(-1).contiguous() for d in per_head[1:])
-    scale = _check_scale(softmax_scale, head_dim)
-    left, right = _check_window(window_size, causal)
-    alibi = _check_alibi(alibi_slopes, batch, heads, q.device)
-    if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table):
-        out, lse = _varlen_decode(q, k, v, packed[0], packed[1], seqlen_q, scale, left, right,
-                                  _check_softcap(softcap), alibi, block_table, per_head)
-        return (out, lse, None) if return_attn_probs else out
     out, lse = ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
                                _check_softcap(softcap), alibi, block_q, block_k, **varlen)
     return (out, lse, None) if return_attn_probs else out
