@@ -274,18 +274,20 @@ def test_varlen_fp8_on_page_pools(page_size, kw, nan_empty):
     _e4m3_pools_match_reference([3, 40, 1, 0, 7], [70, 40, 130, 5, 0], 40, page_size, kw)
 
 
-def _e4m3_pools_match_reference(lens_q, lens_k, head_dim, page_size, kw, heads=6, heads_k=2):
+def _e4m3_pools_match_reference(lens_q, lens_k, head_dim, page_size, kw, heads=6, heads_k=2, seqused=False):
     """flash_attn_varlen_func on fresh e4m3 sequences on shuffled pools (unused slots NaN), each
-    sequence against the reference on its dequantized inputs."""
+    sequence against the reference on its dequantized inputs; with ``seqused`` the key counts come
+    as seqused_k and cu_seqlens_k is None (vLLM's call)."""
     import flashtile
     from test_varlen import paged_copy
     cu_q, cu_k, tensors, descales, shape = _packed_e4m3(lens_q, lens_k, heads, heads_k, head_dim)
     k_pool, v_pool, table = paged_copy(tensors[1].float(), tensors[2].float(), cu_k, page_size,
                                        fill=float("nan"))
     out, lse, _ = flashtile.flash_attn_varlen_func(
-        tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, cu_k,
+        tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, None if seqused else cu_k,
         max(lens_q), max(lens_k), block_table=table, q_descale=descales[0], k_descale=descales[1],
-        v_descale=descales[2], return_attn_probs=True, **kw)
+        v_descale=descales[2], return_attn_probs=True, seqused_k=(cu_k[1:] - cu_k[:-1]) if seqused else None,
+        **kw)
     assert out.dtype == torch.bfloat16 and out.shape == shape
     _check_per_sequence(out, lse, tensors, descales, cu_q, cu_k, heads_k, **kw)
     return descales
@@ -304,6 +306,25 @@ def test_varlen_fp8_decode_steps_on_page_pools(page_size, kw, monkeypatch, nan_e
     monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **k: calls.append(k) or real(*a, **k))
     descales = _e4m3_pools_match_reference([1, 2, 0, 1], [70, 5, 9, 0], 32, page_size, kw)
     assert len(calls) == 1 and calls[0]["seq_descales"] and calls[0]["q_descale"] is descales[0]
+
+
+@pytest.mark.parametrize("lens_q", [[1, 2, 0, 1], [19, 2, 0, 1]], ids=["decode-route", "prefill-route"])
+def test_varlen_fp8_page_pools_with_seqused_k(lens_q, nan_empty):
+    """vLLM's FP8 KV cache call: e4m3 pools, seqused_k for the key counts, no cu_seqlens_k."""
+    _e4m3_pools_match_reference(lens_q, [70, 5, 9, 0], 32, 16, dict(causal=True), seqused=True)
+
+
+def test_varlen_fp8_mixed_batches_split(monkeypatch, nan_empty):
+    """e4m3 pools, a mixed batch (long chunks among decode steps): the prefill kernel takes the
+    chunks, the all-e4m3 decode the steps; each sequence against the reference."""
+    from flashtile import interface
+    calls = []
+    real = interface.ops.kvcache
+    monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    _e4m3_pools_match_reference([1, 40, 0, 2, 1, 1, 17, 1], [70, 50, 9, 3, 0, 30, 20, 5], 32, 16,
+                                dict(causal=True), seqused=True)
+    assert calls == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32)]
 
 
 def test_varlen_fp8_page_pools_are_checked():

@@ -105,6 +105,7 @@ def test_bad_offsets_are_named(overrides, exc, message):
 
 
 def test_varlen_compiles_and_passes_opcheck():
+    import flashtile.ops  # noqa: F401 (registers torch.ops.flashtile: the package loads lazily)
     cu = offsets([12, 20])
     q, k, v = (torch.randn(32, 4, 16, dtype=F16) for _ in range(3))
     torch.library.opcheck(torch.ops.flashtile.attn_fwd.default,
@@ -178,7 +179,11 @@ def test_gathering_pays_by_query_rows_a_sequence(monkeypatch):
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(10, 5), softcap=4.0)], ids=["causal", "window"])
-def test_paged_kv_matches_contiguous(page_size, kw):
+def test_paged_kv_matches_contiguous(page_size, kw, monkeypatch):
+    """The prefill kernels on page pools: bit for bit the contiguous packed call (40 queries would
+    take the decode route, tested against float64 on its own)."""
+    from flashtile import interface
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
     lengths_q, lengths_k = [3, 40, 1, 0], [70, 40, 300, 5]
     cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
     q = torch.randn(sum(lengths_q), 6, 64, dtype=BF16)
@@ -207,39 +212,301 @@ def test_few_queries_a_sequence_on_pools_run_the_decode(page_size, kw, monkeypat
     pools with at most VARLEN_DECODE_MAX_QUERIES queries a sequence go to flash_attn_with_kvcache's
     split-KV decode, each sequence's queries in the last rows of a padded block; every sequence
     as if alone (against float64), sequences without queries or keys among them."""
-    kw = dict(kw)
     calls = _count_decode_calls(monkeypatch)
-    lengths_q, lengths_k = [1, 0, 3, 2, 3], [5, 17, 0, 40, 2]
-    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
-    heads, heads_k = 6, 2
-    q = torch.randn(sum(lengths_q), heads, 64, dtype=BF16)
-    k, v = torch.randn(sum(lengths_k), heads_k, 64, dtype=BF16), torch.randn(sum(lengths_k), heads_k, 64, dtype=BF16)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = torch.rand(len(lengths_q), heads)
-    k_pool, v_pool, table = paged_copy(k, v, cu_k, page_size, fill=float("nan"))
+    case = _ragged_on_pools([1, 0, 3, 2, 3], [5, 17, 0, 40, 2], 64, page_size, kw)
+    q, cu_q, cu_k, k_pool, v_pool, table, kw = case[0], case[3], case[4], *case[5:]
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 3, 40, block_table=table,
                                                    return_attn_probs=True, **kw)
-    assert calls == [(5, 3, heads, 64)] and out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    assert calls == [(5, 3, 6, 64)] and out.shape == q.shape and lse.shape == (6, q.shape[0])
+    _each_sequence_as_if_alone(out, lse, *case[:5], kw)
+
+
+def _ragged_on_pools(lengths_q, lengths_k, head_dim, page_size, kw, heads=6, heads_k=2):
+    """Fresh packed bf16 q, k, v (6/2 heads), their offsets, the keys on shuffled pools whose unused
+    slots hold NaN, and ``kw`` with ALiBi slopes drawn where it asks for them."""
+    kw = dict(kw)
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    q = torch.randn(sum(lengths_q), heads, head_dim, dtype=BF16)
+    k, v = (torch.randn(sum(lengths_k), heads_k, head_dim, dtype=BF16) for _ in range(2))
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(len(lengths_q), heads)
+    return (q, k, v, cu_q, cu_k, *paged_copy(k, v, cu_k, page_size, fill=float("nan")), kw)
+
+
+def _each_sequence_as_if_alone(out, lse, q, k, v, cu_q, cu_k, kw):
     from helpers import assert_matches_reference
+    kw = dict(kw)
     alibi = kw.pop("alibi_slopes", None)
-    for b in range(len(lengths_q)):
+    for b in range(cu_q.numel() - 1):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if sq.stop == sq.start:
-            continue
-        slopes = None if alibi is None else alibi[b:b + 1]
-        assert_matches_reference(out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0), q[sq].unsqueeze(0),
-                                 k[sk].unsqueeze(0), v[sk].unsqueeze(0), alibi_slopes=slopes, **kw)
+        if sq.stop > sq.start:
+            assert_matches_reference(out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0), q[sq].unsqueeze(0),
+                                     k[sk].unsqueeze(0), v[sk].unsqueeze(0),
+                                     alibi_slopes=None if alibi is None else alibi[b:b + 1], **kw)
 
 
-def test_more_queries_a_sequence_keep_the_prefill_kernels(monkeypatch):
+@pytest.mark.parametrize("dtype", [BF16, F16, torch.float8_e4m3fn], ids=["bf16", "fp16", "e4m3"])
+def test_packed_rows_move_to_a_block_and_back(dtype, nan_empty):
+    """The varlen decode route's two moves: sequence b's packed rows into the last rows of its
+    (B, Sq, H, D) block with zeros before them, and the block's outputs and LSEs back to the packed
+    rows; sequences without rows among them and rows past cu_seqlens[-1] (padding) in q."""
+    from flashtile.kernels import decode
+    lengths, seqlen, heads, head_dim = [2, 0, 4, 1, 4], 4, 3, 40
+    cu = offsets(lengths)
+    total = sum(lengths) + 2
+    packed = torch.randn(total, heads, head_dim).to(dtype)
+    blocked = decode.block_packed_rows(packed, cu, seqlen)
+    assert blocked.shape == (len(lengths), seqlen, heads, head_dim) and blocked.dtype == dtype
+    want = torch.zeros(len(lengths), seqlen, heads, head_dim)
+    for b, n in enumerate(lengths):
+        want[b, seqlen - n:] = packed[cu[b]:cu[b + 1]].float()
+    assert torch.equal(blocked.float(), want)
+    out_blocked = torch.randn(len(lengths), seqlen, heads, head_dim).to(dtype)
+    lse_blocked = torch.randn(len(lengths), heads, seqlen)
+    out, lse = decode.unblock_rows(out_blocked, lse_blocked, cu, total)
+    assert out.shape == packed.shape and lse.shape == (heads, total)
+    for b, n in enumerate(lengths):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        assert torch.equal(out[rows].float(), out_blocked[b, seqlen - n:].float())
+        assert torch.equal(lse[:, rows], lse_blocked[b, :, seqlen - n:])
+    out_only, none = decode.unblock_rows(out_blocked, None, cu, total)
+    assert none is None and torch.equal(out_only[:cu[-1]].float(), out[:cu[-1]].float())
+
+
+def test_row_moves_pass_opcheck():
+    from flashtile import ops
+    cu = offsets([2, 0, 3])
+    torch.library.opcheck(ops.attn_block_rows, (torch.randn(6, 2, 8), cu, 3))
+    torch.library.opcheck(ops.attn_unblock_rows, (torch.randn(3, 3, 2, 8), torch.randn(3, 2, 3), cu, 5))
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_decode_route_compiles_with_fullgraph(with_lse):
+    """The decode route (row moves as registered ops, the split-KV decode) under
+    torch.compile(fullgraph=True), with seqused_k and without cu_seqlens_k, as vLLM calls it."""
+    cu_q = offsets([2, 0, 3])
+    q = torch.randn(5, 4, 16, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(torch.randn(60, 2, 16, dtype=BF16), torch.randn(60, 2, 16, dtype=BF16),
+                                       offsets([20, 10, 30]), 4)
+    seqused = torch.tensor([20, 9, 30], dtype=torch.int32)
+
+    def fn(q):
+        result = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 3, 30, causal=True,
+                                                  block_table=table, seqused_k=seqused,
+                                                  return_attn_probs=with_lse)
+        return result[:2] if with_lse else result
+    torch._dynamo.reset()
+    eager = fn(q)
+    compiled = torch.compile(fn, fullgraph=True)(q)
+    for e, c in zip(*((x if isinstance(x, tuple) else (x,)) for x in (eager, compiled))):
+        assert torch.equal(c, e)
+
+
+def test_mixed_batch_compiles_with_fullgraph(monkeypatch):
+    """The mixed batch's split (the decode rows written into the prefill kernels' outputs by a
+    registered op that mutates them) under torch.compile(fullgraph=True)."""
+    from flashtile import interface
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    cu_q = offsets([1, 20, 1, 0, 2, 1])
+    q = torch.randn(25, 4, 16, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(torch.randn(90, 2, 16, dtype=BF16), torch.randn(90, 2, 16, dtype=BF16),
+                                       offsets([20, 30, 10, 5, 20, 5]), 4)
+    seqused = torch.tensor([20, 30, 10, 5, 20, 5], dtype=torch.int32)
+
+    def fn(q):
+        return flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 20, 30, causal=True,
+                                                block_table=table, seqused_k=seqused, return_attn_probs=True)[:2]
+    torch._dynamo.reset()
+    eager = fn(q)
+    compiled = torch.compile(fn, fullgraph=True)(q)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+def _pools_with_unused_keys(lengths_q, used, stored, page_size, heads=6, heads_k=2, head_dim=64, dtype=BF16):
+    """Fresh packed q and page pools holding ``stored`` keys a sequence, of which the call uses
+    ``used``: the keys past them are finite noise, so reading one changes the result."""
+    cu_stored = offsets(stored)
+    q = torch.randn(sum(lengths_q), heads, head_dim, dtype=dtype)
+    k = torch.randn(sum(stored), heads_k, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    k_pool, v_pool, table = paged_copy(k, v, cu_stored, page_size)
+    return q, k, v, cu_stored, k_pool, v_pool, table
+
+
+def _check_used_keys(out, lse, q, k, v, cu_q, cu_stored, used, **kw):
+    from helpers import assert_matches_reference
+    for b in range(len(used)):
+        sq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        sk = slice(int(cu_stored[b]), int(cu_stored[b]) + used[b])
+        if sq.stop > sq.start:
+            assert_matches_reference(out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0), q[sq].unsqueeze(0),
+                                     k[sk].unsqueeze(0), v[sk].unsqueeze(0), **kw)
+
+
+@pytest.mark.parametrize("lengths_q", [[1, 3, 0, 2], [20, 3, 0, 9]], ids=["decode-route", "prefill-route"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_seqused_k_on_page_pools_without_key_offsets(lengths_q, page_size, nan_empty):
+    """vLLM's call: flash_attn_varlen_func(..., cu_seqlens_k=None, seqused_k=..., block_table=...):
+    sequence b reads only the first seqused_k[b] slots of its pages (the pools hold more)."""
+    used, stored = [40, 5, 17, 0], [50, 9, 17, 3]
+    q, k, v, cu_stored, k_pool, v_pool, table = _pools_with_unused_keys(lengths_q, used, stored, page_size)
+    cu_q, seqused = offsets(lengths_q), torch.tensor(used, dtype=torch.int32)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_seqlens_q=cu_q, max_seqlen_q=max(lengths_q),
+                                                   seqused_k=seqused, max_seqlen_k=max(stored), causal=True,
+                                                   block_table=table, return_attn_probs=True)
+    _check_used_keys(out, lse, q, k, v, cu_q, cu_stored, used, causal=True)
+    # given too, cu_seqlens_k is not read with a block table
+    again = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_stored, max(lengths_q), max(stored),
+                                             causal=True, block_table=table, seqused_k=seqused)
+    assert torch.equal(again[:int(cu_q[-1])], out[:int(cu_q[-1])])
+
+
+@pytest.mark.parametrize("lengths_q", [[1, 3, 0, 2], [20, 3, 0, 9]], ids=["decode-route", "prefill-route"])
+def test_seqused_k_on_packed_keys(lengths_q, nan_empty):
+    """FlashAttention-3's seqused_k without a block table: sequence b's keys are
+    k[cu_seqlens_k[b]:cu_seqlens_k[b] + seqused_k[b]]."""
+    used, stored = [40, 5, 17, 0], [50, 9, 17, 3]
+    q = torch.randn(sum(lengths_q), 4, 40, dtype=F16)
+    k, v = torch.randn(sum(stored), 1, 40, dtype=F16), torch.randn(sum(stored), 1, 40, dtype=F16)
+    cu_q, cu_k = offsets(lengths_q), offsets(stored)
+    kw = dict(window_size=(9, 0), softcap=3.0)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(stored),
+                                                   seqused_k=torch.tensor(used, dtype=torch.int32),
+                                                   return_attn_probs=True, **kw)
+    _check_used_keys(out, lse, q, k, v, cu_q, cu_k, used, **kw)
+
+
+def _bad_seqused():
+    return [
+        pytest.param(dict(seqused_k=[3, 3]), TypeError, "seqused_k must be a torch.Tensor", id="list"),
+        pytest.param(dict(seqused_k=torch.tensor([3, 3])), TypeError, "seqused_k must be int32", id="int64"),
+        pytest.param(dict(seqused_k=torch.tensor([3], dtype=torch.int32)), ValueError, "seqused_k must have shape",
+                     id="shape"),
+        pytest.param(dict(seqused_k=torch.tensor([3, 31], dtype=torch.int32)), ValueError,
+                     r"seqused_k entries must be in \[0, max_seqlen_k = 30\]", id="past-max"),
+        pytest.param(dict(seqused_k=torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
+                     "seqused_k entries must be in", id="negative"),
+        pytest.param(dict(seqused_k=torch.tensor([21, 3], dtype=torch.int32), block_table=None), ValueError,
+                     "seqused_k exceeds a sequence's keys", id="past-offsets"),
+        pytest.param(dict(seqused_k=torch.tensor([3, 3], dtype=torch.int32), block_table=None, cu_seqlens_k=None),
+                     ValueError, "needs cu_seqlens_k", id="no-offsets"),
+    ]
+
+
+@pytest.mark.parametrize("change,exc,message", _bad_seqused())
+def test_bad_seqused_k_is_named(change, exc, message):
+    cu = offsets([20, 30])
+    q, k, v = torch.randn(50, 4, 16, dtype=F16), torch.randn(50, 2, 16, dtype=F16), torch.randn(50, 2, 16, dtype=F16)
+    k_pool, v_pool, table = paged_copy(k, v, cu, 8)
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=None, max_seqlen_q=30, max_seqlen_k=30, block_table=table)
+    call.update(change)
+    pools = (k, v) if call["block_table"] is None else (k_pool, v_pool)
+    if call["block_table"] is None and "cu_seqlens_k" not in change:
+        call["cu_seqlens_k"] = cu
+    with pytest.raises(exc, match=message):
+        flashtile.flash_attn_varlen_func(q, *pools, **call)
+
+
+def test_seqused_k_checked_once_per_tensor_version(monkeypatch):
+    """Every layer of a decode step passes the same seqused_k, cu_seqlens_q and block table: their
+    values are read on the host (a device sync) at the first layer only, and again after an
+    in-place change."""
+    cu_q = offsets([1, 1])
+    q = torch.randn(2, 4, 16, dtype=F16)
+    k_pool, v_pool, table = paged_copy(torch.randn(50, 2, 16, dtype=F16), torch.randn(50, 2, 16, dtype=F16),
+                                       offsets([20, 30]), 8)
+    seqused = torch.tensor([20, 30], dtype=torch.int32)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+
+    def call():
+        return flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 1, 30, block_table=table,
+                                                seqused_k=seqused)
+    call()
+    first = len(reads)
+    assert first > 0
+    call(), call()
+    assert len(reads) == first
+    seqused[0] = 31
+    with pytest.raises(ValueError, match="seqused_k entries must be in"):
+        call()
+
+
+def test_seqused_k_on_packed_keys_refuses_gradients():
+    cu = offsets([10])
+    q = torch.randn(10, 2, 16, dtype=F16, requires_grad=True)
+    k = torch.randn(10, 2, 16, dtype=F16)
+    with pytest.raises(NotImplementedError, match="seqused_k is forward-only"):
+        flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 10, 10, seqused_k=torch.tensor([4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("queries,heads,routed", [(17, 4, True), (64, 4, True), (65, 4, False), (32, 16, True),
+                                                   (33, 16, False), (16, 64, True)])
+def test_the_decode_route_by_queries_and_rows(queries, heads, routed, monkeypatch):
+    """Up to VARLEN_DECODE_MAX_QUERIES queries a sequence the decode route is taken; past that up to
+    VARLEN_DECODE_WIDE_QUERIES while a KV head's rows (queries x group) stay within
+    VARLEN_DECODE_MAX_ROWS (here 2 KV heads: groups 2, 8 and 32)."""
+    calls = _count_decode_calls(monkeypatch)
+    cu = offsets([queries, 3])
+    q = torch.randn(queries + 3, heads, 16, dtype=F16)
+    k_pool, v_pool, table = paged_copy(torch.randn(queries + 3, 2, 16, dtype=F16),
+                                       torch.randn(queries + 3, 2, 16, dtype=F16), cu, 4)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, queries, queries, block_table=table)
+    assert calls == ([(2, queries, heads, 16)] if routed else [])
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(6, 2), softcap=4.0),
+                                dict(causal=True, alibi=True)], ids=["causal", "window-softcap", "alibi"])
+def test_mixed_batches_split_between_prefill_and_decode(page_size, kw, monkeypatch, nan_empty):
+    """vLLM's chunked prefill: long query chunks among decode steps. The prefill kernels take the
+    chunks, the split-KV decode the steps (each sequence against float64), and the calls show it:
+    one decode of (B, VARLEN_DECODE_MAX_QUERIES) rows, one prefill forward whose key counts are 0
+    for the short sequences."""
+    from flashtile import interface
+    decodes = _count_decode_calls(monkeypatch)
+    forwards = []
+    real_forward = interface.ops.forward
+    monkeypatch.setattr(interface.ops, "forward",
+                        lambda *a, **k: forwards.append((a[9].clone(), a[10].clone())) or real_forward(*a, **k))
+    case = _ragged_on_pools([1, 40, 0, 3, 1, 17, 1, 16], [30, 60, 5, 3, 0, 17, 90, 20], 32, page_size, kw)
+    q, cu_q, cu_k, k_pool, v_pool, table, kw = case[0], case[3], case[4], *case[5:]
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)  # 40 x group 3 would take the decode route
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 40, 90, block_table=table,
+                                                   return_attn_probs=True, **kw)
+    assert decodes == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32)] and len(forwards) == 1
+    assert torch.equal(forwards[0][0], cu_q)
+    assert (forwards[0][1][1:] - forwards[0][1][:-1]).tolist() == [0, 60, 0, 0, 0, 17, 0, 0]
+    _each_sequence_as_if_alone(out, lse, *case[:5], kw)
+
+
+def test_dense_batches_keep_one_prefill_call(monkeypatch):
+    """Queries filling more than 1 / MIXED_BATCH_FILL of batch x max_seqlen_q: no split."""
+    from flashtile import interface
+    decodes = _count_decode_calls(monkeypatch)
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    cu = offsets([20, 1, 30, 25])
+    q, k = torch.randn(76, 4, 16, dtype=F16), torch.randn(76, 2, 16, dtype=F16)
+    k_pool, v_pool, table = paged_copy(k, k, cu, 4)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 30, 30, block_table=table)
+    assert decodes == []
+    monkeypatch.setattr(interface, "MIXED_BATCH_FILL", 1)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 30, 30, block_table=table)
+    assert decodes == [(4, 16, 4, 16)]
+
+
+def test_calls_without_pools_or_with_dropout_keep_the_prefill_kernels(monkeypatch):
     from flashtile import interface
     calls = _count_decode_calls(monkeypatch)
     cu = offsets([17, 3])
     q, k = torch.randn(20, 4, 32, dtype=F16), torch.randn(20, 2, 32, dtype=F16)
     k_pool, v_pool, table = paged_copy(k, k, cu, 4)
-    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 17, 17, block_table=table)
     flashtile.flash_attn_varlen_func(q, k, k, cu, cu, 17, 17)  # contiguous keys: no cache to decode from
     flashtile.flash_attn_varlen_func(q[:6], k, k, offsets([3, 3]), cu, 3, 17)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 17, 17, block_table=table, dropout_p=0.1)
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 17, 17, block_table=table)
     assert calls == []
     monkeypatch.setattr(interface, "VARLEN_DECODE_MAX_QUERIES", 17)
     flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, cu, 17, 17, block_table=table)

@@ -175,7 +175,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, descales, names, packed=None, block_table=None):
+                   return_attn_probs, descales, names, packed=None, block_table=None, seqused_k=None):
     """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
     ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences, q
     (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
@@ -201,9 +201,10 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         seqlen_k, heads_k = k.shape[1], k.shape[2]
         varlen = {}
     else:
-        cu_q, cu_k, max_q, max_k = packed
+        cu_q, cu_k, max_q, max_k = packed  # cu_k None: the key counts are seqused_k (on page pools)
         batch = _check_cu_seqlens(cu_q, "cu_seqlens_q", None, q)
-        _check_cu_seqlens(cu_k, "cu_seqlens_k", batch, q)
+        if seqused_k is None:
+            _check_cu_seqlens(cu_k, "cu_seqlens_k", batch, q)
         seqlen_q = _check_max_seqlen(max_q, "max_seqlen_q")
         seqlen_k = _check_max_seqlen(max_k, "max_seqlen_k")
         heads, head_dim = q.shape[1], q.shape[2]
@@ -232,9 +233,10 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     scale = _check_scale(softmax_scale, head_dim)
     left, right = _check_window(window_size, causal)
     alibi = _check_alibi(alibi_slopes, batch, heads, q.device)
-    if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table):
-        out, lse = _varlen_decode(q, k, v, packed[0], packed[1], seqlen_q, scale, left, right,
-                                  _check_softcap(softcap), alibi, block_table, per_head)
+    if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table, heads_k):
+        out, lse = _varlen_decode(q, k, v, packed[0], _key_counts(packed[1], seqused_k), seqlen_q, scale, left,
+                                  right, _check_softcap(softcap), alibi, block_table, per_head,
+                                  need_lse=return_attn_probs)
         return (out, lse, None) if return_attn_probs else out
     group = heads // heads_k
     # One scale block spanning the whole (longest) sequence: a power of two of at least 256, so a
@@ -245,8 +247,19 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     # query head h reads its KV head's descale (one copy; repeat_interleave cost ~50 us of host time)
     q_d = per_head[0][:, :, None].expand(batch, heads_k, group).reshape(batch, heads, 1).contiguous()
     k_d, v_d = (d.unsqueeze(-1).contiguous() for d in per_head[1:])
-    out, lse = ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
+
+    def prefill(key_offsets=None):
+        if key_offsets is not None:
+            varlen["cu_seqlens_k"] = key_offsets
+        return ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
                                _check_softcap(softcap), alibi, block_q, block_k, **varlen)
+    if packed is None:
+        out, lse = prefill()
+    elif _mixed_batch_wanted(q, seqlen_q, 0.0, block_table, batch):
+        out, lse = _mixed_batch(q, k, v, cu_q, _key_counts(cu_k, seqused_k), scale, left, right,
+                                _check_softcap(softcap), alibi, block_table, prefill, per_head)
+    else:
+        out, lse = prefill(_key_offsets(cu_k, seqused_k))
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -376,18 +389,18 @@ def _remember_checked(check: str, tensor: torch.Tensor, key: tuple) -> None:
 
 
 def _check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
-    """The offsets' values: start at 0, non-decreasing, within the packed tokens and max_seqlen."""
+    """The offsets' values: start at 0, non-decreasing, within the packed tokens and max_seqlen
+    (cu_seqlens_k None: the key counts come from seqused_k, checked by _check_seqused_k)."""
     key = (cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
     if not _values_to_check("offsets", cu_seqlens_q, key):
         return
     stats = []
-    for cu in (cu_seqlens_q, cu_seqlens_k):
+    for cu in (cu_seqlens_q, cu_seqlens_k) if cu_seqlens_k is not None else (cu_seqlens_q,):
         lens = cu[1:] - cu[:-1]
         stats.append(torch.stack([cu[0], cu[-1], lens.min(), lens.max()]))
-    (q0, q_end, q_min, q_max), (k0, k_end, k_min, k_max) = torch.stack(stats).tolist()
-    for name, first, end, low, high, total, max_name, max_value in (
-            ("cu_seqlens_q", q0, q_end, q_min, q_max, total_q, "max_seqlen_q", max_seqlen_q),
-            ("cu_seqlens_k", k0, k_end, k_min, k_max, total_k, "max_seqlen_k", max_seqlen_k)):
+    names = (("cu_seqlens_q", total_q, "max_seqlen_q", max_seqlen_q),
+             ("cu_seqlens_k", total_k, "max_seqlen_k", max_seqlen_k))
+    for (name, total, max_name, max_value), (first, end, low, high) in zip(names, torch.stack(stats).tolist()):
         if first != 0:
             raise ValueError(f"{name} must start at 0, got {first}")
         if low < 0:
@@ -446,37 +459,122 @@ def _checked_cache_rows(cache_batch_idx: torch.Tensor, cache_rows: int) -> torch
     return cache_batch_idx
 
 
-# flash_attn_varlen_func calls on page pools with at most this many queries a sequence (decode and
-# speculative steps, batched the way vLLM's FlashAttention backend batches them) run
-# flash_attn_with_kvcache's split-KV decode, whose tiles pack a KV head's query heads and read each key
-# once, instead of the prefill kernels, which spend a 128-row tile on each query head's few rows.
+# flash_attn_varlen_func calls on page pools with few queries a sequence (decode and speculative
+# steps, batched the way vLLM's FlashAttention backend batches them) run flash_attn_with_kvcache's
+# split-KV decode, whose tiles pack a KV head's query heads and read each key once, instead of the
+# prefill kernels, which spend a 128-row tile on each query head's few rows and read a KV head's keys
+# once per query head. Taken up to VARLEN_DECODE_MAX_QUERIES queries a sequence, and past that up to
+# VARLEN_DECODE_WIDE_QUERIES while a KV head's rows (queries x GQA group) stay within
+# VARLEN_DECODE_MAX_ROWS: on the H200 (varlen-decode-h200-20261204-rows) the route is 2.3-3.5x the
+# prefill kernels at 24-32 queries, 1.19-1.34x at 64 x group 4 (256 rows), 0.95-0.96x at 384-512 rows.
 VARLEN_DECODE_MAX_QUERIES = 16
+VARLEN_DECODE_WIDE_QUERIES = 64
+VARLEN_DECODE_MAX_ROWS = 256
 
 
-def _varlen_decode_wanted(q, max_seqlen_q: int, dropout_p: float, block_table) -> bool:
-    return (block_table is not None and 0 < max_seqlen_q <= VARLEN_DECODE_MAX_QUERIES and dropout_p == 0
-            and q.shape[0] > 0 and 0 < block_table.shape[0] <= decode.MAX_GRID_Z)
+def _varlen_decode_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, heads_k: int) -> bool:
+    if block_table is None or dropout_p != 0 or q.shape[0] == 0 or not 0 < block_table.shape[0] <= decode.MAX_GRID_Z:
+        return False
+    rows = max_seqlen_q * max(q.shape[1] // max(heads_k, 1), 1)
+    return 0 < max_seqlen_q <= VARLEN_DECODE_MAX_QUERIES or (
+        max_seqlen_q <= VARLEN_DECODE_WIDE_QUERIES and rows <= VARLEN_DECODE_MAX_ROWS)
 
 
-def _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale: float, left: int,
-                   right: int, softcap: float, alibi, block_table, descales=None):
+# Mixed batches on page pools (vLLM's chunked prefill: long query chunks among decode steps): past
+# the decode route's limits, when the queries fill at most 1 / MIXED_BATCH_FILL of batch x
+# max_seqlen_q, the prefill kernels take the sequences of more than VARLEN_DECODE_MAX_QUERIES
+# queries (the others' key counts 0: their tiles load no key), and the split-KV decode the rest (the
+# long ones' key counts 0), its rows written over the prefill kernels' zeros. The host cannot tell
+# which sequences are short without a sync; the fill says whether many can be. (The short ones'
+# tiles still cost the persistent Gluon kernel ~3 us each a CTA, varlen-decode-h200-20261204-mixed-b;
+# moving the long sequences' rows to the front, so that the short ones have no queries, cost more,
+# -mixed-compact.)
+MIXED_BATCH_FILL = 4
+
+
+def _mixed_batch_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, batch: int) -> bool:
+    return (block_table is not None and dropout_p == 0 and max_seqlen_q > VARLEN_DECODE_MAX_QUERIES
+            and 2 <= batch <= decode.MAX_GRID_Z and q.shape[0] * MIXED_BATCH_FILL <= batch * max_seqlen_q)
+
+
+def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap, alibi, block_table, prefill,
+                 descales=None):
+    """A mixed batch as above: ``prefill(key_offsets)`` runs the prefill kernels on the whole batch
+    with the given key offsets and returns (out, lse). Returns (out, lse)."""
+    short = cu_seqlens_q[1:] - cu_seqlens_q[:-1] <= VARLEN_DECODE_MAX_QUERIES
+    none = torch.zeros_like(key_counts)
+    out, lse = prefill(torch.nn.functional.pad(torch.where(short, none, key_counts).cumsum(0, dtype=torch.int32),
+                                               (1, 0)))
+    return _varlen_decode(q, k, v, cu_seqlens_q, torch.where(short, key_counts, none), VARLEN_DECODE_MAX_QUERIES,
+                          scale, left, right, softcap, alibi, block_table, descales, into=(out, lse))
+
+
+def _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k, block_table):
+    """FlashAttention-3's (and vLLM's) ``seqused_k``: sequence b attends to only its first
+    seqused_k[b] keys. Returns (k, v, max_seqlen_k, block_table) for the paged call that does so,
+    whose key counts are seqused_k (cu_seqlens_k is then not read): with ``block_table`` the same
+    pools; without one, k and v (total_k, Hk, D) seen as pools of one-key pages and a table whose
+    row b lists keys cu_seqlens_k[b], cu_seqlens_k[b] + 1, ..."""
+    for t, name in ((q, "q"), (seqused_k, "seqused_k")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q)
+    if seqused_k.dtype != torch.int32:
+        raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
+    if seqused_k.dim() != 1 or seqused_k.shape[0] != batch:
+        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},) as cu_seqlens_q, got "
+                         f"{tuple(seqused_k.shape)}")
+    if seqused_k.get_device() != q.get_device():
+        raise ValueError(f"seqused_k is on {seqused_k.device} but q is on {q.device}")
+    max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if block_table is None and cu_seqlens_k is None:
+        raise ValueError("seqused_k without block_table needs cu_seqlens_k (where each sequence's keys start)")
+    if cu_seqlens_k is not None:
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q)
+    if seqused_k.numel() and _values_to_check("seqused_k", seqused_k, (cu_seqlens_k, max_seqlen_k)):
+        low, high = torch.stack([seqused_k.min(), seqused_k.max()]).tolist()
+        if low < 0 or high > max_seqlen_k:
+            raise ValueError(f"seqused_k entries must be in [0, max_seqlen_k = {max_seqlen_k}], got [{low}, {high}]")
+        if block_table is None and bool((seqused_k > cu_seqlens_k[1:] - cu_seqlens_k[:-1]).any()):
+            raise ValueError("seqused_k exceeds a sequence's keys in cu_seqlens_k")
+        _remember_checked("seqused_k", seqused_k, (cu_seqlens_k, max_seqlen_k))
+    if block_table is not None:
+        return k, v, max_seqlen_k, block_table
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3 and v.dim() == 3):
+        raise ValueError("seqused_k without block_table takes packed k and v (total_k, heads_k, head_dim)")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError("flashtile: seqused_k is forward-only; call it under torch.no_grad()")
+    width = min(max_seqlen_k, k.shape[0])
+    table = (cu_seqlens_k[:-1, None] + torch.arange(width, dtype=torch.int32, device=q.device))
+    return k.unsqueeze(1), v.unsqueeze(1), width, table.clamp_(max=max(k.shape[0] - 1, 0))
+
+
+def _key_counts(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> torch.Tensor:
+    return seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+
+
+def _key_offsets(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> torch.Tensor:
+    """The prefill kernels' key offsets: on page pools they carry only the key counts."""
+    if seqused_k is None:
+        return cu_seqlens_k
+    return torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: float, left: int,
+                   right: int, softcap: float, alibi, block_table, descales=None, need_lse: bool = True,
+                   into=None):
     """Packed queries q (total_q, H, D) of sequences on page pools k, v through the decode of
-    flash_attn_with_kvcache (validated inputs; ``descales``: the e4m3 call's (B, Hk) ones). Sequence
-    b's queries take the last rows of a (B, max_seqlen_q, H, D) block, so that each row keeps its
-    bottom-right position; the rows before them are zeros whose outputs are dropped (their
-    positions come before the sequence's first query, so no mask moves). Keys: cu_seqlens_k[b + 1] -
-    cu_seqlens_k[b] a sequence, read on the device. Returns out (total_q, H, D) and lse (H, total_q);
-    rows past cu_seqlens_q[-1] hold no sequence's result."""
+    flash_attn_with_kvcache (validated inputs; ``key_counts`` (B,) int32: each sequence's keys, on
+    the device; ``descales``: the e4m3 call's (B, Hk) ones). Sequence b's queries take the last
+    rows of a (B, max_seqlen_q, H, D) block, so that each row keeps its bottom-right position; the
+    rows before them are zeros whose outputs are dropped (their positions come before the
+    sequence's first query, so no mask moves). Returns out (total_q, H, D) and lse (H, total_q) or
+    None without ``need_lse``; rows past cu_seqlens_q[-1] are left unwritten. ``into``: (out, lse)
+    to write the rows of sequences of at most max_seqlen_q queries into (a mixed batch's)."""
     batch = cu_seqlens_q.shape[0] - 1
     total, heads, head_dim = q.shape
     seqlen = max_seqlen_q
-    ends = cu_seqlens_q[1:].long()
-    slots = ends[:, None] - seqlen + torch.arange(seqlen, device=q.device)  # packed row of (b, j)
-    valid = slots >= cu_seqlens_q[:-1, None]
-    raw = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q  # e4m3 gathered as bytes
-    padded = raw[slots.clamp(0, total - 1).flatten()].view(batch, seqlen, heads, head_dim)
-    padded = padded.masked_fill(~valid[:, :, None, None], 0).view(q.dtype)
-    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    blocked = ops.block_rows(q, cu_seqlens_q, seqlen)
     fp8 = q.dtype == torch.float8_e4m3fn
     k_view = v_view = q_descale = None
     per_sequence = False
@@ -487,27 +585,30 @@ def _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale
     decode.check_grid(batch, seqlen, heads, k.shape[2],
                       decode.tile_rows_for(rows, fp8, q.device, head_dim)
                       if rows > decode.SMALL_SHARED_MEMORY_TILE_ROWS else None)
-    out, lse = ops.kvcache(padded, k, v, lengths, block_table, None, alibi, scale, left, right, softcap, 0,
-                           None, k_view, v_view, need_lse=True, q_descale=q_descale,
+    out, lse = ops.kvcache(blocked, k, v, key_counts, block_table, None, alibi, scale, left, right, softcap, 0,
+                           None, k_view, v_view, need_lse=need_lse, q_descale=q_descale,
                            seq_descales=per_sequence)
-    # packed row r of sequence b (ends[b - 1] <= r < ends[b]) sits at (b, r - ends[b] + seqlen)
-    packed = torch.arange(total, device=q.device)
-    seq = torch.searchsorted(ends, packed, right=True).clamp(max=batch - 1)
-    flat = (seq * seqlen + packed - ends[seq] + seqlen).clamp(0, batch * seqlen - 1)
-    out = out.reshape(batch * seqlen, heads, head_dim).index_select(0, flat)
-    lse = lse.permute(1, 0, 2).reshape(heads, batch * seqlen).index_select(1, flat)
-    return out, lse
+    if into is not None:
+        return ops.unblock(out, lse, cu_seqlens_q, total, *into)
+    if lse is None or not (need_lse or torch.compiler.is_compiling()):
+        return ops.unblock(out, None, cu_seqlens_q, total)
+    out, lse = ops.unblock(out, lse, cu_seqlens_q, total)
+    return out, (lse if need_lse else None)
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, deterministic=False, names=("q", "k", "v"),
-                      descales=(None, None, None)):
+                      descales=(None, None, None), seqused_k=None):
+    if seqused_k is not None:
+        k, v, max_seqlen_k, block_table = _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                                           max_seqlen_k, block_table)
+        cu_seqlens_k = None
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
         return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, descales, names,
                               packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                              block_table=block_table)
+                              block_table=block_table, seqused_k=seqused_k)
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
@@ -525,7 +626,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table); "
                                       "call it under torch.no_grad()")
         total_k = None  # paged keys have no packed extent; _check_pages bounds the lengths
-    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q)
+    if seqused_k is None:
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q)
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     dropout_p = _check_dropout(dropout_p)
@@ -539,22 +641,29 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], total_k, max_seqlen_q, max_seqlen_k)
     if block_table is not None:
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
-    if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table):
-        out, lse = _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, left, right,
-                                  softcap, alibi, block_table)
+    if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table, k.shape[2] if block_table is not None else 1):
+        out, lse = _varlen_decode(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), max_seqlen_q,
+                                  scale, left, right, softcap, alibi, block_table, need_lse=return_attn_probs)
         return (out, lse, None) if return_attn_probs else out
-    out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q,
-                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+
+    def prefill(key_offsets):
+        return ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q, key_offsets,
+                           max_seqlen_q, max_seqlen_k, dropout_p,
                            ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,
                            _check_deterministic(deterministic))
+    if _mixed_batch_wanted(q, max_seqlen_q, dropout_p, block_table, batch):
+        out, lse = _mixed_batch(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), scale, left, right,
+                                softcap, alibi, block_table, prefill)
+    else:
+        out, lse = prefill(_key_offsets(cu_seqlens_k, seqused_k))
     return (out, lse, None) if return_attn_probs else out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, q_descale=None, k_descale=None,
-                           v_descale=None):
+                           v_descale=None, seqused_k=None):
     """Packed sequences without padding: q (total_q, H, D), k/v (total_k, Hk, D).
 
     Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]
@@ -567,6 +676,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     with any page size: sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] slots
     of pages block_table[b, 0], block_table[b, 1], ... (forward only).
 
+    ``seqused_k`` (B,) int32 (FlashAttention-3's and vLLM's): sequence b attends to only its first
+    seqused_k[b] keys, read on the device. With ``block_table`` it gives the key counts and
+    ``cu_seqlens_k`` may be None (as vLLM calls it); without, sequence b's keys are
+    k/v[cu_seqlens_k[b]:cu_seqlens_k[b] + seqused_k[b]] (forward only).
+
     FP8 (forward only): float8_e4m3fn q, k, v with float32 ``q_descale``/``k_descale``/``v_descale``
     (B, Hk), one per sequence and KV head (None: 1.0), as in FlashAttention-3; bfloat16 output. With
     ``block_table`` the page pools are e4m3 too (vLLM's FP8 KV cache with FlashAttention-3).
@@ -574,7 +688,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                              return_attn_probs, block_table, deterministic,
-                             descales=(q_descale, k_descale, v_descale))
+                             descales=(q_descale, k_descale, v_descale), seqused_k=seqused_k)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .kernels.backward import attention_backward
-from .kernels.decode import combine, decode_attention, out_dtype
+from .kernels.decode import block_packed_rows, combine, decode_attention, out_dtype, unblock_rows
 from .kernels.forward import attention_forward
 
 
@@ -322,3 +322,55 @@ def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_sl
     batch, seqlen_q, heads, _ = q.shape
     return (q.new_empty(q.shape, dtype=out_dtype(q.dtype)),
             q.new_empty(batch, heads, seqlen_q, dtype=torch.float32))
+
+
+def block_rows(packed: torch.Tensor, cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """decode.block_packed_rows; the registered op under torch.compile (the launcher is opaque to
+    Dynamo), the launcher directly otherwise."""
+    if torch.compiler.is_compiling():
+        return attn_block_rows(packed, cu_seqlens, seqlen)
+    return block_packed_rows(packed, cu_seqlens, seqlen)
+
+
+def unblock(blocked: torch.Tensor, lse_blocked: Optional[torch.Tensor], cu_seqlens: torch.Tensor, total: int,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+    """decode.unblock_rows; the registered ops under torch.compile (which always move the LSE)."""
+    if torch.compiler.is_compiling():
+        if out is not None:
+            attn_unblock_rows_into(blocked, lse_blocked, cu_seqlens, out, lse)
+            return out, lse
+        return attn_unblock_rows(blocked, lse_blocked, cu_seqlens, total)
+    return unblock_rows(blocked, lse_blocked, cu_seqlens, total, out, lse)
+
+
+@torch.library.custom_op("flashtile::block_rows", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_block_rows(packed: torch.Tensor, cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    return block_packed_rows(packed, cu_seqlens, seqlen)
+
+
+@attn_block_rows.register_fake
+def _(packed, cu_seqlens, seqlen):
+    return packed.new_empty(cu_seqlens.shape[0] - 1, seqlen, *packed.shape[1:])
+
+
+@torch.library.custom_op("flashtile::unblock_rows", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_unblock_rows(blocked: torch.Tensor, lse_blocked: torch.Tensor, cu_seqlens: torch.Tensor,
+                      total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return unblock_rows(blocked, lse_blocked, cu_seqlens, total)
+
+
+@attn_unblock_rows.register_fake
+def _(blocked, lse_blocked, cu_seqlens, total):
+    return (blocked.new_empty(total, *blocked.shape[2:]),
+            lse_blocked.new_empty(blocked.shape[2], total))
+
+
+@torch.library.custom_op("flashtile::unblock_rows_into", mutates_args=("out", "lse"), device_types=("cuda", "cpu"))
+def attn_unblock_rows_into(blocked: torch.Tensor, lse_blocked: torch.Tensor, cu_seqlens: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor) -> None:
+    unblock_rows(blocked, lse_blocked, cu_seqlens, out.shape[0], out, lse)
+
+
+@attn_unblock_rows_into.register_fake
+def _(blocked, lse_blocked, cu_seqlens, out, lse):
+    return None

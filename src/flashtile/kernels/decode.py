@@ -1581,3 +1581,91 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                               need_lse=need_lse, q_descale=q_descale, seq_descales=seq_descales)
     return run_decode(prepared, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
                       block_table, alibi_slopes, k_descale, v_descale, q_descale)
+
+
+# Packed rows <-> a (B, Sq, H, D) block, for decode steps given as packed sequences
+# (flash_attn_varlen_func on page pools): sequence b's queries take the block's last rows, so each
+# keeps its bottom-right position. One launch each way where torch's indexing took about eight.
+@triton.jit
+def _move_packed_rows(Packed, Blocked, LsePacked, LseBlocked, CuSeqlens, total, heads, head_dim,
+                      stride_pr, stride_ph, stride_pd, stride_bb, stride_bs, stride_bh, stride_bd,
+                      stride_lph, stride_lpr, stride_lbb, stride_lbh, stride_lbs,
+                      SEQLEN: tl.constexpr, TO_BLOCK: tl.constexpr, WITH_LSE: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // SEQLEN
+    j = pid % SEQLEN
+    start = tl.load(CuSeqlens + b)
+    end = tl.load(CuSeqlens + b + 1)
+    row = end - SEQLEN + j  # the packed row of (b, j)
+    # Sequences of more than SEQLEN rows are not moved (a mixed batch's long chunks: the prefill
+    # kernels own them). Offsets are checked on the host except under capture or compile: clamped
+    # so none reads out of bounds then.
+    valid = (row >= start) & (end - start <= SEQLEN) & (row >= 0) & (row < total)
+    row = tl.minimum(tl.maximum(row, 0), total - 1).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    inside = (h[:, None] < heads) & (d[None, :] < head_dim)
+    packed = Packed + row * stride_pr + h[:, None] * stride_ph + d[None, :] * stride_pd
+    blocked = (Blocked + b.to(tl.int64) * stride_bb + j * stride_bs + h[:, None] * stride_bh
+               + d[None, :] * stride_bd)
+    if TO_BLOCK:  # rows before a sequence's queries are zeros (their outputs are dropped)
+        tl.store(blocked, tl.load(packed, mask=inside & valid, other=0), mask=inside)
+    else:
+        tl.store(packed, tl.load(blocked, mask=inside & valid), mask=inside & valid)
+        if WITH_LSE:
+            live = (h < heads) & valid
+            lse = tl.load(LseBlocked + b.to(tl.int64) * stride_lbb + h * stride_lbh + j * stride_lbs, mask=live)
+            tl.store(LsePacked + h * stride_lph + row * stride_lpr, lse, mask=live)
+
+
+@functools.lru_cache(maxsize=256)
+def _move_options(seqlen: int, heads: int, head_dim: int, to_block: bool, with_lse: bool) -> dict:
+    block_d = _next_power_of_2(head_dim)
+    return dict(SEQLEN=seqlen, TO_BLOCK=to_block, WITH_LSE=with_lse, BLOCK_D=block_d,
+                BLOCK_H=min(_next_power_of_2(heads), max(1, 2048 // block_d)), num_warps=4)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # moved as integers of the same width: the interpreter's numpy has no bfloat16 or e4m3
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _launch_move(packed, blocked, lse_packed, lse_blocked, cu_seqlens, options: dict) -> None:
+    batch, seqlen, heads, head_dim = blocked.shape
+    dummy = lse_packed is None
+    lse_packed = cu_seqlens if dummy else lse_packed  # unread pointers without WITH_LSE
+    lse_blocked = cu_seqlens if dummy else lse_blocked
+    launch(_move_packed_rows, (batch * seqlen, triton.cdiv(heads, options["BLOCK_H"])),
+           (_bits(packed), _bits(blocked), lse_packed, lse_blocked, cu_seqlens),
+           (packed.shape[0], heads, head_dim, *packed.stride(), *blocked.stride(),
+            *((0, 0, 0, 0, 0) if dummy else (*lse_packed.stride(), *lse_blocked.stride()))), options)
+
+
+def block_packed_rows(packed: torch.Tensor, cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Packed rows (total, H, D) of B = len(cu_seqlens) - 1 sequences as a (B, seqlen, H, D) block
+    with sequence b's rows last and zeros before them (all zeros for a sequence of more rows)."""
+    total, heads, head_dim = packed.shape
+    blocked = torch.empty(cu_seqlens.shape[0] - 1, seqlen, heads, head_dim, dtype=packed.dtype,
+                          device=packed.device)
+    if blocked.numel():
+        _launch_move(packed, blocked, None, None, cu_seqlens,
+                     _move_options(seqlen, heads, head_dim, True, False))
+    return blocked
+
+
+def unblock_rows(blocked: torch.Tensor, lse_blocked: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                 total: int, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """block_packed_rows' inverse for the outputs: blocked (B, Sq, H, D) and its LSE (B, H, Sq) (or
+    None) back to packed rows (total, H, D) and (H, total), fresh or ``out``/``lse``. Rows no
+    sequence of at most Sq rows owns are left as they were (unwritten in fresh tensors)."""
+    batch, seqlen, heads, head_dim = blocked.shape
+    if out is None:
+        out = torch.empty(total, heads, head_dim, dtype=blocked.dtype, device=blocked.device)
+    if lse is None and lse_blocked is not None:
+        lse = torch.empty(heads, total, dtype=torch.float32, device=blocked.device)
+    if blocked.numel() and total:
+        _launch_move(out, blocked, lse, lse_blocked, cu_seqlens,
+                     _move_options(seqlen, heads, head_dim, False, lse is not None))
+    return out, lse
+
