@@ -407,6 +407,14 @@ def test_bad_seqused_k_is_named(change, exc, message):
         flashtile.flash_attn_varlen_func(q, *pools, **call)
 
 
+def test_seqused_k_on_no_keys_at_all(nan_empty):
+    q = torch.randn(3, 4, 16, dtype=BF16)
+    none = torch.randn(0, 2, 16, dtype=BF16)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, none, none, offsets([1, 2]), offsets([0, 0]), 2, 0,
+                                                   seqused_k=torch.zeros(2, dtype=torch.int32), return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all() and (lse > 0).all()
+
+
 def test_seqused_k_checked_once_per_tensor_version(monkeypatch):
     """Every layer of a decode step passes the same seqused_k, cu_seqlens_q and block table: their
     values are read on the host (a device sync) at the first layer only, and again after an

@@ -514,7 +514,8 @@ def _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
     seqused_k[b] keys. Returns (k, v, max_seqlen_k, block_table) for the paged call that does so,
     whose key counts are seqused_k (cu_seqlens_k is then not read): with ``block_table`` the same
     pools; without one, k and v (total_k, Hk, D) seen as pools of one-key pages and a table whose
-    row b lists keys cu_seqlens_k[b], cu_seqlens_k[b] + 1, ..."""
+    row b lists keys cu_seqlens_k[b], cu_seqlens_k[b] + 1, ... (with no keys at all, block_table
+    None: the packed call as it is)."""
     for t, name in ((q, "q"), (seqused_k, "seqused_k")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -544,6 +545,8 @@ def _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
         raise ValueError("seqused_k without block_table takes packed k and v (total_k, heads_k, head_dim)")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError("flashtile: seqused_k is forward-only; call it under torch.no_grad()")
+    if k.shape[0] == 0:  # no keys at all: the offsets say as much as the counts
+        return k, v, max_seqlen_k, None
     width = min(max_seqlen_k, k.shape[0])
     table = (cu_seqlens_k[:-1, None] + torch.arange(width, dtype=torch.int32, device=q.device))
     return k.unsqueeze(1), v.unsqueeze(1), width, table.clamp_(max=max(k.shape[0] - 1, 0))
@@ -603,7 +606,10 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if seqused_k is not None:
         k, v, max_seqlen_k, block_table = _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                            max_seqlen_k, block_table)
-        cu_seqlens_k = None
+        if block_table is None:  # packed keys without any: cu_seqlens_k as given
+            seqused_k = None
+        else:
+            cu_seqlens_k = None
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
         return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, descales, names,
