@@ -359,8 +359,8 @@ def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatc
         _assert_same_launch(got, general)
         tensors, descriptors = got[2], got[5]
         # the lse stands in for every pointer a plain call does not read; Out (read by packed
-        # sequences' last blocks only) is the output
-        assert len(tensors) == 8 and all(t.shape == ref_lse.shape for t in tensors[:7])
+        # sequences' last blocks only) is the output; the work list (packed sequences') the lse again
+        assert len(tensors) == 9 and all(t.shape == ref_lse.shape for i, t in enumerate(tensors) if i != 7)
         assert tensors[7].shape == ref_out.shape
         assert [x.base is y for x, y in zip(descriptors[:3], (q, k, v))] == [True] * 3
     assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and out.dtype == dtype
@@ -609,7 +609,8 @@ def test_equal_length_packed_calls_take_the_plain_calls_tile_order(monkeypatch, 
     """Where q and k hold batch x max_seqlen rows (equal lengths), a packed causal launch
     orders its work tiles as the plain call of that batch does (head_group_order's grouping: one
     (sequence, head) pair at a time at 8 x 2048, 16 heads, d128); ragged batches, whose skipped tiles
-    the model does not see, stay query-block-major (head_group = every pair)."""
+    the model does not see, stay query-block-major (head_group = every pair), dealt from a work list
+    where their empty tiles come to one a CTA."""
     launches = _stub_packed_gpu(monkeypatch)
     heads, d, total, longest = 16, 128, sum(lens), max(lens)
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -619,7 +620,10 @@ def test_equal_length_packed_calls_take_the_plain_calls_tile_order(monkeypatch, 
     plain = gluon_forward.head_group_order(gluon_forward.default_variant(d, "bf16", True), longest, longest,
                                            len(lens) * heads, 132)
     expected = plain if total == len(lens) * longest else len(lens) * heads
-    assert plain == 1 and [launch[3][-5] for launch in launches] == [expected, expected]
+    kernels = [launch for launch in launches if launch[0] is not gluon_forward._packed_work_list]
+    assert plain == 1 and [launch[3][-5] for launch in kernels] == [expected, expected]
+    # the ragged batch's empty tiles (4 x 8 blocks x 16 heads) are left out by a work list
+    assert len(launches) == (2 if total == len(lens) * longest or lens[-1] == 2047 else 4)
 
 
 def test_packed_forward_declines_what_the_kernel_does_not_take(monkeypatch):
@@ -1054,3 +1058,145 @@ def test_attention_forward_sends_plain_e4m3_calls_to_the_cached_plan(monkeypatch
     fwd.attention_forward(q, k, v, window_right=0, diag_offset=32, **kw)  # declined: the general path
     fwd.attention_forward(q, k, v, window_right=0, diag_offset=0, **kw)  # causal, but not bottom-right
     assert len(general) == 2 and len(asked) == 3 and copied == [k]
+
+
+def _listed(lens, keys, blocks, block_m, causal):
+    """The entries packed_work_list should write, in the kernel's deal order: sequences with keys
+    first, then those without."""
+    n = [min(-(-max(length, 0) // block_m), blocks) for length in lens]
+    batch = len(lens)
+    entries = []
+    for keyed in (True, False):
+        part = [b for b in range(batch) if (keys[b] > 0) == keyed]
+        if causal:
+            entries += [level * batch + b for level in reversed(range(blocks)) for b in part if n[b] > level]
+        else:
+            entries += [level * batch + b for b in part for level in range(n[b])]
+    return entries
+
+
+def _dealt_tiles(work, heads, batch, causal):
+    """(query block, head, sequence) of every listed work tile, as _work_coords maps tile ids."""
+    entries = int(work[0])
+    tiles = []
+    for tile in range(entries * heads):
+        entry, head = (divmod(tile, heads) if causal else divmod(tile, entries)[::-1])
+        code = int(work[1 + entry])
+        tiles.append((code // batch, head, code % batch))
+    return tiles
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_packed_work_list_deals_every_tile_with_rows_once(causal, seed):
+    """packed_work_list (the interpreter runs it): its entries are the (query block, sequence) pairs
+    that hold query rows, every one once, counted first; the kernel's tiles from them cover each
+    (block, head, sequence) with rows once, those of sequences with keys first, causal in the unlisted
+    deal's order (_tile_coords with every pair in one group: the last query blocks first) with the
+    empty tiles left out. Over 512
+    sequences (the list kernel's chunk), with sequences of no rows, offsets that run backwards and a
+    sequence longer than the grid's blocks (capture leaves offsets unchecked: clamped as the kernel
+    clamps them)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, block_m = 600, 3, 128
+    lens = torch.randint(1, 4, (batch,), generator=g)
+    lens[torch.randperm(batch, generator=g)[:40]] = torch.randint(100, 700, (40,), generator=g)
+    lens[torch.randperm(batch, generator=g)[:20]] = 0
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    cu[7] = cu[6] - 5  # sequence 6 runs backwards (no rows), sequence 7 gains them
+    keys = torch.randint(0, 3, (batch,), generator=g) * torch.randint(1, 900, (batch,), generator=g)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), keys.cumsum(0)]).to(torch.int32)
+    blocks = 5  # 640 rows: sequences over that keep their first 5 blocks
+    got = gluon_forward.packed_work_list(cu, cu_k, blocks, block_m, causal)
+    real = (cu[1:] - cu[:-1]).tolist()
+    expected = _listed(real, keys.tolist(), blocks, block_m, causal)
+    assert got.dtype == torch.int32 and got.shape == (1 + batch * blocks,)
+    assert int(got[0]) == len(expected) and got[1:1 + len(expected)].tolist() == expected
+    tiles = _dealt_tiles(got, heads, batch, causal)
+    n = [min(-(-max(r, 0) // block_m), blocks) for r in real]
+    live = {(m, h, b) for b in range(batch) for m in range(n[b]) for h in range(heads)}
+    assert len(tiles) == len(set(tiles)) and set(tiles) == live
+    if causal:  # sequences with keys, then those without: each in the unlisted deal's order
+        unlisted = []
+        for tile in range(blocks * heads * batch):
+            pid_m, rest = blocks - 1 - tile // (heads * batch), tile % (heads * batch)
+            unlisted.append((pid_m, rest % heads, rest // heads))
+        keyed = [t for t in unlisted if t in live and keys[t[2]] > 0]
+        assert tiles == keyed + [t for t in unlisted if t in live and keys[t[2]] == 0] and keyed
+
+
+def test_work_lists_are_for_packed_persistent_variants_and_shipped_bf16():
+    """work_list needs packed sequences on persistent CTAs; every dispatched persistent packed bf16
+    schedule (plain, e4m3, page pools at every box size, windows) has its listed form in the
+    compile check."""
+    names = {v.name for v in gluon_forward.GLUON_VARIANTS}
+    base = gluon_forward.default_variant(128, "bf16", True)
+    with pytest.raises(ValueError, match="work_list"):
+        dataclasses.replace(base, work_list=True)
+    with pytest.raises(ValueError, match="work_list"):
+        dataclasses.replace(gluon_forward.with_varlen(base), persistent=False, snake=False, work_list=True)
+    for d in gluon_forward.HEAD_DIMS:
+        for causal in (False, True):
+            candidates = [gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "bf16", causal, keys))
+                          for keys in (1, 1 << 20)]
+            candidates += [gluon_forward.varlen_paged_variant(d, "bf16", causal, page) for page in (256, 16, 32)]
+            if d in gluon_forward.WINDOW_HEAD_DIMS:
+                candidates.append(gluon_forward.with_window(gluon_forward.with_varlen(
+                    gluon_forward.dispatch_variant(d, "bf16", causal, 1))))
+            for variant in candidates:
+                assert variant.persistent
+                listed = gluon_forward.with_work_list(variant)
+                assert listed.name == variant.name + "-wl" and listed.name in names
+    for d, causal in gluon_forward.FP8_DISPATCH:
+        variant = gluon_forward.with_varlen(gluon_forward.default_variant(d, "fp8", causal))
+        if variant.persistent:
+            assert gluon_forward.with_work_list(variant).name in names
+
+
+def test_work_list_wanted_counts_the_empty_tiles_a_cta():
+    """At least one empty work tile a CTA (of 132) beyond what the rows could fill, one partial block
+    a sequence: a decode step's sequences among a prefill chunk's, not a batch of full blocks."""
+    variant = gluon_forward.with_varlen(gluon_forward.default_variant(128, "bf16", True))
+    wanted = gluon_forward.work_list_wanted
+    assert wanted(variant, 65, 64 + 512, 512, 32, 132)  # 64 steps of one query + a 512-query chunk
+    assert not wanted(variant, 8, 8 * 2048, 2048, 16, 132)  # full blocks
+    assert not wanted(variant, 4, 434, 300, 8, 132)  # 5 empty blocks x 8 heads < 132
+    assert wanted(variant, 4, 434, 300, 27, 132)  # x 27 heads >= 132 (well, 135)
+    full = gluon_forward.default_variant(128, "fp8", False)
+    assert not wanted(gluon_forward.with_varlen(full), 65, 576, 512, 32, 132)  # one CTA a tile
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_mixed_batches_launch_with_a_work_list(monkeypatch, paged):
+    """A packed causal batch of 64 one-query sequences and a 512-query one (32 heads): the list is
+    made first (one program a query block of the grid, from cu_seqlens_q) and the kernel's listed
+    schedule reads it; the cached plan does the same; the batch of test_varlen_launch_reads_packed_tensors
+    keeps the unlisted deal (the LSE standing in for the list)."""
+    launches = _stub_packed_gpu(monkeypatch)
+    lens = [1] * 64 + [512]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(sum(lens), 32, 128, dtype=torch.bfloat16)
+    if paged:
+        k = torch.randn(65 * 4, 16, 8, 128, dtype=torch.bfloat16)
+        table = torch.arange(65 * 4, dtype=torch.int32).reshape(65, 4)
+        monkeypatch.setattr(gluon_forward, "paged_supported", lambda *a, **kw: True)
+        gluon_forward.gluon_varlen_forward(q, k, k, cu, cu, 512, 64, softmax_scale=0.1, causal=True,
+                                           block_table=table)
+        variant = gluon_forward.varlen_paged_variant(128, "bf16", True, 16)
+    else:
+        k = torch.randn(sum(lens), 8, 128, dtype=torch.bfloat16)
+        gluon_forward.packed_forward(q, k, k, cu, cu, 512, 512, 0.1, True)
+        gluon_forward.gluon_varlen_forward(q, k, k, cu, cu, 512, 512, softmax_scale=0.1, causal=True)
+        variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(128, "bf16", True, 512))
+    listed = gluon_forward._launch_options(gluon_forward.with_work_list(variant))
+    assert len(launches) == (2 if paged else 4)
+    for made, kernel in zip(launches[::2], launches[1::2]):
+        assert made[0] is gluon_forward._packed_work_list and made[1] == (4,) and made[2][0] is cu and made[2][1] is cu
+        assert made[3] == (65, 4) and made[4]["BLOCK_M"] == 128 and made[4]["CAUSAL"]
+        assert kernel[4] is listed and kernel[4]["WORK_LIST"] and kernel[2][8] is made[2][2]
+    launches.clear()
+    cu_q = torch.tensor([0, 5, 305, 305, 434], dtype=torch.int32)
+    q, k = torch.randn(434, 8, 128, dtype=torch.bfloat16), torch.randn(434, 2, 128, dtype=torch.bfloat16)
+    gluon_forward.packed_forward(q, k, k, cu_q, cu_q, 300, 300, 0.1, True)
+    (kernel,) = launches
+    assert not kernel[4]["WORK_LIST"] and kernel[2][8] is kernel[2][0]

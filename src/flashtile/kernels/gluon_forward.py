@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 from .forward import _arch
 from .launch import launch
@@ -187,6 +189,13 @@ class GluonVariant:
     # ends; the window's sides are runtime arguments. 16-bit, plain (B, S, H, D) calls or packed
     # sequences (varlen, each sequence's window bottom-right on its own lengths), not caches.
     window: bool = False
+    # Packed sequences of different lengths: the persistent CTAs deal out only the work tiles that
+    # hold query rows, listed on the device before the launch (packed_work_list), instead of every
+    # (query block, head, sequence) up to the longest sequence's blocks with the empty ones skipped
+    # one by one in the loop (~3 us a CTA each on the H200: a decode step among prefill chunks
+    # makes as many empty tiles as the chunk has query blocks). Tiles of sequences without keys
+    # store their zeros and +inf LSEs without loading anything.
+    work_list: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -206,6 +215,8 @@ class GluonVariant:
         if self.varlen and (not self.warp_specialize or self.prefetch_q):
             # (the Q prefetch would load a skipped work tile's Q; not written)
             raise ValueError("varlen: warp specialized, without the Q prefetch")
+        if self.work_list and not (self.varlen and self.persistent):
+            raise ValueError("work_list: packed sequences on persistent CTAs")
         if self.window and (self.fp8 or not self.warp_specialize or self.own_range or self.seqused_k):
             raise ValueError("window: 16-bit plain or packed calls, warp specialized, without own key "
                              "ranges or caches")
@@ -256,6 +267,8 @@ class GluonVariant:
             sched += "-varlen"
         if self.window:
             sched += "-win"
+        if self.work_list:
+            sched += "-wl"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -414,6 +427,108 @@ def with_varlen(variant: GluonVariant) -> GluonVariant:
     return dataclasses.replace(variant, varlen=True, prefetch_q=False, max_stack=max(variant.max_stack, 48))
 
 
+@functools.lru_cache(maxsize=None)
+def with_work_list(variant: GluonVariant) -> GluonVariant:
+    """``variant`` (packed sequences, persistent) dealing out only listed work tiles (work_list)."""
+    return dataclasses.replace(variant, work_list=True)
+
+
+# The listed deal costs one more launch (~2-3 us in a CUDA graph) and takes the place of the empty
+# work tiles, ~3 us a CTA each in the persistent loop (the mixed batches of
+# varlen-decode-h200-20261204-mixed-b): taken where they would be at least this many a CTA.
+WORK_LIST_MIN_EMPTY = 1
+
+
+def work_list_wanted(variant: GluonVariant, batch: int, total_q: int, max_seqlen_q: int, heads: int,
+                     sm_count: int) -> bool:
+    """Whether a packed call of ``variant`` should list its work tiles: the grid's query blocks
+    (batch x the longest sequence's) exceed those the sequences can fill (at most one partial
+    block a sequence beyond total_q's whole ones; the host knows no single length) by at least
+    WORK_LIST_MIN_EMPTY empty tiles a CTA."""
+    if not (variant.varlen and variant.persistent):
+        return False
+    blocks = -(-max_seqlen_q // variant.block_m) * batch
+    filled = min(blocks, total_q // variant.block_m + batch)
+    return (blocks - filled) * heads >= WORK_LIST_MIN_EMPTY * sm_count
+
+
+@triton.jit
+def _packed_work_list(CuSeqlensQ, CuSeqlensK, WorkList, batch, num_m_blocks, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    """Program ``level`` lists the sequences that have a query block ``level`` (of at most
+    num_m_blocks) as entries level * batch + b at WorkList[1 + position], positions in the order
+    the kernel deals them: the blocks of sequences with keys first, then those without (which only
+    store zeros: the longest work first), each part causal from the last blocks down (level
+    descending, then sequence), else sequence by sequence with blocks ascending. Program 0 writes
+    the entries' count to WorkList[0]."""
+    level = tl.program_id(0)
+    keyed_total = tl.zeros([], tl.int32)  # blocks of sequences with keys: where the others start
+    above = tl.zeros([], tl.int32)  # causal: keyed entries of the levels above this one
+    above_keyless = tl.zeros([], tl.int32)
+    for c in range(0, batch, CHUNK):
+        n, keyed = _query_blocks(CuSeqlensQ, CuSeqlensK, c + tl.arange(0, CHUNK), batch, num_m_blocks, BLOCK_M)
+        keyed_total += tl.sum(tl.where(keyed, n, 0), 0)
+        if CAUSAL:  # max(n - level - 1, 0) entries a sequence of n blocks above this level
+            beyond = tl.maximum(n - level - 1, 0)
+            above += tl.sum(tl.where(keyed, beyond, 0), 0)
+            above_keyless += tl.sum(tl.where(keyed, 0, beyond), 0)
+    before = tl.zeros([], tl.int32)
+    before_keyless = tl.zeros([], tl.int32)
+    for c in range(0, batch, CHUNK):
+        b = c + tl.arange(0, CHUNK)
+        n, keyed = _query_blocks(CuSeqlensQ, CuSeqlensK, b, batch, num_m_blocks, BLOCK_M)
+        if CAUSAL:
+            live = (n > level).to(tl.int32)
+            mine, others = tl.where(keyed, live, 0), tl.where(keyed, 0, live)
+            position = tl.where(keyed, above + before + tl.cumsum(mine, 0) - mine,
+                                keyed_total + above_keyless + before_keyless + tl.cumsum(others, 0) - others)
+            before += tl.sum(mine, 0)
+            before_keyless += tl.sum(others, 0)
+        else:
+            mine, others = tl.where(keyed, n, 0), tl.where(keyed, 0, n)
+            position = tl.where(keyed, before + tl.cumsum(mine, 0) - mine,
+                                keyed_total + before_keyless + tl.cumsum(others, 0) - others) + level
+            before += tl.sum(mine, 0)
+            before_keyless += tl.sum(others, 0)
+        tl.store(WorkList + 1 + position, level * batch + b, mask=n > level)
+    if level == 0:  # causal: level 0's own entries after the levels above, every block once
+        if CAUSAL:
+            keyless_total = above_keyless + before_keyless
+        else:
+            keyless_total = before_keyless
+        tl.store(WorkList, keyed_total + keyless_total)
+
+
+@triton.jit
+def _query_blocks(CuSeqlensQ, CuSeqlensK, b, batch, num_m_blocks, BLOCK_M: tl.constexpr):
+    """(query blocks, whether there are keys) of sequences b (no blocks past the batch): at most
+    num_m_blocks blocks, as the kernel covers them."""
+    inside = b < batch
+    start = tl.load(CuSeqlensQ + b, mask=inside, other=0)
+    queries = tl.maximum(tl.load(CuSeqlensQ + b + 1, mask=inside, other=0) - start, 0)
+    keys = tl.load(CuSeqlensK + b + 1, mask=inside, other=0) - tl.load(CuSeqlensK + b, mask=inside, other=0)
+    return tl.minimum((queries + BLOCK_M - 1) // BLOCK_M, num_m_blocks), keys > 0
+
+
+_WORK_LIST_OPTIONS: dict = {}
+
+
+def packed_work_list(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, num_m_blocks: int, block_m: int,
+                     causal: bool) -> torch.Tensor:
+    """The work list of packed sequences with offsets ``cu_seqlens_q`` and ``cu_seqlens_k`` (B + 1
+    int32 on the device; on page pools, the key counts' running sum):
+    int32 (1 + B x num_m_blocks), its count of entries first (_packed_work_list). On the device,
+    without a host sync (CUDA-graph capture)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    work = torch.empty(1 + batch * num_m_blocks, dtype=torch.int32, device=cu_seqlens_q.device)
+    options = _WORK_LIST_OPTIONS.get((block_m, causal))
+    if options is None:  # one dict a key: launch keys its cache on the options' identity
+        options = _WORK_LIST_OPTIONS.setdefault((block_m, causal), {"BLOCK_M": block_m, "CHUNK": 512,
+                                                                    "CAUSAL": causal, "num_warps": 4})
+    launch(_packed_work_list, (num_m_blocks,), (cu_seqlens_q, cu_seqlens_k, work), (batch, num_m_blocks), options)
+    return work
+
+
 def varlen_paged_variant(head_dim: int, dtype: str, causal: bool, page_size: int) -> GluonVariant:
     """The schedule of packed sequences on page pools of ``page_size`` keys: the default one of
     this shape (d256 without Q's register half: with the page table's and the packed offsets'
@@ -567,7 +682,18 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                      for dt in ("bf16", "fp16") for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
                   + [with_window(with_varlen(dispatch_variant(d, dt, c, 1))) for d in WINDOW_HEAD_DIMS
-                     for dt in ("bf16", "fp16") for c in (False, True)])
+                     for dt in ("bf16", "fp16") for c in (False, True)]
+                  # ... dealing out listed work tiles (packed sequences of different lengths): the
+                  # persistent schedules above, bf16 (fp16 is the same code but for the element type)
+                  + [with_work_list(v) for v in (
+                      [with_varlen(dispatch_variant(d, "bf16", c, n)) for d in HEAD_DIMS for c in (False, True)
+                       for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
+                      + [with_varlen(default_variant(d, "fp8", c)) for d, c in sorted(FP8_DISPATCH)]
+                      + [varlen_paged_variant(d, "bf16", c, page) for d in HEAD_DIMS for c in (False, True)
+                         for page in (256, *PAGED_BOX_ROWS) if page == 256 or page < default_variant(d, "bf16", c).block_n]
+                      + [with_window(with_varlen(dispatch_variant(d, "bf16", c, 1))) for d in WINDOW_HEAD_DIMS
+                         for c in (False, True)])
+                     if v.persistent])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -645,6 +771,83 @@ if _GLUON:
             return k * grid + pid + (k & 1) * (grid - 1 - 2 * pid)
         else:
             return k * grid + pid
+
+    @gluon.jit
+    def _work_total(WorkList, num_m_blocks, num_bh, num_heads, WORK_LIST: gl.constexpr):
+        """(work tiles, listed entries): every (query block, head, sequence), or WORK_LIST's
+        entries (packed_work_list: their count first) times the heads."""
+        if WORK_LIST:
+            entries = gl.load(WorkList)
+            return entries * num_heads, entries
+        else:
+            return num_m_blocks * num_bh, 0
+
+    @gluon.jit
+    def _listed_entry(tile_id, entries, num_heads, CAUSAL: gl.constexpr):
+        """(entry, head) of a listed work tile: the heads fastest (causal: the list runs from the
+        last query blocks down, as _tile_coords' one group does) or slowest (not causal: a head's
+        blocks one after another, sharing its K/V in L2)."""
+        if CAUSAL:
+            entry = tile_id // num_heads
+            return entry, tile_id - entry * num_heads
+        else:
+            head = tile_id // entries
+            return tile_id - head * entries, head
+
+    @gluon.jit
+    def _listed_code(tile_id, WorkList, entries, num_heads, CAUSAL: gl.constexpr):
+        """The list's entry of work tile ``tile_id`` (query block x batch + sequence), loaded a tile
+        ahead of its use so that its latency hides under the tile before; ids past the deal read
+        an entry inside the list."""
+        entry, _ = _listed_entry(tile_id, entries, num_heads, CAUSAL)
+        return gl.load(WorkList + 1 + gl.maximum(gl.minimum(entry, entries - 1), 0))
+
+    @gluon.jit
+    def _listed_coords(tile_id, code, entries, num_heads, batch_size, CAUSAL: gl.constexpr):
+        """(query block, head, batch) of listed work tile ``tile_id`` whose entry is ``code``."""
+        _, head = _listed_entry(tile_id, entries, num_heads, CAUSAL)
+        pid_m = code // batch_size
+        return pid_m, head, code - pid_m * batch_size
+
+    @gluon.jit
+    def _dealt(k, code, WorkList, entries, num_heads, num_m_blocks, num_bh, batch_size, head_group,
+               CAUSAL: gl.constexpr, SNAKE: gl.constexpr, WORK_LIST: gl.constexpr):
+        """(query block, head, batch, next code) of this CTA's k-th work tile: with WORK_LIST from
+        ``code``, its list entry loaded the tile before, and the next tile's entry loaded now (the
+        partitions start from _listed_code(_work_tile(0)); else by _tile_coords, ``code`` passed on."""
+        tile_id = _work_tile(k, SNAKE)
+        if WORK_LIST:
+            pid_m, head, batch = _listed_coords(tile_id, code, entries, num_heads, batch_size, CAUSAL)
+            code = _listed_code(_work_tile(k + 1, SNAKE), WorkList, entries, num_heads, CAUSAL)
+        else:
+            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group, CAUSAL)
+        return pid_m, head, batch, code
+
+    @gluon.jit
+    def _first_code(WorkList, entries, num_heads, CAUSAL: gl.constexpr, SNAKE: gl.constexpr,
+                    WORK_LIST: gl.constexpr):
+        """_dealt's ``code`` for the first work tile (0 without a list)."""
+        if WORK_LIST:
+            return _listed_code(_work_tile(0, SNAKE), WorkList, entries, num_heads, CAUSAL)
+        else:
+            return gl.program_id(0) * 0
+
+    @gluon.jit
+    def _store_keyless(Out, Lse, stride_lb, stride_lh, batch, head, q_start, row0, seqlen_q, total_q,
+                       num_heads, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Rows [row0, row0 + ROWS) of a packed sequence without keys: output 0 and LSE +inf (what
+        _attend_block's one fully masked tile gives), stored without loading anything."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        keep = (rows < seqlen_q) & (q_start + rows >= 0) & (q_start + rows < total_q)
+        o_ptrs = (Out + head.to(gl.int64) * HEAD_DIM
+                  + gl.expand_dims((q_start + rows).to(gl.int64) * (num_heads * HEAD_DIM), 1)
+                  + gl.expand_dims(cols, 0))
+        gl.store(o_ptrs, gl.zeros([ROWS, HEAD_DIM], Out.dtype.element_ty, layout),
+                 mask=gl.expand_dims(keep, 1))
+        lse_ptrs = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + q_start + rows
+        gl.store(lse_ptrs, gl.full([ROWS], float("inf"), gl.float32, gl.SliceLayout(1, layout)), mask=keep)
 
     @gluon.jit
     def _key_range(m0, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -836,7 +1039,7 @@ if _GLUON:
                   CAUSAL: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr, SNAKE: gl.constexpr,
                   SEQUSED_K: gl.constexpr = False, PAGE_ROWS: gl.constexpr = 0,
                   VARLEN: gl.constexpr = False, window_left=0, window_right=0,
-                  WINDOW: gl.constexpr = False):
+                  WINDOW: gl.constexpr = False, WorkList=None, WORK_LIST: gl.constexpr = False):
         """The 1-warp load partition: K_j then V_j for every key tile of every work tile, at most
         STAGES tiles ahead of the consumers (so the next work tile's first tiles load while the
         consumers finish the current one). ``JOINT``: consumers free a slot's K and V together
@@ -845,13 +1048,15 @@ if _GLUON:
         page_size, Hk, D), page_size a multiple of BLOCK_N, and a tile's page is the sequence's
         BlockTable entry (row stride ``stride_bt``); with PAGE_ROWS, page_size a multiple of it
         and a tile one box of PAGE_ROWS keys per page piece (_issue_page_boxes). ``VARLEN``: packed
-        sequences (see _sequence); work tiles past a sequence's queries load nothing."""
+        sequences (see _sequence); work tiles past a sequence's queries load nothing, nor (WORK_LIST)
+        those of a sequence without keys."""
         num_bh = num_heads * batch_size
         ring = 0
-        for k in range(_work_tile_count(num_m_blocks * num_bh, SNAKE)):
-            tile_id = _work_tile(k, SNAKE)
-            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group,
-                                              CAUSAL)
+        total, entries = _work_total(WorkList, num_m_blocks, num_bh, num_heads, WORK_LIST)
+        code = _first_code(WorkList, entries, num_heads, CAUSAL, SNAKE, WORK_LIST)
+        for k in range(_work_tile_count(total, SNAKE)):
+            pid_m, head, batch, code = _dealt(k, code, WorkList, entries, num_heads, num_m_blocks, num_bh,
+                                              batch_size, head_group, CAUSAL, SNAKE, WORK_LIST)
             kv_head = head // group_size
             _, queries, key0, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
                                                k_desc.shape[1], SEQUSED_K, VARLEN)
@@ -859,6 +1064,8 @@ if _GLUON:
                                                 BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
             if VARLEN:
                 num_tiles = num_tiles * (pid_m * BLOCK_M < queries).to(gl.int32)
+                if WORK_LIST:
+                    num_tiles = num_tiles * (keys > 0).to(gl.int32)
             coord = _batch_coord(batch, VARLEN)
             v_key0 = key0
             if VARLEN:
@@ -1351,7 +1558,8 @@ if _GLUON:
                   OWN_RANGE: gl.constexpr = False, LAZY: gl.constexpr = False,
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
                   Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
-                  VARLEN: gl.constexpr = False, WINDOW: gl.constexpr = False):
+                  VARLEN: gl.constexpr = False, WINDOW: gl.constexpr = False,
+                  WORK_LIST: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1363,10 +1571,12 @@ if _GLUON:
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
          scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out, window_left,
-         window_right) = shared
+         window_right, WorkList) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
-        count = _work_tile_count(num_m_blocks * num_bh, SNAKE)
+        total, entries = _work_total(WorkList, num_m_blocks, num_bh, num_heads, WORK_LIST)
+        count = _work_tile_count(total, SNAKE)
+        code = _first_code(WorkList, entries, num_heads, CAUSAL, SNAKE, WORK_LIST)
         ring = 0
         event = 0
         live = 0
@@ -1375,7 +1585,6 @@ if _GLUON:
                 _load_q(q_desc, q_smem.index(WG * 2), q_bars.index(WG * 2), _work_tile(0, SNAKE),
                         num_heads, num_m_blocks, num_bh, head_group, BLOCK_M, ROWS, WG, CAUSAL)
         for t in range(count):  # t: work tiles done by this CTA before this one
-            tile_id = _work_tile(t, SNAKE)
             b = t % Q_BUFS
             if Q_BUFS == 2:
                 if t + 1 < count:
@@ -1389,8 +1598,8 @@ if _GLUON:
                 o_buf = o_smem.index(WG)
             else:
                 o_buf = q_buf
-            pid_m, head, batch = _tile_coords(tile_id, num_heads, num_m_blocks, num_bh, head_group,
-                                              CAUSAL)
+            pid_m, head, batch, code = _dealt(t, code, WorkList, entries, num_heads, num_m_blocks, num_bh,
+                                              batch_size, head_group, CAUSAL, SNAKE, WORK_LIST)
             kv_head = head // group_size
             m0 = pid_m * BLOCK_M
             _, queries, _, keys = _sequence(CuSeqlensQ, SeqlensK, batch, seqlen_q, seqlen_k,
@@ -1402,8 +1611,16 @@ if _GLUON:
             v_scales = VScale + batch.to(gl.int64) * stride_ksb + kv_head.to(gl.int64) * stride_ksh
             if VARLEN:
                 # A query block past the sequence's rows: no loads (the producer skips it too), no
-                # turns, nothing stored.
-                if m0 < queries:
+                # turns, nothing stored. Listed work has no such blocks; its blocks of sequences
+                # without keys store their zeros at once (the producer loads nothing for them).
+                run = m0 < queries
+                if WORK_LIST:
+                    if run & (keys == 0):
+                        _store_keyless(Out, Lse, stride_lb, stride_lh, batch, head,
+                                       _sequence_start(CuSeqlensQ, batch, q_desc.shape[1], VARLEN),
+                                       m0 + WG * ROWS, queries, q_desc.shape[1], num_heads, ROWS, HEAD_DIM)
+                    run = run & (keys > 0)
+                if run:
                     _attend_block(q_desc, k_desc, v_desc, o_desc, q_buf, o_buf, p_bufs,
                                   q_bars.index(WG), live & 1, k_bufs,
                                   v_bufs, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, stride_lb,
@@ -1442,7 +1659,7 @@ if _GLUON:
                                   "scale_shift_k", "v_max_index", "head_group", "page_size",
                                   "stride_bt", "window_left", "window_right"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, BlockTable,
-                        CuSeqlensQ, Out, stride_lb,
+                        CuSeqlensQ, Out, WorkList, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
                         scale_shift_q, scale_shift_k, v_max_index, head_group, page_size, stride_bt,
@@ -1455,7 +1672,7 @@ if _GLUON:
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
                         PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False,
-                        WINDOW: gl.constexpr = False):
+                        WINDOW: gl.constexpr = False, WORK_LIST: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1471,7 +1688,8 @@ if _GLUON:
         int32 offsets of the keys and queries, seqlen_q the longest sequence's queries; the last
         query block of each sequence stores through Out (contiguous (total_q, H, D)) and the LSE
         (H, total_q) takes stride_lb 0. WINDOW: query row i (key position i + seqlen_k - seqlen_q)
-        sees keys [pos - window_left, pos + window_right] (see _tile_span)."""
+        sees keys [pos - window_left, pos + window_right] (see _tile_span). WORK_LIST (with VARLEN,
+        persistent): the work tiles are the entries WorkList lists (packed_work_list), times the heads."""
         dtype: gl.constexpr = q_desc.dtype
         if PAGE_ROWS > 0:  # the descriptors' boxes are page pieces; a slot holds a whole key tile
             k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -1518,7 +1736,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right)
+                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right, WorkList)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1531,20 +1749,21 @@ if _GLUON:
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW)),
+                             WINDOW, WORK_LIST)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW)),
+                             WINDOW, WORK_LIST)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW)),
+                             WINDOW, WORK_LIST)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
-                             PAGE_ROWS, VARLEN, window_left, window_right, WINDOW)),
+                             PAGE_ROWS, VARLEN, window_left, window_right, WINDOW, WorkList,
+                             WORK_LIST)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         elif WARP_SPECIALIZE:
             # Partition arguments are flattened to IR values: plain Python literals cannot ride along.
@@ -1555,16 +1774,17 @@ if _GLUON:
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW)),
+                             WINDOW, WORK_LIST)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW)),
+                             WINDOW, WORK_LIST)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
                              BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, JOINT_RELEASE, SNAKE, SEQUSED_K,
-                             PAGE_ROWS, VARLEN, window_left, window_right, WINDOW)),
+                             PAGE_ROWS, VARLEN, window_left, window_right, WINDOW, WorkList,
+                             WORK_LIST)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
@@ -1615,7 +1835,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
-            "VARLEN": variant.varlen, "WINDOW": variant.window}
+            "VARLEN": variant.varlen, "WINDOW": variant.window, "WORK_LIST": variant.work_list}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1822,7 +2042,7 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     # Unread pointers: lse; an unpaged seqused_k call's table, the (int32) lengths.
     lengths = lse if seqused_k is None else seqused_k
     launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lengths,
-                                       lengths if block_table is None else block_table, lse, out),
+                                       lengths if block_table is None else block_table, lse, out, lse),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -1925,7 +2145,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tup
                    _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
                    _Descriptor(v, *plan.vt_view, (1, 1, q_shape[3], variant_block_n), v_layout),
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
-    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out),
+    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out, lse),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -1939,6 +2159,7 @@ class _PackedPlan(NamedTuple):
     views: tuple  # (shape, strides) of q, k, v and out as the kernel's (1, S, H, D) tensors
     scalars_head: tuple
     scalars_tail: tuple
+    work_list: bool  # the launch deals out listed work tiles (packed_work_list)
 
 
 # Packed 16-bit calls (flash_attn_varlen_func without a window, page pools or e4m3) by the geometry
@@ -1978,14 +2199,16 @@ def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
         return None  # gluon_varlen_forward's conventions for empty inputs, on the general path
     # gluon_varlen_forward's launch, everything but the pointers and the score scale worked out once
     variant = with_varlen(dispatch_variant(head_dim, _DTYPES[q.dtype], causal, max_seqlen_k))
-    geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device),
-                    packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k), q.dtype)
+    head_group = packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
+    if head_group == 0 and work_list_wanted(variant, batch, total_q, max_seqlen_q, heads, _sm_count(q.device)):
+        variant = with_work_list(variant)
+    geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     out4 = torch.empty((1, total_q, heads, head_dim), dtype=q.dtype, device="meta")
     views = tuple((t.shape, t.stride()) for t in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4))
     return _PackedPlan(geo, q.device, q.get_device(), (total_q, heads, head_dim), (heads, total_q), views,
                        (0, total_q, max_seqlen_q, max_seqlen_k, heads // k.shape[1], heads,
                         geo.num_m_blocks, batch),
-                       (*_NO_SCALES, geo.head_group, 0, 0, 0, 0))
+                       (*_NO_SCALES, geo.head_group, 0, 0, 0, 0), variant.work_list)
 
 
 def packed_head_group(batch: int, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int):
@@ -2025,7 +2248,9 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    _Descriptor(k, k_shape, k_strides, geo.kv_block, k_layout),
                    _Descriptor(v, v_shape, v_strides, geo.kv_block, v_layout),
                    _Descriptor(out, o_shape, o_strides, geo.q_block, o_layout))
-    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, cu_seqlens_k, lse, cu_seqlens_q, out),
+    work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, geo.options["BLOCK_M"], causal)
+            if plan.work_list else lse)
+    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, cu_seqlens_k, lse, cu_seqlens_q, out, work),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -2129,7 +2354,9 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     (kernels.forward.paged_keys_packed: B * max_seqlen_k keys of K rows and of V^T).
 
     ``window_size`` (left, right), -1 for an unbounded side: flash_attn's sliding window on each
-    sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it."""
+    sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it.
+    The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
+    says so (with_work_list); a given ``variant`` runs as it is."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2163,6 +2390,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         from .forward import paged_keys_packed
         k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k)
         paged = False
+    dispatched = variant is None
     if variant is None:
         if paged:
             variant = varlen_paged_variant(head_dim, dtype, causal, k.shape[1])
@@ -2180,6 +2408,9 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         raise ValueError("gluon_varlen_forward: e4m3 inputs need descales")
     # Every sequence's keys fit a key range of max_seqlen_k; the grid's query blocks, max_seqlen_q.
     head_group = 0 if paged else packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
+    if (dispatched and head_group == 0
+            and work_list_wanted(variant, batch, total_q, max_seqlen_q, heads, _sm_count(q.device))):
+        variant = with_work_list(variant)
     geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device),
                     head_group, q.dtype)
     seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
@@ -2201,8 +2432,10 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                stride_bt, window_left, window_right)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
+        work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, variant.block_m, causal)
+                if variant.work_list else lse)
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, block_table if paged else lse,
-                                           cu_seqlens_q, out),
+                                           cu_seqlens_q, out, work),
                scalars, geo.options, descriptors)
     return out, lse
 
@@ -2383,7 +2616,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         lengths = lse if seqused_k is None else seqused_k  # also an unpaged call's (unread) table
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lengths,
-                                           lengths if block_table is None else block_table, lse, out),
+                                           lengths if block_table is None else block_table, lse, out, lse),
                scalars, geo.options, descriptors)
     return out, lse
 
@@ -2499,13 +2732,15 @@ def compile_for_sm90(variant: GluonVariant):
                  "SeqlensK": "*i32" if variant.seqused_k or variant.varlen else "*fp32",
                  "BlockTable": "*i32" if variant.seqused_k else "*fp32",
                  "CuSeqlensQ": "*i32" if variant.varlen else "*fp32", "Out": f"*{out_dt}",
+                 "WorkList": "*i32" if variant.work_list else "*fp32",
                  "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK", "BlockTable", "CuSeqlensQ", "Out"):
+        elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK", "BlockTable", "CuSeqlensQ", "Out",
+                      "WorkList"):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name not in signature:
             signature[name] = "i32"
