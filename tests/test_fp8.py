@@ -327,6 +327,50 @@ def test_varlen_fp8_mixed_batches_split(monkeypatch, nan_empty):
     assert calls == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32)]
 
 
+def test_varlen_fp8_mixed_batches_bound_the_sequences_with_keys(monkeypatch, nan_empty):
+    """The split's e4m3 prefill part says how many sequences can have keys there (the long ones,
+    more than VARLEN_DECODE_MAX_QUERIES queries each: total_q // 17), which sizes the pools' gathers
+    for the Gluon kernel; flash_attn_varlen_func's own calls say nothing (0)."""
+    from flashtile import interface
+    bounds = []
+    real = interface.ops.fp8_forward
+    monkeypatch.setattr(interface.ops, "fp8_forward",
+                        lambda *a, **k: bounds.append(k.get("keyed_sequences", 0)) or real(*a, **k))
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    lens_q = [1, 40, 0, 2, 1, 1, 17, 1]
+    _e4m3_pools_match_reference(lens_q, [70, 50, 9, 3, 0, 30, 20, 5], 32, 16, dict(causal=True))
+    _e4m3_pools_match_reference([40, 17], [50, 20], 32, 16, dict(causal=True))
+    assert bounds == [sum(lens_q) // (interface.VARLEN_DECODE_MAX_QUERIES + 1), 0]
+
+
+@pytest.mark.parametrize("keyed", [1, 2, 9])
+def test_paged_keys_packed_rows_for_the_sequences_with_keys(monkeypatch, keyed):
+    """keyed_sequences: room for that many sequences' keys (S x L rows, V^T for them), the same bytes
+    where the others have none; at or above the batch, every sequence's room (as 0)."""
+    from flashtile.kernels.forward import _gather_fits, paged_keys_packed
+    lens, longest, page, heads, d = [0, 33, 0, 0, 40, 0], 40, 8, 2, 16
+    batch, width = len(lens), 5
+    k = torch.randn(batch * width, page, heads, d).to(torch.float8_e4m3fn)
+    v = torch.randn(batch * width, page, heads, d).to(torch.float8_e4m3fn)
+    table = torch.randperm(batch * width, dtype=torch.int32).reshape(batch, width)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    _poison_e4m3_empty(monkeypatch)
+    full_rows, full_vt = paged_keys_packed(k, v, table, cu, longest)
+    rows, vt = paged_keys_packed(k, v, table, cu, longest, keyed)
+    monkeypatch.undo()
+    sequences = keyed if keyed < batch else batch
+    assert rows.shape == (sequences * longest, heads, d) and full_rows.shape == (batch * longest, heads, d)
+    stored = sum(lens) if keyed >= 2 else lens[1]  # keyed = 1: room for one (the next is clamped in)
+    assert torch.equal(rows[:stored].view(torch.uint8), full_rows[:stored].view(torch.uint8))
+    if keyed >= 2:
+        columns = min(vt.shape[1], full_vt.shape[1])
+        assert torch.equal(vt[0, :columns].view(torch.uint8), full_vt[0, :columns].view(torch.uint8))
+    from flashtile.kernels import forward
+    monkeypatch.setattr(forward, "FP8_GATHER_BYTES", 3 * 2 * longest * heads * d)  # room for two sequences
+    assert not _gather_fits(k, table, longest) and _gather_fits(k, table, longest, 2)
+    assert _gather_fits(k, table, longest, 1) and not _gather_fits(k, table, longest, 3)
+
+
 def test_varlen_fp8_page_pools_are_checked():
     import flashtile
     from test_varlen import paged_copy

@@ -248,11 +248,12 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     q_d = per_head[0][:, :, None].expand(batch, heads_k, group).reshape(batch, heads, 1).contiguous()
     k_d, v_d = (d.unsqueeze(-1).contiguous() for d in per_head[1:])
 
-    def prefill(key_offsets=None):
+    def prefill(key_offsets=None, keyed_sequences=0):
         if key_offsets is not None:
             varlen["cu_seqlens_k"] = key_offsets
         return ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
-                               _check_softcap(softcap), alibi, block_q, block_k, **varlen)
+                               _check_softcap(softcap), alibi, block_q, block_k, **varlen,
+                               **({"keyed_sequences": keyed_sequences} if varlen else {}))
     if packed is None:
         out, lse = prefill()
     elif _mixed_batch_wanted(q, seqlen_q, 0.0, block_table, batch):
@@ -499,12 +500,15 @@ def _mixed_batch_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, bat
 
 def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap, alibi, block_table, prefill,
                  descales=None):
-    """A mixed batch as above: ``prefill(key_offsets)`` runs the prefill kernels on the whole batch
-    with the given key offsets and returns (out, lse). Returns (out, lse)."""
+    """A mixed batch as above: ``prefill(key_offsets, keyed_sequences)`` runs the prefill kernels on
+    the whole batch with the given key offsets, of which at most ``keyed_sequences`` sequences have
+    keys, and returns (out, lse). Returns (out, lse)."""
     short = cu_seqlens_q[1:] - cu_seqlens_q[:-1] <= VARLEN_DECODE_MAX_QUERIES
     none = torch.zeros_like(key_counts)
+    # the long sequences (the only ones with keys here) have more than VARLEN_DECODE_MAX_QUERIES
+    # queries each: at most total_q // (VARLEN_DECODE_MAX_QUERIES + 1) of them
     out, lse = prefill(torch.nn.functional.pad(torch.where(short, none, key_counts).cumsum(0, dtype=torch.int32),
-                                               (1, 0)))
+                                               (1, 0)), max(q.shape[0] // (VARLEN_DECODE_MAX_QUERIES + 1), 1))
     return _varlen_decode(q, k, v, cu_seqlens_q, torch.where(short, key_counts, none), VARLEN_DECODE_MAX_QUERIES,
                           scale, left, right, softcap, alibi, block_table, descales, into=(out, lse))
 
@@ -652,7 +656,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                   scale, left, right, softcap, alibi, block_table, need_lse=return_attn_probs)
         return (out, lse, None) if return_attn_probs else out
 
-    def prefill(key_offsets):
+    def prefill(key_offsets, keyed_sequences=0):  # (16-bit pools' gathers keep their own rule)
         return ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q, key_offsets,
                            max_seqlen_q, max_seqlen_k, dropout_p,
                            ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,

@@ -187,31 +187,43 @@ def packed_keys_transposed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen
 
 
 def paged_keys_packed(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
-                      cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      cu_seqlens: torch.Tensor, max_seqlen: int,
+                      keyed_sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences on page pools k, v (num_pages, page_size, H, D) gathered through ``block_table``
-    (B, max_pages) int32 into the packed layouts the e4m3 Gluon forward reads: K as (B * L, H, D)
+    (B, max_pages) int32 into the packed layouts the e4m3 Gluon forward reads: K as (S * L, H, D)
     rows, sequence b from row cu_seqlens[b] (rows past the last sequence left unwritten), L =
-    ``max_seqlen`` clamped to a table row's capacity, and V^T as packed_keys_transposed makes it from
-    V's rows gathered alike. The lengths and offsets are read on the device (no host sync), and
+    ``max_seqlen`` clamped to a table row's capacity, S the B sequences or ``keyed_sequences`` where
+    the caller knows that at most that many have keys (a mixed batch's prefill part: the decode
+    steps' are 0), and V^T as packed_keys_transposed makes it from V's rows gathered alike. The lengths and offsets are read on the device (no host sync), and
     every index is clamped into its tensor (values that CUDA-graph capture left unchecked cannot
     reach outside them). V in two passes: one pass straight into V^T read ~310 GB/s on the H200
     (gather-probe-h200-20261202-a/-b); all three copies 43 us for 4 x 4096 keys, ~2.35 TB/s (-d)."""
-    v_rows = _paged_rows(v, block_table, cu_seqlens, max_seqlen)
+    v_rows = _paged_rows(v, block_table, cu_seqlens, max_seqlen, sequences=keyed_sequences)
     # (the pack clips its rows cu_seqlens[b]:cu_seqlens[b + 1] to v_rows itself: no clamp launch)
-    return (_paged_rows(k, block_table, cu_seqlens, max_seqlen),
-            packed_keys_transposed(v_rows, cu_seqlens,
-                                   v_rows.shape[0] // max(cu_seqlens.shape[0] - 1, 1)))
+    return (_paged_rows(k, block_table, cu_seqlens, max_seqlen, sequences=keyed_sequences),
+            packed_keys_transposed(v_rows, cu_seqlens, _gathered_length(k, block_table, max_seqlen)))
+
+
+def _gathered_length(pool: torch.Tensor, block_table: torch.Tensor, max_seqlen: int) -> int:
+    """L of paged_keys_packed: max_seqlen clamped to a table row's capacity."""
+    return max(0, min(max_seqlen, block_table.shape[1] * pool.shape[1]))
+
+
+def _gathered_sequences(block_table: torch.Tensor, keyed_sequences: int) -> int:
+    """The sequences a gather makes room for: the table's rows, or fewer that have keys (0: all)."""
+    return keyed_sequences if 0 < keyed_sequences < block_table.shape[0] else block_table.shape[0]
 
 
 def _paged_rows(pool: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int, zeros: bool = False) -> torch.Tensor:
-    """paged_keys_packed's rows: (B * L, H, D), sequence b from row cu_seqlens[b]; with ``zeros`` the
-    rows past the last sequence are zeros, else left unwritten."""
+                max_seqlen: int, zeros: bool = False, sequences: int = 0) -> torch.Tensor:
+    """paged_keys_packed's rows: (S * L, H, D) (S: _gathered_sequences), sequence b from row
+    cu_seqlens[b], clamped into them; with ``zeros`` the rows past the last sequence are zeros, else
+    left unwritten."""
     batch = cu_seqlens.shape[0] - 1
     heads, head_dim = pool.shape[-2:]
-    longest = max(0, min(max_seqlen, block_table.shape[1] * pool.shape[1]))
-    rows = (torch.zeros if zeros else torch.empty)(batch * longest, heads, head_dim, dtype=pool.dtype,
-                                                    device=pool.device)
+    longest = _gathered_length(pool, block_table, max_seqlen)
+    rows = (torch.zeros if zeros else torch.empty)(_gathered_sequences(block_table, sequences) * longest, heads,
+                                                    head_dim, dtype=pool.dtype, device=pool.device)
     if batch > 0 and heads > 0 and longest > 0:
         raw, raw_out = _as_bytes(pool), _as_bytes(rows)
         _launch_copy_keys((-(-longest // _COPY_BLOCK_K), heads, batch), raw, raw_out, cu_seqlens,
@@ -973,7 +985,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
                       max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, descales=None,
-                      scale_blocks: tuple[int, int] = (0, 0)):
+                      scale_blocks: tuple[int, int] = (0, 0), keyed_sequences: int = 0):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -993,7 +1005,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
 
     FP8: q, k, v float8_e4m3fn (no block table, no dropout) with ``descales`` = (q (B, H, Sq blocks),
     k and v (B, Hk, Sk blocks)) float32, one per ``scale_blocks`` = (queries, keys) tokens, each a
-    multiple of the kernel's tile; out is bfloat16.
+    multiple of the kernel's tile; out is bfloat16. ``keyed_sequences`` > 0: at most that many
+    packed sequences have keys (sizes e4m3 page pools' gathers, paged_keys_packed).
     """
     if (_PLAIN_GLUON and out is None and lse is None and config is None and cu_seqlens_q is None
             and dropout_seed is None and block_table is None and descales is None and not softcap
@@ -1052,7 +1065,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                                window_left=window_left, window_right=window_right, softcap=softcap,
                                alibi_slopes=alibi_slopes, out=out, lse=lse, config=config,
                                dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks,
-                               block_table=block_table)
+                               block_table=block_table, keyed_sequences=keyed_sequences)
         if result is not None:
             return result
     varlen = cu_seqlens_q is not None
@@ -1164,7 +1177,7 @@ VARLEN_FP8_GLUON = os.environ.get("FLASHTILE_VARLEN_FP8_GLUON", "1") not in ("",
 
 def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale,
                   window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
-                  descales, scale_blocks, block_table=None):
+                  descales, scale_blocks, block_table=None, keyed_sequences=0):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
     that kernel does not take it (the caller then runs the portable kernel). ``block_table``: page
     pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
@@ -1183,7 +1196,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     from . import gluon_forward
     causal = window_right == 0
-    if block_table is not None and fp8 and not _gather_fits(k, block_table, max_seqlen_k):
+    if block_table is not None and fp8 and not _gather_fits(k, block_table, max_seqlen_k, keyed_sequences):
         return None
     if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
                                           scale_blocks if fp8 else None, block_table):
@@ -1208,7 +1221,8 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return gluon_forward.gluon_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
-        scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right))
+        scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right),
+        keyed_sequences=keyed_sequences)
 
 
 # 16-bit page pools whose pages no TMA box fits are gathered (K and V copies of B x max_seqlen_k keys
@@ -1247,8 +1261,8 @@ def gather_fits(pool: torch.Tensor, keys: int) -> bool:
 FP8_GATHER_BYTES = 1 << 30
 
 
-def _gather_fits(pool: torch.Tensor, block_table: torch.Tensor, max_seqlen_k: int) -> bool:
-    keys = block_table.shape[0] * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
+def _gather_fits(pool: torch.Tensor, block_table: torch.Tensor, max_seqlen_k: int, keyed_sequences: int = 0) -> bool:
+    keys = _gathered_sequences(block_table, keyed_sequences) * _gathered_length(pool, block_table, max_seqlen_k)
     return 3 * keys * pool.shape[2] * pool.shape[3] * pool.element_size() <= FP8_GATHER_BYTES
 
 

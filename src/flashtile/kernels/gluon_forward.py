@@ -2333,7 +2333,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          softmax_scale: float, causal: bool, out: torch.Tensor | None = None,
                          lse: torch.Tensor | None = None, descales=None,
                          scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None,
-                         block_table: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)):
+                         block_table: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+                         keyed_sequences: int = 0):
     """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
     and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
@@ -2351,7 +2352,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     (num_pages, page_size, Hk, D) and sequence b's keys the first cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] slots of pages block_table[b, 0], block_table[b, 1], ... (clamped to the
     table's max_pages * page_size). 16-bit pools are read in place; e4m3 ones are gathered first
-    (kernels.forward.paged_keys_packed: B * max_seqlen_k keys of K rows and of V^T).
+    (kernels.forward.paged_keys_packed: B * max_seqlen_k keys of K rows and of V^T, or
+    ``keyed_sequences`` * max_seqlen_k where the caller knows at most that many sequences have keys).
 
     ``window_size`` (left, right), -1 for an unbounded side: flash_attn's sliding window on each
     sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it.
@@ -2388,7 +2390,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         # through the table into packed K rows and packed V^T (V through rows: three Triton passes
         # in all), and run as contiguous packed sequences.
         from .forward import paged_keys_packed
-        k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k)
+        k, v_packed_t = paged_keys_packed(k, v, block_table, cu_seqlens_k, max_seqlen_k, keyed_sequences)
         paged = False
     dispatched = variant is None
     if variant is None:
