@@ -6,12 +6,16 @@
 #
 # Steps: warm-train, warm-train-quick, train, train-quick, train-extras, decode(-quick), paged, decode-fp8(-quick), ring(-quick), fp8-accuracy, prefill-fp8(-quick),
 # tune-fp8, tune-splits, tune-decode-small, tune-decode-unsplit, tune-paged-configs, tune-paged-shift, tune-paged-ab, tune-paged-pdl, tune-decode-merged, tune-decode-wave, tune-paged-wave, tune-paged-w2, tune-paged-b1, tune-paged-mid, tune-decode-long (POINTS, SPLITS, CONFIGS), decode-long-ab (POINTS, ROUNDS, ONLY), warp-split-probe (POINTS, CONFIGS, ROUNDS, LAYOUTS), sanitize-warp-split, read-ceiling, read-sizes (POINTS), decode-timeline (POINTS), pipe-probe, gluon-check-fp8-d256c, prefill-quick, e2e-quick, e2e, e2e-decode-ab (ROUNDS, NEW_TOKENS, BATCH), window-probe (ROUNDS, CHECK_ONLY), sanitize-window, window-train (ROUNDS, CHECK_ONLY), window-varlen (ROUNDS, CHECK_ONLY), sanitize-window-varlen, varlen-bwd (ROUNDS, CHECK_ONLY, NAME), varlen-host (ROUNDS, NAME, THRESHOLD, THRESHOLD_ONLY), sanitize-varlen-host, varlen-bwd-host, varlen-gap (ROUNDS, NAME, RAGGED), sanitize-varlen-bwd, varlen-gluon-check, sanitize-varlen-gluon, varlen-gather (ROUNDS, LONG), fp8-pool-gather (ROUNDS), varlen-decode (ROUNDS, CHECK_ONLY, NO_CHECK, MIXED, MIXED_ONLY, MAX_QUERIES, POINTS), sanitize-varlen-decode, e4m3-rows-probe, work-list (ROUNDS, CHECK_ONLY, ROUTES, MIXED_ONLY), sanitize-work-list, window-tiles (ROUNDS, CHECK_ONLY), sanitize-window-tiles, sanitize-window-train, sanitize-quick, sanitize-decode, sanitize-gluon, gluon-check(-fp8, -16bit), gluon-bwd-check(-only), gluon-bwd-sanitize, train-profile, train-cprofile, sanitize-gluon-pq, gluon-ab, gluon-ab-lazy, gluon-ab-poly(-d64, -b), gluon-ab-pq-d64, gluon-check-poly, gluon-ab-prmt, gluon-check-pack, sanitize-gluon-pack, gluon-check-skip, gluon-ab-skip, sanitize-gluon-skip, gluon-ab-poly-d256, gluon-check-pq-d64, gluon-ab-fp8-c256, gluon-check-fp8-c256, gluon-check-pvec, gluon-ab-pvec, sanitize-gluon-poly, gluon-check-lazy, sanitize-gluon-lazy, gluon-ab-d64, gluon-ab-d256, gluon-ab-order(2), gluon-ab-own(-heads), gluon-ab-group, gluon-check-own, gluon-check-d64, gluon-check-fp8-causal, sanitize-gluon-own, gluon-check-snake, sanitize-gluon-snake, launch-check, prefill-host, fp8-host, fp8-compile, sanitize-fp8-host, decode-host, paged-gap(-t16, -t16-b1(-wide), -base: BASELINE=an older gluon_decode.py, POINTS), gluon-decode-correct-rows, fp8-decode-ab(-tiles, -splits, -short, -b16, -b1, -vregs: CONFIGS, POINTS, -paged: POINTS, PAGES, ROUNDS, SQ), chunked-prefill (POINTS, CONFIGS, PAGES, ONLY, NO_CHECK), chunked-prefill-check, sanitize-chunked-prefill, paged-boxes (POINTS, PAGES, BOXES, STAGES, HEAD_DIM, FULL), short-queries (POINTS), eager-key-counts, merge-share (POINTS, ROUNDS), stream-decode (POINTS, ROUNDS), sanitize-stream-decode, fp8-query-check, fp8-query-ab (POINTS, ROUNDS), sanitize-fp8-query, spec-decode-ab (SQ, POINTS, CONFIGS, PAGED_CONFIGS, BF16_CONFIGS, BF16_PAGED_CONFIGS, BASELINE, ONLY), gluon-decode-correct-fp8, gluon-decode-correct-vregs (E4M3_PLAN), decode-fp8-rounds, decode-fp8-layout, decode-probe(-paged, -fp8(-warps, -plan), -bf16-w2(-ab, -ab2, -unsplit), -unsplit-tiles, -wave-w2, -b64, -fp8-mid, -mid-pairs, -mid-plan, -trigger, -combine(-warps)), gluon-debug, ncu-decode, ncu-decode-pair (PAIR), ncu-gluon, fuzz-gpu (SEED, SECONDS_FUZZ, FAMILY), wide-rows-check (CASES, CONFIG), varlen-bounds, kvcache-bounds. Set STEP_LIMIT (seconds) to change
-# the per-step limit (default 240). Everything lands in $OUT/results.tgz (the device tool brings back
+# the per-step limit (default 240). Everything lands in $OUT/results.tgz (results-<pid>.tgz when an earlier run
+# of this script in the same call left one there; the device tool brings back
 # only a few files per call).
 set -u
 FINAL=${OUT:-/tmp/flashtile-out}
 OUT=$(mktemp -d)
 mkdir -p "$FINAL"
+# A second run into the same $OUT in one device call keeps the first one's results (results-<pid>.tgz).
+TARBALL=results.tgz
+[ -e "$FINAL/$TARBALL" ] && TARBALL=results-$$.tgz
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src}
 LIMIT=${STEP_LIMIT:-240}
 SANITIZER=(compute-sanitizer --tool memcheck --target-processes application-only --print-limit 20)
@@ -224,6 +228,6 @@ for step in "$@"; do
     tail -n "${TAIL_LINES:-12}" "$OUT/$step.log"
     [ $rc -eq 0 ] || status=1
     # packed after every step, so a call that runs out of time still returns the steps it finished
-    tar czf "$FINAL/results.tgz.part" -C "$OUT" . && mv "$FINAL/results.tgz.part" "$FINAL/results.tgz"
+    tar czf "$FINAL/$TARBALL.part" -C "$OUT" . && mv "$FINAL/$TARBALL.part" "$FINAL/$TARBALL"
 done
 exit $status
