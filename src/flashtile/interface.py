@@ -253,7 +253,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
             varlen["cu_seqlens_k"] = key_offsets
         return ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
                                _check_softcap(softcap), alibi, block_q, block_k, **varlen,
-                               **({"keyed_sequences": keyed_sequences} if varlen else {}))
+                               keyed_sequences=keyed_sequences)
     if packed is None:
         out, lse = prefill()
     elif _mixed_batch_wanted(q, seqlen_q, 0.0, block_table, batch):
