@@ -322,9 +322,11 @@ def test_varlen_fp8_mixed_batches_split(monkeypatch, nan_empty):
     real = interface.ops.kvcache
     monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
-    _e4m3_pools_match_reference([1, 40, 0, 2, 1, 1, 17, 1], [70, 50, 9, 3, 0, 30, 20, 5], 32, 16,
+    _e4m3_pools_match_reference([1, 40, 0, 2, 1, 9, 17, 1], [70, 50, 9, 3, 0, 30, 20, 5], 32, 16,
                                 dict(causal=True), seqused=True)
-    assert calls == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32)]
+    # (e4m3 caches: the 9-query step in a launch of VARLEN_DECODE_MAX_QUERIES rows, the others in one
+    # of MIXED_FIRST_ROWS // group)
+    assert calls == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32), (8, interface.MIXED_FIRST_ROWS // 3, 6, 32)]
 
 
 def test_varlen_fp8_mixed_batches_bound_the_sequences_with_keys(monkeypatch, nan_empty):

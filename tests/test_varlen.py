@@ -158,6 +158,21 @@ def test_16bit_pools_gather_into_packed_rows_with_zeros_after(page_size):
     assert torch.equal(forward._paged_rows(k_pool, table, cu, max(lens))[:sum(lens)], k)
 
 
+def test_16bit_pools_gather_room_for_the_sequences_with_keys():
+    """A mixed batch's prefill part (keyed_sequences: at most that many sequences have keys, the
+    decode steps' counts are 0) gathers into room for that many sequences' keys, not the batch's,
+    and the rows past the keys are still zeros."""
+    from flashtile.kernels import forward
+    lens = [0, 31, 0, 0, 20, 0]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    k, v = torch.randn(sum(lens), 2, 24, dtype=BF16), torch.randn(sum(lens), 2, 24, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(k, v, cu, 1, fill=float("nan"))
+    rows = forward._paged_rows(v_pool, table, cu, max(lens), zeros=True, sequences=2)
+    assert rows.shape == (2 * max(lens), 2, 24)
+    assert torch.equal(rows[:sum(lens)], v) and (rows[sum(lens):] == 0).all()
+    assert torch.equal(forward._paged_rows(k_pool, table, cu, max(lens), sequences=2)[:sum(lens)], k)
+
+
 def test_gathering_pays_by_query_rows_a_sequence(monkeypatch):
     """Pools are gathered only where the query rows a sequence (times the GQA group), on average,
     reach GATHER_MIN_ROWS, however many keys the sequences have, and the two copies stay within
@@ -175,6 +190,24 @@ def test_gathering_pays_by_query_rows_a_sequence(monkeypatch):
     assert not forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 1000)
     monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 40 * 2 * 16 * 2)
     assert forward._gathering_pays(torch.empty(10, 8, 16, dtype=BF16), pool, table, 1000)
+
+
+def test_gathering_pays_for_a_mixed_batch_by_its_longest_chunk(monkeypatch):
+    """A mixed batch's prefill part (keyed_sequences > 0): the decode steps' rows do not count
+    against the gather (their keys are not copied); the longest chunk's rows (max_seqlen_q, within
+    the rows there are) times the group decide, and the copies are sized by the keyed sequences."""
+    from flashtile.kernels import forward
+    pool = torch.empty(40, 1, 2, 16, dtype=BF16)
+    table = torch.zeros(8, 10, dtype=torch.int32)
+    monkeypatch.setattr(forward, "GATHER_MIN_ROWS", 20)
+    q = torch.empty(12, 8, 16, dtype=BF16)  # 12 rows over 8 sequences: 12 x 4 < 20 x 8 on average
+    assert not forward._gathering_pays(q, pool, table, 10)
+    assert forward._gathering_pays(q, pool, table, 10, 5, 2)  # the chunk: 5 x 4 >= 20
+    assert not forward._gathering_pays(q, pool, table, 10, 4, 2)
+    assert not forward._gathering_pays(q[:4], pool, table, 10, 5, 2)  # max_seqlen_q past the rows
+    monkeypatch.setattr(forward, "GATHER_BYTES", 2 * 20 * 2 * 16 * 2)  # room for 2 sequences' keys only
+    assert forward._gathering_pays(q, pool, table, 10, 5, 2)
+    assert not forward._gathering_pays(q, pool, table, 10, 5, 3)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
@@ -302,11 +335,13 @@ def test_decode_route_compiles_with_fullgraph(with_lse):
         assert torch.equal(c, e)
 
 
-def test_mixed_batch_compiles_with_fullgraph(monkeypatch):
+@pytest.mark.parametrize("padded_rows", [64, 0], ids=["one-decode", "two-decodes"])
+def test_mixed_batch_compiles_with_fullgraph(padded_rows, monkeypatch):
     """The mixed batch's split (the decode rows written into the prefill kernels' outputs by a
-    registered op that mutates them) under torch.compile(fullgraph=True)."""
+    registered op that mutates them, once or twice) under torch.compile(fullgraph=True)."""
     from flashtile import interface
     monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    monkeypatch.setattr(interface, "MIXED_PADDED_ROWS", padded_rows)
     cu_q = offsets([1, 20, 1, 0, 2, 1])
     q = torch.randn(25, 4, 16, dtype=BF16)
     k_pool, v_pool, table = paged_copy(torch.randn(90, 2, 16, dtype=BF16), torch.randn(90, 2, 16, dtype=BF16),
@@ -477,15 +512,40 @@ def test_mixed_batches_split_between_prefill_and_decode(page_size, kw, monkeypat
     forwards = []
     real_forward = interface.ops.forward
     monkeypatch.setattr(interface.ops, "forward",
-                        lambda *a, **k: forwards.append((a[9].clone(), a[10].clone())) or real_forward(*a, **k))
+                        lambda *a, **k: forwards.append((a[9].clone(), a[10].clone(), a[17])) or real_forward(*a, **k))
     case = _ragged_on_pools([1, 40, 0, 3, 1, 17, 1, 16], [30, 60, 5, 3, 0, 17, 90, 20], 32, page_size, kw)
     q, cu_q, cu_k, k_pool, v_pool, table, kw = case[0], case[3], case[4], *case[5:]
     monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)  # 40 x group 3 would take the decode route
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 40, 90, block_table=table,
                                                    return_attn_probs=True, **kw)
-    assert decodes == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32)] and len(forwards) == 1
+    assert decodes == [(8, interface.VARLEN_DECODE_MAX_QUERIES, 6, 32)] and len(forwards) == 1  # (16 x 3 rows)
     assert torch.equal(forwards[0][0], cu_q)
+    assert forwards[0][2] == q.shape[0] // (interface.VARLEN_DECODE_MAX_QUERIES + 1)  # keyed_sequences
     assert (forwards[0][1][1:] - forwards[0][1][:-1]).tolist() == [0, 60, 0, 0, 0, 17, 0, 0]
+    _each_sequence_as_if_alone(out, lse, *case[:5], kw)
+
+
+@pytest.mark.parametrize("heads,heads_k,first_rows,padded_rows,rows", [
+    (6, 2, 16, 64, [16]), (6, 2, 16, 32, [16, 5]), (6, 2, 0, 32, [16]), (4, 4, 16, 0, [16]), (32, 1, 16, 64, [16, 1]),
+    (8, 2, 8, 0, [16, 2])])
+def test_mixed_batches_decode_the_steps_in_two_launches(heads, heads_k, first_rows, padded_rows, rows, monkeypatch,
+                                                        nan_empty):
+    """A mixed batch's decode steps, where VARLEN_DECODE_MAX_QUERIES x group rows pass
+    MIXED_PADDED_ROWS: the sequences of at most MIXED_FIRST_ROWS // group queries (at least 1) in a
+    launch of that many rows, after one of VARLEN_DECODE_MAX_QUERIES rows for the other short ones
+    (one launch where that bound reaches it, or with MIXED_FIRST_ROWS 0); each sequence against
+    float64."""
+    from flashtile import interface
+    decodes = _count_decode_calls(monkeypatch)
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)
+    monkeypatch.setattr(interface, "MIXED_FIRST_ROWS", first_rows)
+    monkeypatch.setattr(interface, "MIXED_PADDED_ROWS", padded_rows)
+    case = _ragged_on_pools([1, 20, 2, 7, 1, 0, 1, 3], [30, 25, 5, 40, 0, 3, 60, 16], 16, 3, dict(causal=True),
+                            heads=heads, heads_k=heads_k)
+    q, cu_q, cu_k, k_pool, v_pool, table, kw = case[0], case[3], case[4], *case[5:]
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, 20, 60, block_table=table,
+                                                   return_attn_probs=True, **kw)
+    assert decodes == [(8, r, heads, 16) for r in rows]
     _each_sequence_as_if_alone(out, lse, *case[:5], kw)
 
 

@@ -491,6 +491,18 @@ def _varlen_decode_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, h
 # moving the long sequences' rows to the front, so that the short ones have no queries, cost more,
 # -mixed-compact.)
 MIXED_BATCH_FILL = 4
+# The decode part pads every short sequence to VARLEN_DECODE_MAX_QUERIES queries, the host not
+# knowing their counts: 16 x group rows a KV head, where vLLM's decode steps have one query. On the
+# H200 (varlen-decode-h200-20261204-mixed-b) that cost 2-7% over the one-query steps at 64 rows
+# (32/8 heads), 30% at 96 (12/2) and 2.1x on e4m3 caches at 64. Past MIXED_PADDED_ROWS rows, or on
+# e4m3 caches, two decode launches: one for the sequences of more than MIXED_FIRST_ROWS // group
+# queries (speculative steps; the others' key counts 0, their rows written over next), then one for
+# those of at most that many, padded to it (one query's rows fill no smaller MMA tile). Predicted,
+# not yet measured: the extra launch's cost where no sequence needs it (~10 us: two row moves, a
+# decode launch without keys, its merge) against 26 us (12/2, B128) and ~160 us (e4m3, B64) saved.
+# MIXED_FIRST_ROWS 0: one launch always.
+MIXED_FIRST_ROWS = 16
+MIXED_PADDED_ROWS = 64
 
 
 def _mixed_batch_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, batch: int) -> bool:
@@ -503,14 +515,25 @@ def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap,
     """A mixed batch as above: ``prefill(key_offsets, keyed_sequences)`` runs the prefill kernels on
     the whole batch with the given key offsets, of which at most ``keyed_sequences`` sequences have
     keys, and returns (out, lse). Returns (out, lse)."""
-    short = cu_seqlens_q[1:] - cu_seqlens_q[:-1] <= VARLEN_DECODE_MAX_QUERIES
+    queries = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    short = queries <= VARLEN_DECODE_MAX_QUERIES
     none = torch.zeros_like(key_counts)
     # the long sequences (the only ones with keys here) have more than VARLEN_DECODE_MAX_QUERIES
     # queries each: at most total_q // (VARLEN_DECODE_MAX_QUERIES + 1) of them
     out, lse = prefill(torch.nn.functional.pad(torch.where(short, none, key_counts).cumsum(0, dtype=torch.int32),
                                                (1, 0)), max(q.shape[0] // (VARLEN_DECODE_MAX_QUERIES + 1), 1))
-    return _varlen_decode(q, k, v, cu_seqlens_q, torch.where(short, key_counts, none), VARLEN_DECODE_MAX_QUERIES,
-                          scale, left, right, softcap, alibi, block_table, descales, into=(out, lse))
+    group = max(q.shape[1] // k.shape[2], 1)
+    first = max(MIXED_FIRST_ROWS // group, 1) if MIXED_FIRST_ROWS > 0 else 0
+    if VARLEN_DECODE_MAX_QUERIES * group <= MIXED_PADDED_ROWS and q.dtype != torch.float8_e4m3fn:
+        first = 0
+    decode_args = (scale, left, right, softcap, alibi, block_table, descales)
+    if not 0 < first < VARLEN_DECODE_MAX_QUERIES:
+        first = VARLEN_DECODE_MAX_QUERIES
+    else:
+        _varlen_decode(q, k, v, cu_seqlens_q, torch.where(short & (queries > first), key_counts, none),
+                       VARLEN_DECODE_MAX_QUERIES, *decode_args, into=(out, lse))
+    return _varlen_decode(q, k, v, cu_seqlens_q, torch.where(queries <= first, key_counts, none), first,
+                          *decode_args, into=(out, lse))
 
 
 def _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k, block_table):
@@ -656,11 +679,11 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                   scale, left, right, softcap, alibi, block_table, need_lse=return_attn_probs)
         return (out, lse, None) if return_attn_probs else out
 
-    def prefill(key_offsets, keyed_sequences=0):  # (16-bit pools' gathers keep their own rule)
+    def prefill(key_offsets, keyed_sequences=0):
         return ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q, key_offsets,
                            max_seqlen_q, max_seqlen_k, dropout_p,
                            ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,
-                           _check_deterministic(deterministic))
+                           _check_deterministic(deterministic), keyed_sequences)
     if _mixed_batch_wanted(q, max_seqlen_q, dropout_p, block_table, batch):
         out, lse = _mixed_batch(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), scale, left, right,
                                 softcap, alibi, block_table, prefill)

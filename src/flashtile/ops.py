@@ -26,8 +26,10 @@ def new_dropout_seed(dropout_p: float, device: torch.device):
 def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
             softcap: float, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
             max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None, block_table=None,
-            deterministic: bool = False):
-    """The forward as the public functions call it.
+            deterministic: bool = False, keyed_sequences: int = 0):
+    """The forward as the public functions call it. ``keyed_sequences`` > 0: at most that many packed
+    sequences have keys (a mixed batch's prefill part on page pools, no autograd): it sizes the
+    pools' gathers (forward._gluon_varlen).
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
     tens of microseconds a call, as much as a short prefill kernel. Eager calls with inputs that
@@ -40,22 +42,22 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
             block_table)
     if torch.compiler.is_compiling():
-        return attn_fwd(*args, deterministic)
+        return attn_fwd(*args, deterministic, keyed_sequences)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args, deterministic)
-    return _attn_fwd_impl(*args)
+    return _attn_fwd_impl(*args, keyed_sequences)
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                    alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   dropout_seed, block_table):
+                   dropout_seed, block_table, keyed_sequences=0):
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                              window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                              alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             block_table=block_table)
+                             block_table=block_table, keyed_sequences=keyed_sequences)
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -66,18 +68,18 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
              max_seqlen_k: int = 0, dropout_p: float = 0.0,
              dropout_seed: Optional[torch.Tensor] = None,
              block_table: Optional[torch.Tensor] = None,
-             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             deterministic: bool = False, keyed_sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on validated tensors; returns (out, lse). ``deterministic`` only chooses
     the backward's dQ path."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                           alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dropout_p, dropout_seed, block_table)
+                          dropout_p, dropout_seed, block_table, keyed_sequences)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
-      dropout_seed=None, block_table=None, deterministic=False):
+      dropout_seed=None, block_table=None, deterministic=False, keyed_sequences=0):
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
@@ -126,7 +128,8 @@ def _setup_fwd_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
      block_table, *rest) = inputs
-    ctx.deterministic = bool(rest[0]) if rest else False
+    ctx.deterministic = bool(rest[0]) if rest else False  # (rest[1]: keyed_sequences)
+    ctx.inputs = len(inputs)
     ctx.paged = block_table is not None
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed)
@@ -142,7 +145,7 @@ def _attn_fwd_backward(ctx, grad_out, grad_lse, backward=attn_bwd):
         grad_out = torch.zeros_like(out)
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
                           cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed, ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 14
+    return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

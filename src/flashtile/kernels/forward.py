@@ -57,8 +57,9 @@ def config_for_arch(head_dim: int, arch: int, fp8: bool = False) -> TileConfig:
     if fp8 and 90 <= arch < 120:
         return FP8_CONFIGS.get(d, TileConfig(128, 64, 4, 2, use_tma=True))
     if 90 <= arch < 120:
-        # Hopper (and data-center Blackwell, same shared memory, unmeasured), from the sweeps in benchmarks/results/tune-*.json: tiles that leave room for two
-        # CTAs per SM (one CTA's softmax runs while the other's MMAs do), K/V through TMA.
+        # Hopper (and data-center Blackwell, same shared memory, unmeasured), from the sweeps in
+        # benchmarks/results/tune-*.json: tiles that leave room for two CTAs per SM (one CTA's
+        # softmax runs while the other's MMAs do), K/V through TMA.
         if d <= 64:
             return TileConfig(128, 128, 4, 3, use_tma=True)
         if d <= 128:
@@ -194,10 +195,11 @@ def paged_keys_packed(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tenso
     rows, sequence b from row cu_seqlens[b] (rows past the last sequence left unwritten), L =
     ``max_seqlen`` clamped to a table row's capacity, S the B sequences or ``keyed_sequences`` where
     the caller knows that at most that many have keys (a mixed batch's prefill part: the decode
-    steps' are 0), and V^T as packed_keys_transposed makes it from V's rows gathered alike. The lengths and offsets are read on the device (no host sync), and
-    every index is clamped into its tensor (values that CUDA-graph capture left unchecked cannot
-    reach outside them). V in two passes: one pass straight into V^T read ~310 GB/s on the H200
-    (gather-probe-h200-20261202-a/-b); all three copies 43 us for 4 x 4096 keys, ~2.35 TB/s (-d)."""
+    steps' are 0), and V^T as packed_keys_transposed makes it from V's rows gathered alike. The
+    lengths and offsets are read on the device (no host sync), and every index is clamped into its
+    tensor (values that CUDA-graph capture left unchecked cannot reach outside them). V in two
+    passes: one pass straight into V^T read ~310 GB/s on the H200 (gather-probe-h200-20261202-a/-b);
+    all three copies 43 us for 4 x 4096 keys, ~2.35 TB/s (-d)."""
     v_rows = _paged_rows(v, block_table, cu_seqlens, max_seqlen, sequences=keyed_sequences)
     # (the pack clips its rows cu_seqlens[b]:cu_seqlens[b + 1] to v_rows itself: no clamp launch)
     return (_paged_rows(k, block_table, cu_seqlens, max_seqlen, sequences=keyed_sequences),
@@ -1200,13 +1202,14 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return None
     if not gluon_forward.varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal,
                                           scale_blocks if fp8 else None, block_table):
-        if block_table is None or fp8 or not _gathering_pays(q, k, block_table, max_seqlen_k):
+        if (block_table is None or fp8
+                or not _gathering_pays(q, k, block_table, max_seqlen_k, max_seqlen_q, keyed_sequences)):
             return None
         # 16-bit pools whose pages no TMA box fits (sizes that are no multiple of 16, e.g. SGLang's 1):
         # the sequences gathered into packed rows first, then the contiguous packed route. V's rows
         # past the last sequence are zeros: the last key tile reads them (0 x NaN would be NaN).
-        k_gathered = _paged_rows(k, block_table, cu_seqlens_k, max_seqlen_k)
-        v_gathered = _paged_rows(v, block_table, cu_seqlens_k, max_seqlen_k, zeros=True)
+        k_gathered = _paged_rows(k, block_table, cu_seqlens_k, max_seqlen_k, sequences=keyed_sequences)
+        v_gathered = _paged_rows(v, block_table, cu_seqlens_k, max_seqlen_k, zeros=True, sequences=keyed_sequences)
         if not gluon_forward.varlen_supported(q, k_gathered, v_gathered, cu_seqlens_q, cu_seqlens_k, causal):
             return None
         k, v, block_table = k_gathered, v_gathered, None
@@ -1238,14 +1241,21 @@ GATHER_MIN_ROWS = 1024
 GATHER_BYTES = 1 << 30
 
 
-def _gathering_pays(q, pool, block_table, max_seqlen_k) -> bool:
-    """For packed q (total, H, D) of block_table.shape[0] sequences."""
-    sequences = block_table.shape[0]
+def _gathering_pays(q, pool, block_table, max_seqlen_k, max_seqlen_q=0, keyed_sequences=0) -> bool:
+    """For packed q (total, H, D) of block_table.shape[0] sequences. ``keyed_sequences`` > 0 (a mixed
+    batch's prefill part: at most that many sequences have keys, the others are decode steps of at
+    most VARLEN_DECODE_MAX_QUERIES queries): the copies hold that many sequences, and the rows that
+    count are a keyed sequence's, not the batch's average, which the decode steps (whose keys are not
+    copied) pull down: the longest, ``max_seqlen_q``, the one chunk length the host knows. Where the
+    other chunks are short the gather costs ~1% (0.99x at 64-256 rows, varlen-gather-h200-20261204)."""
+    sequences = _gathered_sequences(block_table, keyed_sequences)
     if max_seqlen_k <= 0 or sequences <= 0:
         return False
-    keys = sequences * min(max_seqlen_k, block_table.shape[1] * pool.shape[1])
-    return (gather_fits(pool, keys)
-            and q.shape[0] * (q.shape[1] // max(pool.shape[2], 1)) >= GATHER_MIN_ROWS * sequences)
+    keys = sequences * _gathered_length(pool, block_table, max_seqlen_k)
+    group = q.shape[1] // max(pool.shape[2], 1)
+    if 0 < keyed_sequences:
+        return gather_fits(pool, keys) and min(max_seqlen_q, q.shape[0]) * group >= GATHER_MIN_ROWS
+    return gather_fits(pool, keys) and q.shape[0] * group >= GATHER_MIN_ROWS * sequences
 
 
 def gather_fits(pool: torch.Tensor, keys: int) -> bool:
