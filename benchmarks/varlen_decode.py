@@ -119,6 +119,9 @@ CHECKS = [  # (d, heads, heads_k, page, fp8, dtype, kw, lens_q, lens_k)
     (128, 12, 2, 1, False, torch.float16, dict(window_size=(100, 0), softcap=20.0), [1, 1, 200, 2, 1, 1],
      [900, 3, 2500, 40, 1, 700]),
     (128, 32, 8, 16, True, None, dict(causal=True), [1, 300, 0, 3, 1, 1, 17, 1], [700, 1200, 5, 4000, 9, 300, 64, 2]),
+    (128, 12, 2, 1, False, torch.bfloat16, dict(causal=True), [1, 200, 9, 2, 1, 16, 0, 1],
+     [900, 2500, 40, 1, 700, 33, 5, 0]),
+    (128, 12, 2, 16, True, None, dict(causal=True), [1, 200, 9, 2, 1, 16, 0, 1], [900, 2500, 40, 1, 700, 33, 5, 0]),
 ]
 SMALL_CHECKS = [
     (128, 8, 2, 16, False, torch.bfloat16, dict(causal=True), [1, 0, 3], [70, 17, 200]),
@@ -126,6 +129,8 @@ SMALL_CHECKS = [
     (128, 8, 2, 1, True, None, dict(causal=True), [1, 2, 0], [50, 7, 3]),
     (128, 8, 2, 16, False, torch.bfloat16, dict(causal=True), [40, 0, 17], [200, 3, 17]),
     (128, 8, 2, 16, False, torch.bfloat16, dict(causal=True), [1, 100, 0, 2, 1, 1], [50, 300, 3, 17, 0, 9]),
+    # two decode launches (7 queries > 16 // group 4), the chunk gathered from 1-key pages (300 x 4 rows)
+    (128, 8, 2, 1, False, torch.bfloat16, dict(causal=True), [1, 300, 0, 7, 1, 1], [50, 400, 3, 17, 0, 9]),
 ]
 
 
