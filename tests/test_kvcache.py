@@ -1036,3 +1036,152 @@ def test_warp_split_loop_with_leftpad_batch_idx_and_an_empty_sequence(warp_split
     two_d = flashtile.flash_attn_with_kvcache(q, big_k, big_v, **kw)
     assert [p[2]["WARPS"] for p in decode._PLANS.values()] == [0]
     torch.testing.assert_close(out, two_d, atol=2e-2, rtol=0)
+
+
+def _packed_cache_case(lens_q, lens_k, heads=6, heads_k=2, head_dim=32, cache_rows=None, capacity=80, dtype=F16):
+    """FlashAttention-3's packed call: q (total_q, H, D), offsets, a contiguous cache of
+    ``cache_rows`` rows and each sequence's key count."""
+    q = torch.randn(sum(lens_q), heads, head_dim, dtype=dtype)
+    rows = cache_rows or len(lens_q)
+    k_cache = torch.randn(rows, capacity, heads_k, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    cu = torch.tensor([0] + list(lens_q)).cumsum(0).to(torch.int32)
+    return q, cu, k_cache, v_cache, torch.tensor(lens_k, dtype=torch.int32)
+
+
+def _assert_packed_sequences_match(out, lse, q, cu, k_cache, v_cache, lengths, rows=None, **kw):
+    for b in range(cu.shape[0] - 1):
+        sq = slice(int(cu[b]), int(cu[b + 1]))
+        if sq.stop == sq.start:
+            continue
+        row, n = (b if rows is None else int(rows[b])), int(lengths[b])
+        assert_matches_reference(out[sq].unsqueeze(0), lse[:, sq].unsqueeze(0), q[sq].unsqueeze(0),
+                                 k_cache[row:row + 1, :n], v_cache[row:row + 1, :n], **kw)
+
+
+@pytest.mark.parametrize("lens_q", [[1, 2, 0, 1, 1], [1, 20, 0, 3, 7], [1, 70, 0, 3, 7]],
+                         ids=["decode", "wide", "mixed"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(30, 0), softcap=8.0), dict()],
+                         ids=["causal", "window-softcap", "full"])
+def test_fa3_packed_queries_against_a_contiguous_cache(lens_q, kw, nan_empty):
+    """FlashAttention-3's cu_seqlens_q / max_seqlen_q: sequence b's packed queries against the first
+    cache_seqlens[b] keys of cache row b, aligned bottom-right; LSE (H, total_q). Decode steps,
+    up to 64 queries and a mixed batch (the three routes of flash_attn_varlen_func)."""
+    q, cu, k_cache, v_cache, lengths = _packed_cache_case(lens_q, [30, 75, 5, 3, 40])
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cu_seqlens_q=cu,
+                                                 max_seqlen_q=max(lens_q), return_softmax_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    _assert_packed_sequences_match(out, lse, q, cu, k_cache, v_cache, lengths, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_fa3_packed_queries_on_a_page_table(page_size, nan_empty):
+    """page_table (FlashAttention-3's name for block_table) with packed queries: the same results as
+    each sequence's keys in a contiguous cache."""
+    lens_q = [1, 20, 0, 3, 7]
+    q, cu, k_cache, v_cache, lengths = _packed_cache_case(lens_q, [30, 75, 5, 3, 40], heads=8, heads_k=1)
+    k_pool, v_pool, table = paged_cache(k_cache, v_cache, page_size)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, page_table=table,
+                                                 cu_seqlens_q=cu, max_seqlen_q=20, causal=True,
+                                                 return_softmax_lse=True, scheduler_metadata=torch.zeros(4),
+                                                 pack_gqa=True, sm_margin=8)
+    _assert_packed_sequences_match(out, lse, q, cu, k_cache, v_cache, lengths, causal=True)
+
+
+def test_fa3_packed_queries_through_cache_batch_idx_and_int_seqlens(nan_empty):
+    """cache_batch_idx picks each sequence's cache row; an int cache_seqlens (or None: the whole
+    cache) counts for every sequence."""
+    lens_q = [2, 1, 9, 1]
+    q, cu, k_cache, v_cache, _ = _packed_cache_case(lens_q, [0] * 4, cache_rows=6, capacity=40)
+    rows = torch.tensor([4, 0, 2, 5], dtype=torch.int32)
+    for seqlens, expected in ((33, 33), (None, 40)):
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_batch_idx=rows,
+                                                     cu_seqlens_q=cu, max_seqlen_q=9, causal=True,
+                                                     return_softmax_lse=True)
+        _assert_packed_sequences_match(out, lse, q, cu, k_cache, v_cache, [expected] * 4, rows=rows, causal=True)
+
+
+def test_fa3_packed_queries_are_flash_attn_varlen_func_with_seqused_k(monkeypatch):
+    """The packed kvcache call is flash_attn_varlen_func on the pools with cache_seqlens as
+    seqused_k, bit for bit, e4m3 pools and descales included; num_splits reaches the decode."""
+    from test_fp8 import _packed_e4m3
+    lens_q, lens_k = [1, 3, 0, 2], [40, 9, 3, 70]
+    cu, cu_k, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, 8, 2, 32)
+    k_pool, v_pool, table = paged_cache(*(torch.randn(4, 72, 2, 32) for _ in range(2)), 8)
+    k_pool, v_pool = k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn)
+    used = torch.tensor(lens_k, dtype=torch.int32)
+    splits = []
+    real = interface.ops.kvcache
+    monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **k: splits.append(a[11]) or real(*a, **k))
+    def call(num_splits):
+        return flashtile.flash_attn_with_kvcache(
+            tensors[0], k_pool, v_pool, cache_seqlens=used, page_table=table, cu_seqlens_q=cu, max_seqlen_q=3,
+            causal=True, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2], num_splits=num_splits,
+            return_softmax_lse=True)
+    out, lse = call(0)
+    ref_out, ref_lse, _ = flashtile.flash_attn_varlen_func(
+        tensors[0], k_pool, v_pool, cu, None, 3, 72, causal=True, block_table=table, seqused_k=used,
+        q_descale=descales[0], k_descale=descales[1], v_descale=descales[2], return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    split_out, split_lse = call(3)
+    assert splits == [0, 0, 3]
+    assert torch.allclose(split_out.float(), out.float(), atol=1e-2) and torch.allclose(split_lse, lse, atol=1e-4)
+
+
+def test_fa3_packed_call_compiles_with_fullgraph():
+    q, cu, k_cache, v_cache, lengths = _packed_cache_case([1, 3, 0, 2], [40, 9, 3, 70])
+
+    def fn(q):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, cu_seqlens_q=cu,
+                                                 max_seqlen_q=3, causal=True, return_softmax_lse=True)
+    torch._dynamo.reset()
+    eager = fn(q)
+    compiled = torch.compile(fn, fullgraph=True)(q)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+def _bad_fa3_calls():
+    def call(**overrides):
+        q, cu, k_cache, v_cache, lengths = _packed_cache_case([1, 4, 2], [30, 20, 10])
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths, cu_seqlens_q=cu, max_seqlen_q=4)
+        args.update(overrides)
+        return lambda: flashtile.flash_attn_with_kvcache(**args)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    return [
+        pytest.param(call(block_table=table, page_table=table), ValueError, "not both", id="both-tables"),
+        pytest.param(call(max_seqlen_q=None), ValueError, "max_seqlen_q is required", id="no-max-seqlen-q"),
+        pytest.param(call(qv=torch.zeros(7, 6, 32)), NotImplementedError, "qv", id="qv"),
+        pytest.param(call(attention_chunk=64), NotImplementedError, "attention_chunk", id="attention-chunk"),
+        pytest.param(call(attention_chunk=-1), ValueError, "attention_chunk must be", id="attention-chunk-negative"),
+        pytest.param(call(rotary_seqlens=torch.zeros(3, dtype=torch.int32)), NotImplementedError, "rotary_seqlens",
+                     id="rotary-seqlens"),
+        pytest.param(call(k=torch.zeros(7, 2, 32, dtype=F16), v=torch.zeros(7, 2, 32, dtype=F16)),
+                     NotImplementedError, "new k/v", id="new-kv"),
+        pytest.param(call(cu_seqlens_k_new=torch.zeros(4, dtype=torch.int32)), NotImplementedError, "new k/v",
+                     id="cu-seqlens-k-new"),
+        pytest.param(call(cu_seqlens_q=None, cu_seqlens_k_new=torch.zeros(4, dtype=torch.int32)), ValueError,
+                     "goes with cu_seqlens_q", id="k-new-without-q"),
+        pytest.param(call(rotary_cos=torch.zeros(40, 16), rotary_sin=torch.zeros(40, 16)), NotImplementedError,
+                     "rotary", id="rotary"),
+        pytest.param(call(cache_leftpad=torch.zeros(3, dtype=torch.int32)), NotImplementedError, "cache_leftpad",
+                     id="leftpad"),
+        pytest.param(call(q=torch.randn(1, 7, 6, 32, dtype=F16)), ValueError, "q must", id="q-not-packed"),
+        pytest.param(call(cache_seqlens=torch.tensor([30, 81, 1], dtype=torch.int32)), ValueError, "seqused_k",
+                     id="seqlens-past-cache"),
+        pytest.param(call(cache_seqlens=81), ValueError, r"cache_seqlens must be in \[0, 80\]", id="int-seqlens"),
+        pytest.param(call(k_cache=torch.randn(2, 80, 2, 32, dtype=F16)), ValueError, "rows for 3 sequences",
+                     id="cache-rows"),
+        pytest.param(call(cache_batch_idx=torch.tensor([0, 3, 1], dtype=torch.int32)), ValueError,
+                     r"cache_batch_idx entries must be in \[0, 3\)", id="batch-idx-range"),
+        pytest.param(call(num_splits=200), ValueError, "num_splits", id="splits"),
+        pytest.param(call(sm_margin=-1), ValueError, "sm_margin", id="sm-margin"),
+        pytest.param(call(scheduler_metadata=[1]), TypeError, "scheduler_metadata", id="scheduler-metadata"),
+        pytest.param(call(k_cache=torch.randn(3, 80, 2, 32, dtype=BF16)), TypeError, "k_cache has dtype",
+                     id="dtype"),
+    ]
+
+
+@pytest.mark.parametrize("fn,exc,message", _bad_fa3_calls())
+def test_fa3_keywords_bad_input_is_named(fn, exc, message):
+    with pytest.raises(exc, match=message):
+        fn()

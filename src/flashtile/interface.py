@@ -175,7 +175,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, descales, names, packed=None, block_table=None, seqused_k=None):
+                   return_attn_probs, descales, names, packed=None, block_table=None, seqused_k=None,
+                   num_splits=0):
     """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
     ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences, q
     (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
@@ -236,7 +237,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table, heads_k):
         out, lse = _varlen_decode(q, k, v, packed[0], _key_counts(packed[1], seqused_k), seqlen_q, scale, left,
                                   right, _check_softcap(softcap), alibi, block_table, per_head,
-                                  need_lse=return_attn_probs)
+                                  need_lse=return_attn_probs, num_splits=num_splits)
         return (out, lse, None) if return_attn_probs else out
     group = heads // heads_k
     # One scale block spanning the whole (longest) sequence: a power of two of at least 256, so a
@@ -258,7 +259,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         out, lse = prefill()
     elif _mixed_batch_wanted(q, seqlen_q, 0.0, block_table, batch):
         out, lse = _mixed_batch(q, k, v, cu_q, _key_counts(cu_k, seqused_k), scale, left, right,
-                                _check_softcap(softcap), alibi, block_table, prefill, per_head)
+                                _check_softcap(softcap), alibi, block_table, prefill, per_head, num_splits)
     else:
         out, lse = prefill(_key_offsets(cu_k, seqused_k))
     return (out, lse, None) if return_attn_probs else out
@@ -446,6 +447,14 @@ def _check_pages(block_table, num_pages: int, capacity: int, max_seqlen_k: int):
         _remember_checked("pages", block_table, (num_pages,))
 
 
+def _check_cache_batch_idx(cache_batch_idx, batch: int, cache_rows: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
+        raise TypeError("cache_batch_idx must be an int32 tensor")
+    if tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != device:
+        raise ValueError(f"cache_batch_idx must have shape ({batch},) on {device}")
+    return _checked_cache_rows(cache_batch_idx, cache_rows)
+
+
 def _checked_cache_rows(cache_batch_idx: torch.Tensor, cache_rows: int) -> torch.Tensor:
     """cache_batch_idx with its values in [0, cache_rows): read on the host once per tensor version
     (a ValueError otherwise); where they cannot be read (CUDA-graph capture, torch.compile) a copy
@@ -511,10 +520,11 @@ def _mixed_batch_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, bat
 
 
 def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap, alibi, block_table, prefill,
-                 descales=None):
+                 descales=None, num_splits=0):
     """A mixed batch as above: ``prefill(key_offsets, keyed_sequences)`` runs the prefill kernels on
     the whole batch with the given key offsets, of which at most ``keyed_sequences`` sequences have
-    keys, and returns (out, lse). Returns (out, lse)."""
+    keys, and returns (out, lse). ``num_splits``: the decode's (flash_attn_with_kvcache's). Returns
+    (out, lse)."""
     queries = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     short = queries <= VARLEN_DECODE_MAX_QUERIES
     none = torch.zeros_like(key_counts)
@@ -531,9 +541,9 @@ def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap,
         first = VARLEN_DECODE_MAX_QUERIES
     else:
         _varlen_decode(q, k, v, cu_seqlens_q, torch.where(short & (queries > first), key_counts, none),
-                       VARLEN_DECODE_MAX_QUERIES, *decode_args, into=(out, lse))
+                       VARLEN_DECODE_MAX_QUERIES, *decode_args, into=(out, lse), num_splits=num_splits)
     return _varlen_decode(q, k, v, cu_seqlens_q, torch.where(queries <= first, key_counts, none), first,
-                          *decode_args, into=(out, lse))
+                          *decode_args, into=(out, lse), num_splits=num_splits)
 
 
 def _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k, block_table):
@@ -592,7 +602,7 @@ def _key_offsets(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> 
 
 def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: float, left: int,
                    right: int, softcap: float, alibi, block_table, descales=None, need_lse: bool = True,
-                   into=None):
+                   into=None, num_splits: int = 0):
     """Packed queries q (total_q, H, D) of sequences on page pools k, v through the decode of
     flash_attn_with_kvcache (validated inputs; ``key_counts`` (B,) int32: each sequence's keys, on
     the device; ``descales``: the e4m3 call's (B, Hk) ones). Sequence b's queries take the last
@@ -600,7 +610,8 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
     rows before them are zeros whose outputs are dropped (their positions come before the
     sequence's first query, so no mask moves). Returns out (total_q, H, D) and lse (H, total_q) or
     None without ``need_lse``; rows past cu_seqlens_q[-1] are left unwritten. ``into``: (out, lse)
-    to write the rows of sequences of at most max_seqlen_q queries into (a mixed batch's)."""
+    to write the rows of sequences of at most max_seqlen_q queries into (a mixed batch's).
+    ``num_splits``: flash_attn_with_kvcache's (0: its heuristic)."""
     batch = cu_seqlens_q.shape[0] - 1
     total, heads, head_dim = q.shape
     seqlen = max_seqlen_q
@@ -615,8 +626,8 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
     decode.check_grid(batch, seqlen, heads, k.shape[2],
                       decode.tile_rows_for(rows, fp8, q.device, head_dim)
                       if rows > decode.SMALL_SHARED_MEMORY_TILE_ROWS else None)
-    out, lse = ops.kvcache(blocked, k, v, key_counts, block_table, None, alibi, scale, left, right, softcap, 0,
-                           None, k_view, v_view, need_lse=need_lse, q_descale=q_descale,
+    out, lse = ops.kvcache(blocked, k, v, key_counts, block_table, None, alibi, scale, left, right, softcap,
+                           num_splits, None, k_view, v_view, need_lse=need_lse, q_descale=q_descale,
                            seq_descales=per_sequence)
     if into is not None:
         return ops.unblock(out, lse, cu_seqlens_q, total, *into)
@@ -629,7 +640,7 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, deterministic=False, names=("q", "k", "v"),
-                      descales=(None, None, None), seqused_k=None):
+                      descales=(None, None, None), seqused_k=None, num_splits=0):
     if seqused_k is not None:
         k, v, max_seqlen_k, block_table = _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                            max_seqlen_k, block_table)
@@ -641,7 +652,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                               alibi_slopes, return_attn_probs, descales, names,
                               packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                              block_table=block_table, seqused_k=seqused_k)
+                              block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
@@ -676,7 +687,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
     if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table, k.shape[2] if block_table is not None else 1):
         out, lse = _varlen_decode(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), max_seqlen_q,
-                                  scale, left, right, softcap, alibi, block_table, need_lse=return_attn_probs)
+                                  scale, left, right, softcap, alibi, block_table, need_lse=return_attn_probs,
+                                  num_splits=num_splits)
         return (out, lse, None) if return_attn_probs else out
 
     def prefill(key_offsets, keyed_sequences=0):
@@ -686,7 +698,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                            _check_deterministic(deterministic), keyed_sequences)
     if _mixed_batch_wanted(q, max_seqlen_q, dropout_p, block_table, batch):
         out, lse = _mixed_batch(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), scale, left, right,
-                                softcap, alibi, block_table, prefill)
+                                softcap, alibi, block_table, prefill, num_splits=num_splits)
     else:
         out, lse = prefill(_key_offsets(cu_seqlens_k, seqused_k))
     return (out, lse, None) if return_attn_probs else out
@@ -805,27 +817,55 @@ def _check_rotary(rotary_cos, rotary_sin, head_dim: int, device: torch.device) -
 # The last (batch,) lengths tensor made from an int cache_seqlens, with its key: every layer of a
 # decode step passes the same length, which would otherwise cost an allocation and a fill kernel per
 # layer. One tuple, swapped whole, so a reader never pairs a key with another key's tensor.
-_FULL_LENGTHS: tuple = (None, None)
+_REUSED: dict = {}
 
 
 def _full_lengths(batch: int, value: int, device: torch.device) -> torch.Tensor:
     """torch.full((batch,), value, int32) on ``device``; the kernels only read it. Reused per
     (batch, value, device and, on CUDA, current stream); made fresh under torch.compile and CUDA
     graph capture."""
-    if torch.compiler.is_compiling():
+    return _reused("lengths", batch, value, device)
+
+
+def _rows_table(batch: int, device: torch.device, cache_batch_idx=None) -> torch.Tensor:
+    """A (batch, 1) int32 block table whose row b is cache row b (or cache_batch_idx[b], a checked
+    (batch,) int32 tensor): a contiguous cache seen as a pool of one page a row. The same tensor for
+    the same rows (the arange reused as _full_lengths is, a view of cache_batch_idx kept while it is
+    the one given), so that checks cached by tensor identity are not repeated every layer."""
+    if cache_batch_idx is None:
+        return _reused("rows", batch, None, device)
+    global _ROWS_VIEW
+    ref, view = _ROWS_VIEW
+    if ref is None or ref() is not cache_batch_idx:
+        view = cache_batch_idx.view(batch, 1)
+        _ROWS_VIEW = (weakref.ref(cache_batch_idx), view)
+    return view
+
+
+_ROWS_VIEW: tuple = (None, None)
+
+
+def _reused(kind: str, batch: int, value, device: torch.device) -> torch.Tensor:
+    """_full_lengths' tensor (value: the length) or _rows_table's arange (kind "rows"), one held per
+    kind and reused per (batch, value, device and, on CUDA, current stream); made fresh under
+    torch.compile and CUDA graph capture."""
+    def make():
+        if kind == "rows":
+            return torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
         return torch.full((batch,), value, dtype=torch.int32, device=device)
+    if torch.compiler.is_compiling():
+        return make()
     stream = None
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
-            return torch.full((batch,), value, dtype=torch.int32, device=device)
+            return make()
         # The raw handle: torch.cuda.current_stream builds a Stream object, microseconds per layer.
         stream = torch._C._cuda_getCurrentRawStream(device.index)
-    global _FULL_LENGTHS
     key = (batch, value, device, stream)
-    held_key, held = _FULL_LENGTHS
+    held_key, held = _REUSED.get(kind, (None, None))
     if held_key != key:
-        held = torch.full((batch,), value, dtype=torch.int32, device=device)
-        _FULL_LENGTHS = (key, held)
+        held = make()
+        _REUSED[kind] = (key, held)
     return held
 
 
@@ -912,7 +952,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, q_descale=None, k_descale=None, v_descale=None):
+                            return_softmax_lse=False, q_descale=None, k_descale=None, v_descale=None, *,
+                            page_table=None, cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None,
+                            rotary_seqlens=None, qv=None, attention_chunk=0, scheduler_metadata=None,
+                            pack_gqa=None, sm_margin=0):
     """Attention of q (B, Sq, H, D) against a KV cache, with flash_attn 2.8's semantics.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -935,7 +978,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FlashAttention-3's all-FP8 call: q float8_e4m3fn too, with float32 ``q_descale`` (B, Hk) (None:
     1.0); the output is bf16. New k/v may then be e4m3 as well (stored as given: fixed (B, Hk) or
     None descales only, since they carry no per-token ones) or bf16 (quantized as above).
+
+    FlashAttention-3's keywords: ``page_table`` (block_table's name there); ``cu_seqlens_q`` (B + 1)
+    int32 with ``max_seqlen_q`` for packed queries q (total_q, H, D), sequence b's against the first
+    cache_seqlens[b] keys of its cache row or pages (SGLang's call: new keys already written, counted
+    in cache_seqlens; the LSE is then (H, total_q)); ``scheduler_metadata``, ``pack_gqa`` and
+    ``sm_margin`` are accepted and not used (flashtile plans its splits on the device and always packs
+    a KV head's query heads; it takes every SM). Not supported (NotImplementedError): ``qv``,
+    ``attention_chunk``, ``rotary_seqlens``, and with ``cu_seqlens_q`` new k/v (``cu_seqlens_k_new``),
+    rotary embedding or ``cache_leftpad``.
     """
+    block_table = _fa3_kvcache_keywords(block_table, page_table, qv, attention_chunk, rotary_seqlens,
+                                        scheduler_metadata, pack_gqa, sm_margin)
+    if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
+        out, lse = _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, max_seqlen_q,
+                                   cu_seqlens_k_new, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                   num_splits, bool(return_softmax_lse), (q_descale, k_descale, v_descale))
+        return (out, lse) if return_softmax_lse else out
     _check_tensor(q, "q", 4, (*_DTYPES, torch.float8_e4m3fn))
     paged = block_table is not None
     fp8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn
@@ -962,11 +1022,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_attention_match(q, k_cache, v_cache, (batch, *k_cache.shape[1:]), (batch, *v_cache.shape[1:]),
                            ("q", "k_cache", "v_cache"), kv_dtype=k_cache.dtype if fp8_cache else None)
     if cache_batch_idx is not None:
-        if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
-            raise TypeError("cache_batch_idx must be an int32 tensor")
-        if tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != q.device:
-            raise ValueError(f"cache_batch_idx must have shape ({batch},) on {q.device}")
-        cache_batch_idx = _checked_cache_rows(cache_batch_idx, k_cache.shape[0])
+        cache_batch_idx = _check_cache_batch_idx(cache_batch_idx, batch, k_cache.shape[0], q.device)
     if cache_seqlens is None:
         if paged:
             raise ValueError("cache_seqlens is required with block_table")
@@ -1032,8 +1088,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
         _check_cache_append(cache_seqlens, lengths, max(new_tokens, q.shape[1]), rotary_cos.shape[0],
                             what="rotary_cos/rotary_sin have")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
+    _check_num_splits(num_splits)
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
@@ -1069,6 +1124,95 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            need_lse=bool(return_softmax_lse), q_descale=q_descale if fp8_q else None,
                            seq_descales=fp8_cache and seq_descales)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_num_splits(num_splits) -> None:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
+
+
+def _fa3_kvcache_keywords(block_table, page_table, qv, attention_chunk, rotary_seqlens, scheduler_metadata,
+                          pack_gqa, sm_margin):
+    """FlashAttention-3's flash_attn_with_kvcache keywords beyond flash_attn 2.8's, checked; returns
+    the block table (``page_table`` is its FlashAttention-3 name)."""
+    if page_table is not None:
+        if block_table is not None:
+            raise ValueError("give block_table or page_table (FlashAttention-3's name for it), not both")
+        block_table = page_table
+    if qv is not None:
+        raise NotImplementedError("flashtile: qv (FlashAttention-3's second query part, for MLA) is not supported")
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
+        raise ValueError(f"attention_chunk must be an int >= 0, got {attention_chunk!r}")
+    if attention_chunk:
+        raise NotImplementedError("flashtile: attention_chunk (chunked local attention) is not supported")
+    if rotary_seqlens is not None:
+        raise NotImplementedError("flashtile: rotary_seqlens is not supported (the rotary positions are "
+                                  "cache_seqlens, as in flash_attn 2.8)")
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise TypeError(f"scheduler_metadata must be a torch.Tensor or None, got {type(scheduler_metadata).__name__}")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be a bool or None, got {type(pack_gqa).__name__}")
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ValueError(f"sm_margin must be an int >= 0, got {sm_margin!r}")
+    return block_table
+
+
+def _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                    cache_leftpad, block_table, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, num_splits, return_lse, descales):
+    """flash_attn_with_kvcache with FlashAttention-3's cu_seqlens_q: packed queries (total_q, H, D)
+    against each sequence's first cache_seqlens[b] keys, as flash_attn_varlen_func with those as
+    seqused_k on the pools (a contiguous cache: a pool of one page a cache row, whose table is the
+    rows). Returns (out, lse (H, total_q) or None)."""
+    if cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_k_new goes with cu_seqlens_q (packed queries)")
+    if k is not None or v is not None or cu_seqlens_k_new is not None:
+        raise NotImplementedError("flashtile: new k/v with cu_seqlens_q are not supported; write them into "
+                                  "the cache first and count them in cache_seqlens")
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("flashtile: rotary embedding with cu_seqlens_q is not supported; rotate q "
+                                  "and the keys before the call")
+    if cache_leftpad is not None:
+        raise NotImplementedError("flashtile: cache_leftpad with cu_seqlens_q is not supported")
+    if max_seqlen_q is None:
+        raise ValueError("max_seqlen_q is required with cu_seqlens_q")
+    _check_tensor(q, "q", 3, (*_DTYPES, torch.float8_e4m3fn))
+    batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_tensor(t, n, 4, (torch.float8_e4m3fn,) if fp8 else _DTYPES)
+    _check_num_splits(num_splits)
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table")
+        _check_block_table(block_table, k_cache, v_cache, batch, q.device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if cache_batch_idx is not None:
+            cache_batch_idx = _check_cache_batch_idx(cache_batch_idx, batch, k_cache.shape[0], q.device)
+        elif k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows for {batch} sequences (cu_seqlens_q); "
+                             "give cache_batch_idx or a larger cache")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                             f"{tuple(v_cache.shape)}")
+        block_table = _rows_table(batch, q.device, cache_batch_idx)
+        capacity = k_cache.shape[1]
+        if cache_seqlens is None:
+            cache_seqlens = capacity
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required with block_table")
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens must be in [0, {capacity}], got {cache_seqlens}")
+        cache_seqlens = _full_lengths(batch, cache_seqlens, q.device)
+    elif not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    result = _varlen_attention(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, block_table,
+                               names=("q", "k_cache", "v_cache"), descales=descales, seqused_k=cache_seqlens,
+                               num_splits=num_splits)
+    return (result[0], result[1]) if return_lse else (result, None)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
