@@ -651,3 +651,68 @@ def test_tensor_descriptor_path_with_empty_sequences():
     descriptors = attention_forward(q, k, v, config=TileConfig(32, 32, 4, 1, use_tma=True), **args)
     assert torch.equal(pointers[0], descriptors[0]) and torch.equal(pointers[1], descriptors[1])
     assert torch.all(descriptors[0][37:] == 0)  # sequence 2 sees no key
+
+
+def test_vllm_keywords_out_num_splits_and_lse(monkeypatch):
+    """vLLM's flash_attn_varlen_func keywords: ``out`` receives the output and is what is returned,
+    ``return_softmax_lse`` gives (out, lse) as return_attn_probs does without its third item,
+    ``num_splits`` reaches the split-KV decode of decode steps on page pools, ``scheduler_metadata`` is
+    taken and unused."""
+    from flashtile import interface
+    splits = []
+    real = interface.ops.kvcache
+    monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **kw: splits.append(a[11]) or real(*a, **kw))
+    lens_q, lens_k = [1, 2, 0, 1], [40, 9, 3, 70]
+    cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+    q = torch.randn(sum(lens_q), 8, 32, dtype=BF16)
+    k, v = torch.randn(sum(lens_k), 2, 32, dtype=BF16), torch.randn(sum(lens_k), 2, 32, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(k, v, cu_k, 8)
+    used = cu_k[1:] - cu_k[:-1]
+    kw = dict(block_table=table, seqused_k=used, causal=True)
+    expected, expected_lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 2, 70,
+                                                                 return_attn_probs=True, **kw)
+    out = torch.full_like(q, float("nan"))
+    given, lse = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 2, 70, out=out,
+                                                  return_softmax_lse=True, scheduler_metadata=torch.zeros(3), **kw)
+    assert given is out and torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    assert flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 2, 70, out=out, **kw) is out
+    flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 2, 70, num_splits=3, **kw)
+    assert splits == [0, 0, 0, 3]
+
+
+@pytest.mark.parametrize("overrides,exc,message", [
+    (dict(out=torch.zeros(5, 4, 16, dtype=F16)), TypeError, "out must have dtype torch.bfloat16"),
+    (dict(out=torch.zeros(4, 4, 16, dtype=BF16)), ValueError, r"out must have shape \(5, 4, 16\)"),
+    (dict(out=[0]), TypeError, "out must be a torch.Tensor"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+    (dict(scheduler_metadata="plan"), TypeError, "scheduler_metadata"),
+], ids=["out-dtype", "out-shape", "out-type", "splits", "scheduler-metadata"])
+def test_vllm_keywords_bad_input_is_named(overrides, exc, message):
+    q, k = torch.randn(5, 4, 16, dtype=BF16), torch.randn(5, 2, 16, dtype=BF16)
+    with pytest.raises(exc, match=message):
+        flashtile.flash_attn_varlen_func(q, k, k, offsets([2, 3]), offsets([2, 3]), 3, 3, **overrides)
+
+
+def test_vllm_out_is_forward_only():
+    q = torch.randn(5, 4, 16, dtype=BF16, requires_grad=True)
+    k = torch.randn(5, 2, 16, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="out= is forward-only"):
+        flashtile.flash_attn_varlen_func(q, k, k, offsets([2, 3]), offsets([2, 3]), 3, 3,
+                                         out=torch.empty(5, 4, 16, dtype=BF16))
+
+
+def test_vllm_out_compiles_with_fullgraph():
+    cu = offsets([1, 2, 0, 1])
+    q = torch.randn(4, 8, 32, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(torch.randn(20, 2, 32, dtype=BF16), torch.randn(20, 2, 32, dtype=BF16),
+                                       offsets([4, 9, 3, 4]), 8)
+    used = torch.tensor([4, 9, 3, 4], dtype=torch.int32)
+
+    def fn(q, out):
+        return flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu, None, 2, 9, block_table=table, seqused_k=used,
+                                                causal=True, out=out, return_softmax_lse=True)
+    torch._dynamo.reset()
+    eager, eager_lse = fn(q, torch.empty_like(q))
+    out = torch.full_like(q, float("nan"))
+    compiled, compiled_lse = torch.compile(fn, fullgraph=True)(q, out)
+    assert torch.equal(out, eager) and torch.equal(compiled, eager) and torch.equal(compiled_lse, eager_lse)

@@ -708,7 +708,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, q_descale=None, k_descale=None,
-                           v_descale=None, seqused_k=None):
+                           v_descale=None, seqused_k=None, *, out=None, num_splits=0, scheduler_metadata=None,
+                           return_softmax_lse=False):
     """Packed sequences without padding: q (total_q, H, D), k/v (total_k, Hk, D).
 
     Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]
@@ -729,11 +730,47 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     FP8 (forward only): float8_e4m3fn q, k, v with float32 ``q_descale``/``k_descale``/``v_descale``
     (B, Hk), one per sequence and KV head (None: 1.0), as in FlashAttention-3; bfloat16 output. With
     ``block_table`` the page pools are e4m3 too (vLLM's FP8 KV cache with FlashAttention-3).
+
+    vLLM's keywords (forward only): ``out`` (total_q, H, D) in the output's dtype receives the output
+    and is returned (the result is copied there: the kernels do not write into it directly);
+    ``num_splits`` for the split-KV decode that takes decode steps on page pools (as in
+    flash_attn_with_kvcache: 0 = heuristic, 1 = none); ``scheduler_metadata`` is accepted and not
+    used; ``return_softmax_lse`` returns (out, softmax_lse (H, total_q)).
     """
-    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             return_attn_probs, block_table, deterministic,
-                             descales=(q_descale, k_descale, v_descale), seqused_k=seqused_k)
+    _check_num_splits(num_splits)
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise TypeError(f"scheduler_metadata must be a torch.Tensor or None, got {type(scheduler_metadata).__name__}")
+    if out is not None:
+        _check_out(out, q, k, v)
+    need_lse = bool(return_attn_probs or return_softmax_lse)
+    result = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               need_lse, block_table, deterministic,
+                               descales=(q_descale, k_descale, v_descale), seqused_k=seqused_k,
+                               num_splits=num_splits)
+    attended = result[0] if need_lse else result
+    if out is not None:
+        attended = out.copy_(attended)
+    if return_attn_probs:
+        return attended, result[1], None
+    return (attended, result[1]) if return_softmax_lse else attended
+
+
+def _check_out(out, q, k, v) -> None:
+    """vLLM's ``out`` for packed q (total_q, H, D): the output's shape, dtype (bf16 for e4m3 q) and
+    device; forward only."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if not isinstance(q, torch.Tensor):
+        return  # (q's own check names it)
+    dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype} (the output's), got {out.dtype}")
+    if tuple(out.shape) != tuple(q.shape) or out.device != q.device:
+        raise ValueError(f"out must have shape {tuple(q.shape)} on {q.device} as q, got {tuple(out.shape)} on "
+                         f"{out.device}")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("flashtile: out= is forward-only; call it under torch.no_grad()")
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
