@@ -11,7 +11,9 @@ callers do, so that they take the Gluon kernels where those apply (return_attn_p
 them), windows up to 3000 keys, short causal windows for the portable kernel's short-window tiles),
 ``varlen`` (flash_attn_varlen_func: backward on some cases, deterministic ones twice, a fifth of the
 cases wide enough, 4-8 KV heads at d64/d128, for the Gluon packed backward, whose calls each case
-records; or keys on page pools of any page size through block_table), ``kvcache``
+records; or keys on page pools of any page size through block_table), ``mixed`` (serving batches
+of decode steps among prefill chunks on page pools, through flash_attn_varlen_func or
+flash_attn_with_kvcache's FlashAttention-3 packed form: mixed_case), ``kvcache``
 (flash_attn_with_kvcache on contiguous or paged caches of any page size, appends, rotary, leftpad,
 cache_batch_idx, splits, Sq 1..48), ``kvcache-long`` (the same at 32-128 sequence x KV-head pairs
 with 16k-40k keys, contiguous or pages of 16: the long-cache plans), ``kvcache-fp8`` (the same on
@@ -170,6 +172,16 @@ def _varlen_pools(k, v, lens_k, page_size, nan_fill=False):
     return pools[0], pools[1], order.to(torch.int32)
 
 
+def _packed_inputs(lens_q, lens_k, h, hk, d, dtype):
+    """Fresh packed q, k, v and their int32 offsets."""
+    q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
+    k = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
+    v = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
+    cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).to(torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
 def varlen_case(rng):
     n = rng.randint(1, 5)
     hk = rng.choice([1, 2])
@@ -210,11 +222,7 @@ def varlen_case(rng):
             params["gluon_varlen_backward_calls"] = backward_calls.calls - backward_before
 
     def _run():
-        q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype)
-        k = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
-        v = torch.randn(sum(lens_k), hk, d, device=DEV, dtype=dtype)
-        cu_q = torch.tensor([0] + lens_q, device=DEV).cumsum(0).to(torch.int32)
-        cu_k = torch.tensor([0] + lens_k, device=DEV).cumsum(0).to(torch.int32)
+        q, k, v, cu_q, cu_k = _packed_inputs(lens_q, lens_k, h, hk, d, dtype)
 
         def call(q_, k_, v_):
             if page:
@@ -250,6 +258,55 @@ def varlen_case(rng):
             out, _, _ = call(qq, kk, vv)
             out.backward(dout)
             _same_bits(first, (qq.grad, kk.grad, vv.grad), "flash_attn_varlen_func")
+    return params, run
+
+
+def mixed_case(rng):
+    """vLLM's and SGLang's serving batches on page pools: decode steps (mostly one query, some
+    speculative ones of 2-16) among a few prefill chunks, through flash_attn_varlen_func (key
+    offsets, or seqused_k without them, sometimes into a NaN-filled ``out``) or through
+    flash_attn_with_kvcache's FlashAttention-3 packed form (page_table, cu_seqlens_q), each sequence
+    against float64: the mixed split, its two decode launches and the gathers of pages no TMA box
+    fits."""
+    hk = rng.choice([1, 2, 8])
+    h = hk * rng.choice([1, 4, 6, 8])
+    d = rng.choice([64, 128, 256])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    steps = rng.randint(2, 150)
+    lens_q = [1 if rng.random() < 0.8 else rng.randint(2, 16) for _ in range(steps)]
+    lens_k = [rng.randint(lq, max(lq, _n(4000))) for lq in lens_q]
+    for _ in range(rng.randint(1, 3)):  # chunks, placed among the steps
+        at = rng.randint(0, len(lens_q))
+        chunk = rng.randint(17, max(17, _n(1500)))
+        lens_q.insert(at, chunk)
+        lens_k.insert(at, rng.randint(chunk, max(chunk, _n(6000))))
+    kw = _mask_options(rng, causal_p=0.8)
+    page = rng.choice([1, 3, 16, 64])
+    form = rng.choice(["offsets", "seqused", "fa3"])
+    params = dict(family="mixed", h=h, hk=hk, d=d, dtype=str(dtype), lens_q=lens_q, lens_k=lens_k, page=page,
+                  form=form, **kw)
+
+    def run():
+        q, k, v, cu_q, cu_k = _packed_inputs(lens_q, lens_k, h, hk, d, dtype)
+        used = torch.tensor(lens_k, device=DEV, dtype=torch.int32)
+        k_pool, v_pool, table = _varlen_pools(k, v, lens_k, page, nan_fill=True)
+        with torch.no_grad():
+            if form == "fa3":
+                out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=used, page_table=table,
+                                                             cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q),
+                                                             return_softmax_lse=True, **kw)
+            elif form == "seqused":
+                out, lse = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, max(lens_q), max(lens_k),
+                                                            block_table=table, seqused_k=used,
+                                                            out=torch.full_like(q, float("nan")),
+                                                            return_softmax_lse=True, **kw)
+            else:
+                out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lens_q),
+                                                               max(lens_k), block_table=table,
+                                                               return_attn_probs=True, **kw)
+        for i in range(len(lens_q)):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            assert_matches_reference(out[None, qs], lse[None, :, qs], q[None, qs], k[None, ks], v[None, ks], **kw)
     return params, run
 
 
@@ -686,7 +743,7 @@ def varlen_fp8_case(rng):
     return params, run
 
 
-FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case,
+FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case, "mixed": mixed_case,
             "kvcache-long": lambda rng: kvcache_case(rng, long=True),
             "kvcache-fp8-long": lambda rng: kvcache_fp8_case(rng, long=True),
             "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case,
