@@ -272,7 +272,7 @@ def mixed_case(rng):
     h = hk * rng.choice([1, 4, 6, 8])
     d = rng.choice([64, 128, 256])
     dtype = rng.choice([torch.bfloat16, torch.float16])
-    steps = rng.randint(2, 150)
+    steps = rng.randint(2, max(2, _n(150)))
     lens_q = [1 if rng.random() < 0.8 else rng.randint(2, 16) for _ in range(steps)]
     lens_k = [rng.randint(lq, max(lq, _n(4000))) for lq in lens_q]
     for _ in range(rng.randint(1, 3)):  # chunks, placed among the steps
