@@ -1178,6 +1178,8 @@ def _bad_fa3_calls():
         pytest.param(call(scheduler_metadata=[1]), TypeError, "scheduler_metadata", id="scheduler-metadata"),
         pytest.param(call(k_cache=torch.randn(3, 80, 2, 32, dtype=BF16)), TypeError, "k_cache has dtype",
                      id="dtype"),
+        pytest.param(call(k_cache=torch.randn(3, 80, 2, 32).to(torch.float8_e4m3fn)), TypeError,
+                     "takes an e4m3 q", id="e4m3-cache-16-bit-q"),
     ]
 
 

@@ -1216,6 +1216,9 @@ def _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     _check_tensor(q, "q", 3, (*_DTYPES, torch.float8_e4m3fn))
     batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q)
     fp8 = q.dtype == torch.float8_e4m3fn
+    if not fp8 and isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn:
+        raise TypeError("with cu_seqlens_q an e4m3 cache takes an e4m3 q (FlashAttention-3's all-FP8 call, with "
+                        "q_descale), got q of dtype " + str(q.dtype))
     for t, n in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         _check_tensor(t, n, 4, (torch.float8_e4m3fn,) if fp8 else _DTYPES)
     _check_num_splits(num_splits)
