@@ -1166,8 +1166,12 @@ def _bad_fa3_calls():
         pytest.param(call(cache_leftpad=torch.zeros(3, dtype=torch.int32)), NotImplementedError, "cache_leftpad",
                      id="leftpad"),
         pytest.param(call(q=torch.randn(1, 7, 6, 32, dtype=F16)), ValueError, "q must", id="q-not-packed"),
-        pytest.param(call(cache_seqlens=torch.tensor([30, 81, 1], dtype=torch.int32)), ValueError, "seqused_k",
-                     id="seqlens-past-cache"),
+        pytest.param(call(cache_seqlens=torch.tensor([30, 81, 1], dtype=torch.int32)), ValueError,
+                     r"cache_seqlens entries must be in \[0, 80\]", id="seqlens-past-cache"),
+        pytest.param(call(cache_seqlens=torch.tensor([30, 8], dtype=torch.int32)), ValueError,
+                     r"cache_seqlens must have shape \(3,\)", id="seqlens-shape"),
+        pytest.param(call(cache_seqlens=torch.tensor([30, 8, 1])), TypeError, "cache_seqlens must be int32",
+                     id="seqlens-dtype"),
         pytest.param(call(cache_seqlens=81), ValueError, r"cache_seqlens must be in \[0, 80\]", id="int-seqlens"),
         pytest.param(call(k_cache=torch.randn(2, 80, 2, 32, dtype=F16)), ValueError, "rows for 3 sequences",
                      id="cache-rows"),
@@ -1187,3 +1191,26 @@ def _bad_fa3_calls():
 def test_fa3_keywords_bad_input_is_named(fn, exc, message):
     with pytest.raises(exc, match=message):
         fn()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fa3_packed_call_reads_its_values_once_per_tensor_version(paged, monkeypatch):
+    """Every layer passes the same cache_seqlens, cu_seqlens_q and page table (or, contiguous, the
+    same cache rows): their values are read on the host at the first layer only, and again after an
+    in-place change."""
+    q, cu, k_cache, v_cache, lengths = _packed_cache_case([1, 3, 0, 2], [40, 9, 3, 70])
+    kw = dict(cache_seqlens=lengths, cu_seqlens_q=cu, max_seqlen_q=3, causal=True)
+    if paged:
+        k_cache, v_cache, kw["page_table"] = paged_cache(k_cache, v_cache, 16)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    first = len(reads)
+    assert first > 0
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    assert len(reads) == first
+    lengths[0] = 81
+    with pytest.raises(ValueError, match="cache_seqlens entries must be in"):
+        flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)

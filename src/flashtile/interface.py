@@ -1248,6 +1248,18 @@ def _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         cache_seqlens = _full_lengths(batch, cache_seqlens, q.device)
     elif not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    else:  # (named here; _check_seqused_k finds its values checked under the same key)
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must have shape ({batch},) on {q.device}, got "
+                             f"{tuple(cache_seqlens.shape)} on {cache_seqlens.device}")
+        if cache_seqlens.numel() and _values_to_check("seqused_k", cache_seqlens, (None, capacity)):
+            low, high = torch.stack([cache_seqlens.min(), cache_seqlens.max()]).tolist()
+            if low < 0 or high > capacity:
+                raise ValueError(f"cache_seqlens entries must be in [0, {capacity}] (the keys a sequence's cache "
+                                 f"holds), got [{low}, {high}]")
+            _remember_checked("seqused_k", cache_seqlens, (None, capacity))
     result = _varlen_attention(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, block_table,
                                names=("q", "k_cache", "v_cache"), descales=descales, seqused_k=cache_seqlens,
