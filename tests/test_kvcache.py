@@ -1103,16 +1103,20 @@ def test_fa3_packed_queries_through_cache_batch_idx_and_int_seqlens(nan_empty):
 
 def test_fa3_packed_queries_are_flash_attn_varlen_func_with_seqused_k(monkeypatch):
     """The packed kvcache call is flash_attn_varlen_func on the pools with cache_seqlens as
-    seqused_k, bit for bit, e4m3 pools and descales included; num_splits reaches the decode."""
-    from test_fp8 import _packed_e4m3
+    seqused_k, bit for bit, e4m3 pools and descales included; num_splits reaches the decode, and
+    the split call meets the e4m3 accuracy rule against float64 as the unsplit one does."""
+    from test_fp8 import _check_per_sequence, _packed_e4m3
     lens_q, lens_k = [1, 3, 0, 2], [40, 9, 3, 70]
-    cu, cu_k, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, 8, 2, 32)
-    k_pool, v_pool, table = paged_cache(*(torch.randn(4, 72, 2, 32) for _ in range(2)), 8)
+    cu, _, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, 8, 2, 32)
+    k_cache, v_cache = (torch.randn(4, 72, 2, 32).to(torch.float8_e4m3fn) for _ in range(2))
+    k_pool, v_pool, table = paged_cache(k_cache.float(), v_cache.float(), 8)
     k_pool, v_pool = k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn)
+    packed = [torch.cat([c[b, :n] for b, n in enumerate(lens_k)]) for c in (k_cache, v_cache)]
     used = torch.tensor(lens_k, dtype=torch.int32)
     splits = []
     real = interface.ops.kvcache
     monkeypatch.setattr(interface.ops, "kvcache", lambda *a, **k: splits.append(a[11]) or real(*a, **k))
+
     def call(num_splits):
         return flashtile.flash_attn_with_kvcache(
             tensors[0], k_pool, v_pool, cache_seqlens=used, page_table=table, cu_seqlens_q=cu, max_seqlen_q=3,
@@ -1125,7 +1129,9 @@ def test_fa3_packed_queries_are_flash_attn_varlen_func_with_seqused_k(monkeypatc
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     split_out, split_lse = call(3)
     assert splits == [0, 0, 3]
-    assert torch.allclose(split_out.float(), out.float(), atol=1e-2) and torch.allclose(split_lse, lse, atol=1e-4)
+    cu_k = [0, *torch.tensor(lens_k).cumsum(0).tolist()]
+    for o, l in ((out, lse), (split_out, split_lse)):
+        _check_per_sequence(o, l, (tensors[0], *packed), descales, cu.tolist(), cu_k, 2, causal=True)
 
 
 def test_fa3_packed_call_compiles_with_fullgraph():
