@@ -16,6 +16,7 @@ from . import ops
 from .kernels import decode
 from .kernels.forward import interpreting
 from .kernels.rotary import rotate_and_append, rotate_new_keys
+from .kernels.sinks import apply_sinks_
 
 MAX_HEAD_DIM = 256
 # flash_attn_with_kvcache's num_splits: at most flash-attn's limit (it raises past 128 too)
@@ -150,11 +151,68 @@ def _check_deterministic(deterministic) -> bool:
     return bool(deterministic)
 
 
+def _check_sinks(s_aux, q, ndim: int):
+    """vLLM's ``s_aux`` (gpt-oss's attention sinks): one logit per query head, (H,) floating point on
+    q's device; its shape is checked once q has the ``ndim`` dimensions its call takes (q's own check
+    names a q without them)."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor):
+        raise TypeError(f"s_aux must be a torch.Tensor of shape (heads,) or None, got {type(s_aux).__name__}")
+    if s_aux.dtype not in (torch.float32, *_DTYPES):
+        raise TypeError(f"s_aux must be float32, float16 or bfloat16, got {s_aux.dtype}")
+    if isinstance(q, torch.Tensor) and q.dim() == ndim:
+        heads = q.shape[-2]
+        if tuple(s_aux.shape) != (heads,) or s_aux.device != q.device:
+            raise ValueError(f"s_aux must have shape ({heads},) (one logit per query head) on {q.device}, "
+                             f"got {tuple(s_aux.shape)} on {s_aux.device}")
+    if torch.is_grad_enabled() and s_aux.requires_grad and isinstance(q, torch.Tensor) \
+            and q.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError("flashtile: FP8 attention is forward-only (s_aux requires grad)")
+    return s_aux
+
+
+def _with_sinks(out, lse, sinks, packed: bool, need_factor: bool = False):
+    """Attention sinks on a finished call: the softmax with one more logit per row, sinks[h], which
+    takes its share of the probability mass and adds no value, is the call's output times
+    sigmoid(lse - sink), with LSE logaddexp(lse, sink). Exact; differentiable in out, lse and sinks
+    (the LSE's gradient reaches the backward kernels as dLSE). Rows that saw no key (LSE +inf) keep
+    output 0 and LSE +inf. ``packed``: out (total_q, H, D) and lse (H, total_q), else (B, Sq, H, D) and
+    (B, H, Sq). Returns (out, lse, the factor in lse's layout, or None where not ``need_factor``).
+    Eager calls without gradients write the call's own out and lse in place, in one launch."""
+    if not (need_factor or torch.compiler.is_compiling() or torch.is_grad_enabled()
+            and (out.requires_grad or lse.requires_grad or sinks.requires_grad)):
+        apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks)
+        return out, lse, None
+    gap = lse - sinks.to(torch.float32).unsqueeze(-1)
+    kept = torch.sigmoid(gap)
+    per_row = kept.t() if packed else kept.transpose(1, 2)
+    out = (out * per_row.unsqueeze(-1)).to(out.dtype)  # (in float32: out's dtype times a float32 factor)
+    return out, lse - torch.nn.functional.logsigmoid(gap), kept
+
+
+def _sinks_applied(result, sinks, return_attn_probs: bool, packed: bool):
+    """``result`` (out, lse, S_dmask) of a call made with its LSE, with ``sinks`` applied (None: as
+    it is), returned as ``return_attn_probs`` asks."""
+    if sinks is None:
+        return result
+    out, lse, s_dmask = result
+    out, lse, kept = _with_sinks(out, lse, sinks, packed, need_factor=s_dmask is not None)
+    if not return_attn_probs:
+        return out
+    if s_dmask is not None:  # the probabilities shrink by the same factor
+        s_dmask = (s_dmask * kept.unsqueeze(-1)).to(s_dmask.dtype)
+    return out, lse, s_dmask
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, deterministic=False, names=("q", "k", "v"), descales=(None, None, None)):
+               return_attn_probs, deterministic=False, names=("q", "k", "v"), descales=(None, None, None),
+               s_aux=None):
+    sinks = _check_sinks(s_aux, q, 4)
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
-        return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, return_attn_probs, descales, names)
+        return _sinks_applied(_fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                             alibi_slopes, return_attn_probs or sinks is not None, descales,
+                                             names), sinks, return_attn_probs, packed=False)
     if descales[0] is not None or descales[1] is not None or descales[2] is not None:
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_attention_inputs(q, k, v, names)
@@ -166,12 +224,12 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     seed = ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, None, None, 0, 0,
                            dropout_p, seed, None, _check_deterministic(deterministic))
-    if not return_attn_probs:
+    if not return_attn_probs and sinks is None:
         return out
     s_dmask = None
-    if seed is not None:
+    if seed is not None and return_attn_probs:
         s_dmask = _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, alibi)
-    return out, lse, s_dmask
+    return _sinks_applied((out, lse, s_dmask), sinks, return_attn_probs, packed=False)
 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -279,7 +337,7 @@ def _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, a
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                    q_descale=None, k_descale=None, v_descale=None):
+                    q_descale=None, k_descale=None, v_descale=None, *, s_aux=None):
     """Attention over q (B, Sq, H, D), k and v (B, Sk, Hk, D) with H a multiple of Hk (GQA/MQA).
 
     ``causal`` is aligned to the bottom right when Sq != Sk: query i sees keys j <= i + Sk - Sq.
@@ -291,14 +349,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     FP8 (FlashAttention-3's convention, forward only): q, k, v in float8_e4m3fn with
     ``q_descale``/``k_descale``/``v_descale`` float32 (B, Hk) (None: 1.0), the factors that turn the
     stored values back into the real ones; the output is bfloat16.
+
+    ``s_aux`` (H,) float (vLLM's name; gpt-oss's attention sinks): each row's softmax gets one more
+    logit, s_aux[h] (compared with the scaled, softcapped scores), which takes its share of the
+    probability mass and adds no value; the LSE returned counts it. Differentiable, s_aux included.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, deterministic, descales=(q_descale, k_descale, v_descale))
+                      return_attn_probs, deterministic, descales=(q_descale, k_descale, v_descale), s_aux=s_aux)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, *, s_aux=None):
     """``flash_attn_func`` with kv packed as (B, Sk, 2, Hk, D)."""
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -306,12 +368,12 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, heads_k, head_dim), got {tuple(kv.shape)}")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, return_attn_probs, deterministic,
-                      names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+                      names=("q", "kv[:, :, 0]", "kv[:, :, 1]"), s_aux=s_aux)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *, s_aux=None):
     """``flash_attn_func`` with q, k, v packed as (B, S, 3, H, D)."""
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
@@ -319,7 +381,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, heads, head_dim), got {tuple(qkv.shape)}")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                       window_size, softcap, alibi_slopes, return_attn_probs, deterministic,
-                      names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+                      names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"), s_aux=s_aux)
 
 
 def _check_cu_seqlens(cu_seqlens, name: str, batch: int | None, q: torch.Tensor) -> int:
@@ -640,7 +702,11 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, deterministic=False, names=("q", "k", "v"),
-                      descales=(None, None, None), seqused_k=None, num_splits=0):
+                      descales=(None, None, None), seqused_k=None, num_splits=0, s_aux=None):
+    """The packed call (flash_attn_varlen_func's, checked here); returns out, or (out, lse (H, total_q),
+    None) with ``return_attn_probs``."""
+    sinks = _check_sinks(s_aux, q, 3)
+    want_lse = return_attn_probs or sinks is not None
     if seqused_k is not None:
         k, v, max_seqlen_k, block_table = _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                            max_seqlen_k, block_table)
@@ -649,10 +715,11 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         else:
             cu_seqlens_k = None
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
-        return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, return_attn_probs, descales, names,
-                              packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                              block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+        result = _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                alibi_slopes, want_lse, descales, names,
+                                packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                                block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+        return _sinks_applied(result, sinks, return_attn_probs, packed=True)
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
@@ -675,9 +742,6 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_q = _check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     dropout_p = _check_dropout(dropout_p)
-    if dropout_p > 0 and return_attn_probs:
-        raise NotImplementedError("flashtile: return_attn_probs with dropout is only available in "
-                                  "flash_attn_func, not in the varlen functions")
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap)
@@ -687,9 +751,9 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
     if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table, k.shape[2] if block_table is not None else 1):
         out, lse = _varlen_decode(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), max_seqlen_q,
-                                  scale, left, right, softcap, alibi, block_table, need_lse=return_attn_probs,
+                                  scale, left, right, softcap, alibi, block_table, need_lse=want_lse,
                                   num_splits=num_splits)
-        return (out, lse, None) if return_attn_probs else out
+        return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
 
     def prefill(key_offsets, keyed_sequences=0):
         return ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q, key_offsets,
@@ -701,7 +765,15 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                 softcap, alibi, block_table, prefill, num_splits=num_splits)
     else:
         out, lse = prefill(_key_offsets(cu_seqlens_k, seqused_k))
-    return (out, lse, None) if return_attn_probs else out
+    return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
+
+
+def _check_probs_without_dropout(return_attn_probs, dropout_p) -> None:
+    """The varlen functions return no S_dmask: return_attn_probs with dropout is flash_attn_func's only
+    (the LSE alone, as return_softmax_lse asks, is there with dropout too)."""
+    if return_attn_probs and _check_dropout(dropout_p) > 0:
+        raise NotImplementedError("flashtile: return_attn_probs with dropout is only available in "
+                                  "flash_attn_func, not in the varlen functions")
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -709,7 +781,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, q_descale=None, k_descale=None,
                            v_descale=None, seqused_k=None, *, out=None, num_splits=0, scheduler_metadata=None,
-                           return_softmax_lse=False):
+                           return_softmax_lse=False, s_aux=None):
     """Packed sequences without padding: q (total_q, H, D), k/v (total_k, Hk, D).
 
     Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]
@@ -735,9 +807,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     and is returned (the result is copied there: the kernels do not write into it directly);
     ``num_splits`` for the split-KV decode that takes decode steps on page pools (as in
     flash_attn_with_kvcache: 0 = heuristic, 1 = none); ``scheduler_metadata`` is accepted and not
-    used; ``return_softmax_lse`` returns (out, softmax_lse (H, total_q)).
+    used; ``return_softmax_lse`` returns (out, softmax_lse (H, total_q)); ``s_aux`` (H,) are attention
+    sinks, as in flash_attn_func.
     """
     _check_num_splits(num_splits)
+    _check_probs_without_dropout(return_attn_probs, dropout_p)
     if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
         raise TypeError(f"scheduler_metadata must be a torch.Tensor or None, got {type(scheduler_metadata).__name__}")
     if out is not None:
@@ -747,7 +821,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                need_lse, block_table, deterministic,
                                descales=(q_descale, k_descale, v_descale), seqused_k=seqused_k,
-                               num_splits=num_splits)
+                               num_splits=num_splits, s_aux=s_aux)
     attended = result[0] if need_lse else result
     if out is not None:
         attended = out.copy_(attended)
@@ -776,8 +850,9 @@ def _check_out(out, q, k, v) -> None:
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
+                                    deterministic=False, return_attn_probs=False, *, s_aux=None):
     """``flash_attn_varlen_func`` with kv packed as (total_k, 2, Hk, D)."""
+    _check_probs_without_dropout(return_attn_probs, dropout_p)
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() != 4 or kv.shape[1] != 2:
@@ -785,13 +860,15 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return _varlen_attention(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, return_attn_probs, None, deterministic,
-                             names=("q", "kv[:, 0]", "kv[:, 1]"))
+                             names=("q", "kv[:, 0]", "kv[:, 1]"), s_aux=s_aux)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
-                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                     s_aux=None):
     """``flash_attn_varlen_func`` with q, k, v packed as (total, 3, H, D) and one set of offsets."""
+    _check_probs_without_dropout(return_attn_probs, dropout_p)
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -799,7 +876,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     return _varlen_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                              max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, return_attn_probs, None, deterministic,
-                             names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
+                             names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"), s_aux=s_aux)
 
 
 def _check_cache_append(cache_seqlens, lengths, new_tokens: int, capacity: int,
@@ -992,7 +1069,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False, q_descale=None, k_descale=None, v_descale=None, *,
                             page_table=None, cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None,
                             rotary_seqlens=None, qv=None, attention_chunk=0, scheduler_metadata=None,
-                            pack_gqa=None, sm_margin=0):
+                            pack_gqa=None, sm_margin=0, s_aux=None):
     """Attention of q (B, Sq, H, D) against a KV cache, with flash_attn 2.8's semantics.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -1024,6 +1101,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     a KV head's query heads; it takes every SM). Not supported (NotImplementedError): ``qv``,
     ``attention_chunk``, ``rotary_seqlens``, and with ``cu_seqlens_q`` new k/v (``cu_seqlens_k_new``),
     rotary embedding or ``cache_leftpad``.
+
+    ``s_aux`` (H,) float: attention sinks (vLLM's name, gpt-oss's), as in flash_attn_func; the LSE
+    returned counts them.
     """
     block_table = _fa3_kvcache_keywords(block_table, page_table, qv, attention_chunk, rotary_seqlens,
                                         scheduler_metadata, pack_gqa, sm_margin)
@@ -1031,9 +1111,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, max_seqlen_q,
                                    cu_seqlens_k_new, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                   num_splits, bool(return_softmax_lse), (q_descale, k_descale, v_descale))
+                                   num_splits, bool(return_softmax_lse), (q_descale, k_descale, v_descale),
+                                   s_aux)
         return (out, lse) if return_softmax_lse else out
     _check_tensor(q, "q", 4, (*_DTYPES, torch.float8_e4m3fn))
+    sinks = _check_sinks(s_aux, q, 4)
     paged = block_table is not None
     fp8_cache = isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn
     fp8_q = q.dtype == torch.float8_e4m3fn
@@ -1158,8 +1240,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
                            scale, left, right, softcap, num_splits, cache_leftpad,
                            k_descale if fp8_cache else None, v_descale if fp8_cache else None,
-                           need_lse=bool(return_softmax_lse), q_descale=q_descale if fp8_q else None,
-                           seq_descales=fp8_cache and seq_descales)
+                           need_lse=bool(return_softmax_lse) or sinks is not None,
+                           q_descale=q_descale if fp8_q else None, seq_descales=fp8_cache and seq_descales)
+    if sinks is not None:
+        out, lse, _ = _with_sinks(out, lse, sinks, packed=False)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -1196,7 +1280,7 @@ def _fa3_kvcache_keywords(block_table, page_table, qv, attention_chunk, rotary_s
 
 def _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     cache_leftpad, block_table, cu_seqlens_q, max_seqlen_q, cu_seqlens_k_new, softmax_scale,
-                    causal, window_size, softcap, alibi_slopes, num_splits, return_lse, descales):
+                    causal, window_size, softcap, alibi_slopes, num_splits, return_lse, descales, s_aux=None):
     """flash_attn_with_kvcache with FlashAttention-3's cu_seqlens_q: packed queries (total_q, H, D)
     against each sequence's first cache_seqlens[b] keys, as flash_attn_varlen_func with those as
     seqused_k on the pools (a contiguous cache: a pool of one page a cache row, whose table is the
@@ -1263,7 +1347,7 @@ def _kvcache_packed(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     result = _varlen_attention(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, block_table,
                                names=("q", "k_cache", "v_cache"), descales=descales, seqused_k=cache_seqlens,
-                               num_splits=num_splits)
+                               num_splits=num_splits, s_aux=s_aux)
     return (result[0], result[1]) if return_lse else (result, None)
 
 

@@ -41,8 +41,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
               causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               alibi_slopes: torch.Tensor | None = None, bottom_right: bool = True,
               query_rows: torch.Tensor | None = None, chunk_rows: int | None = None,
-              dropout_p: float = 0.0,
-              dropout_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              dropout_p: float = 0.0, dropout_mask: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over (batch, seqlen, heads, head_dim) tensors; returns (out, lse).
 
     ``out`` has q's layout and dtype; ``lse`` is float32 (or float64 for float64 inputs) of shape
@@ -53,6 +53,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
     sequence length for the one-shot textbook computation that a benchmark times).
     ``dropout_mask`` (bool, (batch, heads, seqlen_q, seqlen_k)) keeps probabilities, scaled by
     1 / (1 - dropout_p); the LSE is that of the undropped softmax.
+    ``sinks`` (heads,): attention sinks (gpt-oss's, vLLM's ``s_aux``), one more logit per row that
+    takes its share of the softmax and adds no value; the LSE counts it, except on rows that see no
+    key (those keep output 0 and LSE +inf).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -87,9 +90,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scal
         keep = visible_keys(r, seqlen_q, seqlen_k, causal=causal, window_size=window_size,
                             bottom_right=bottom_right)
         scores = scores.to(stat_dtype).masked_fill(~keep, -math.inf)
+        if sinks is not None:  # the sink's column, dropped after the softmax
+            sink = sinks.to(device=q.device, dtype=stat_dtype).view(1, heads, 1, 1)
+            scores = torch.cat([scores, sink.expand(batch, heads, r.numel(), 1)], dim=-1)
         lse = torch.logsumexp(scores, dim=-1)
         seen = keep.any(dim=-1).view(1, 1, -1, 1)
         probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
+        if sinks is not None:
+            probs = probs[..., :seqlen_k]
         if dropout_mask is not None:
             probs = probs * dropout_mask[:, :, r].to(probs.dtype) / (1.0 - dropout_p)
         probs = probs.to(q.dtype)

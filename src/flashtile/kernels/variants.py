@@ -25,8 +25,8 @@ _FLOATS = ("qk_scale", "softcap_in", "softmax_scale", "dropout_p")
 @dataclass(frozen=True)
 class Variant:
     """One specialization: ``kind`` "fwd" (the forward), "bwd" (the backward's three kernels),
-    "decode" (split-KV decode and combine) or "rotary" (rotary + cache append; ``rotary_dim`` 0 is
-    a plain append)."""
+    "decode" (split-KV decode and combine), "rotary" (rotary + cache append; ``rotary_dim`` 0 is
+    a plain append) or "sinks" (attention sinks on a finished output)."""
     head_dim: int
     dtype: str = "bf16"
     has_left: bool = False
@@ -464,9 +464,23 @@ def compile_copy_keys(head_dim: int, arch: int) -> list:
     return kernels
 
 
+def sinks_variants() -> list[Variant]:
+    """The in-place attention-sinks epilogue (kind "sinks") on 16-bit outputs, odd head dims too."""
+    return [Variant(64, "bf16", kind="sinks"), Variant(128, "fp16", kind="sinks"),
+            Variant(111, "bf16", kind="sinks")]
+
+
+def compile_sinks(variant: Variant, arch: int) -> list:
+    from .sinks import BLOCK_ROWS, _apply_sinks
+
+    values = {"BLOCK_ROWS": BLOCK_ROWS, "HEAD_DIM": variant.head_dim,
+              "HEAD_DIM_PAD": head_dim_padded(variant.head_dim)}
+    return [_compile(_apply_sinks, values, variant, arch, 4, 1)]
+
+
 def all_variants() -> list[Variant]:
     return (forward_variants() + backward_variants() + decode_variants() + rotary_variants()
-            + fp8_variants())
+            + fp8_variants() + sinks_variants())
 
 
 def main(argv=None) -> int:
@@ -512,6 +526,8 @@ def main(argv=None) -> int:
                     kernels = compile_rotary(variant, arch)
                 elif variant.kind == "fp8":
                     kernels = compile_fp8(variant, arch)
+                elif variant.kind == "sinks":
+                    kernels = compile_sinks(variant, arch)
                 else:
                     kernels = compile_decode(variant, arch)
                 shared = ", ".join(str(k.metadata.shared) for k in kernels)

@@ -1,0 +1,343 @@
+"""Attention sinks (vLLM's ``s_aux``, gpt-oss's learned sinks): one more logit per query head in every
+row's softmax, taking its share and adding no value, checked against a float64 reference that appends
+the sink's column to the scores and drops it after the softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.kernels.dropout import dropout_mask
+from flashtile.reference import attention
+from helpers import assert_grads_match_reference, assert_matches_reference, make_qkv
+
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def sinks_for(heads: int) -> torch.Tensor:
+    # spread so that some rows give most of their mass to the sink and others almost none
+    return torch.randn(heads) * 3.0
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+@pytest.mark.parametrize("shape, kw, dtype", [
+    ((2, 37, 53, 6, 2, 40), dict(causal=True), F16),
+    ((1, 20, 8, 4, 4, 64), dict(causal=True), BF16),  # rows past the keys see none
+    ((2, 64, 64, 8, 1, 111), dict(window_size=(16, 0), softcap=20.0), BF16),
+    ((1, 33, 70, 4, 2, 96), dict(alibi_slopes="per-head"), F16),
+], ids=["gqa-causal-d40", "empty-rows", "mqa-window-softcap-d111", "alibi-d96"])
+def test_forward_matches_reference(shape, kw, dtype):
+    batch, sq, sk, heads, heads_k, d = shape
+    q, k, v = make_qkv(batch, sq, sk, heads, heads_k, d, dtype)
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "per-head":
+        kw["alibi_slopes"] = torch.rand(heads)
+    sinks = sinks_for(heads)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, s_aux=sinks, **kw)
+    alone = flashtile.flash_attn_func(q, k, v, s_aux=sinks, **kw)
+    assert torch.equal(out, alone)
+    assert_matches_reference(out, lse, q, k, v, sinks=sinks, rounded_twice=True, **kw)
+    # the sink moved the output by more than the budget: the check can tell a call without it
+    without = flashtile.flash_attn_func(q, k, v, **kw)
+    ref, _ = attention(q.double(), k.double(), v.double(), sinks=sinks, **kw)
+    assert (without.double() - ref).abs().max() > 10 * (out.double() - ref).abs().max()
+
+
+def test_lse_counts_the_sink_and_sinks_may_be_minus_infinity():
+    """LSE = logaddexp(LSE without the sink, sink); a sink of -inf changes nothing; bf16 sinks work."""
+    q, k, v = make_qkv(2, 19, 30, 4, 2, 64, F16)
+    out0, lse0, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    sinks = sinks_for(4).to(BF16)
+    _, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=sinks)
+    torch.testing.assert_close(lse, torch.logaddexp(lse0, sinks.float().view(1, 4, 1)), rtol=0, atol=1e-5)
+    none = torch.full((4,), float("-inf"))
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=none)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out-and-lse"])
+def test_backward_matches_reference(dtype, with_lse):
+    """dq, dk, dv by the accuracy rule; ds_aux within 3x textbook attention's error in the input dtype
+    or, where larger, 2x the error the algorithm has in exact arithmetic. That one is D's: ds_aux[h] =
+    -sum over rows of sigmoid'(lse - s_aux[h]) * (dO . O), with O the forward kernel's output as
+    stored, the same sum FlashAttention's backward takes D from; textbook attention has no such
+    term."""
+    batch, sq, sk, heads, heads_k, d = 2, 41, 57, 6, 2, 80
+    q, k, v = make_qkv(batch, sq, sk, heads, heads_k, d, dtype)
+    sinks = sinks_for(heads)
+    dout = torch.randn(batch, sq, heads, d, dtype=dtype)
+    dlse = torch.randn(batch, heads, sq) if with_lse else None
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ss = sinks.clone().requires_grad_(True)
+    out, lse, _ = flashtile.flash_attn_func(qq, kk, vv, causal=True, return_attn_probs=True, s_aux=ss)
+    loss = (out.float() * dout.float()).sum() + ((lse * dlse).sum() if with_lse else 0)
+    loss.backward()
+    assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, dlse, causal=True, sinks=sinks)
+
+    def sink_grad(precision):
+        tq, tk, tv = (t.to(precision) for t in (q, k, v))
+        s = sinks.clone().requires_grad_(True)
+        o, l_ = attention(tq, tk, tv, causal=True, sinks=s)
+        total = (o.double() * dout.double()).sum()
+        if with_lse:
+            total = total + (l_.double() * dlse.double()).sum()
+        total.backward()
+        return s.grad.double()
+    exact, low = sink_grad(torch.float64), sink_grad(dtype)
+    raw, raw_lse = attention(q.double(), k.double(), v.double(), causal=True)  # without the sink
+    kept = torch.sigmoid(raw_lse - sinks.double().view(1, heads, 1))
+    stored = flashtile.flash_attn_func(q, k, v, causal=True).double()  # what the sinks were applied to
+    rounding = ((stored - raw) * dout.double()).sum(-1).transpose(1, 2)  # (B, H, Sq)
+    stored_err = (kept * (1 - kept) * rounding).sum((0, 2)).abs().max().item()
+    err = (ss.grad.double() - exact).abs().max().item()
+    low_err = (low - exact).abs().max().item()
+    assert err <= max(3 * low_err, 2 * stored_err), (err, low_err, stored_err)
+
+
+def test_dropout_keeps_the_sink_share():
+    """Dropout drops the normalized probabilities, the sink's share taken out first."""
+    batch, heads, heads_k, sq, sk, p = 2, 4, 2, 45, 70, 0.3
+    q, k, v = make_qkv(batch, sq, sk, heads, heads_k, 32, F16)
+    sinks = sinks_for(heads)
+    torch.manual_seed(11)
+    keep = dropout_mask(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64), batch, heads, sq, sk, p)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    torch.manual_seed(11)
+    out, lse, s_dmask = flashtile.flash_attn_func(qq, kk, vv, dropout_p=p, causal=True, return_attn_probs=True,
+                                                  s_aux=sinks)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref_kw = dict(causal=True, dropout_p=p, dropout_mask=keep, sinks=sinks)
+    assert_matches_reference(out.detach(), lse.detach(), q, k, v, rounded_twice=True, **ref_kw)
+    assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **ref_kw)
+    # S_dmask: the probabilities with the sink's share taken, negated where dropped
+    _, ref_lse = attention(q.double(), k.double(), v.double(), causal=True, sinks=sinks)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, dim=2)) * 32 ** -0.5
+    visible = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    probs = torch.exp(scores - ref_lse.unsqueeze(-1)).masked_fill(~visible, 0)
+    expected = torch.where(keep, probs, -probs)
+    assert (s_dmask.double() - expected).abs().max() < 2e-3
+
+
+def packed(lengths_q, lengths_k, heads, heads_k, d, dtype):
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, d, dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), heads_k, d, dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), heads_k, d, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def assert_packed_matches(out, lse, q, k, v, cu_q, cu_k, sinks, **kw):
+    for b in range(cu_q.shape[0] - 1):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        assert_matches_reference(out[rq].unsqueeze(0), None if lse is None else lse[:, rq].unsqueeze(0),
+                                 q[rq].unsqueeze(0), k[rk].unsqueeze(0), v[rk].unsqueeze(0), sinks=sinks,
+                                 rounded_twice=True, **kw)
+
+
+def test_varlen_forward_backward_and_vllm_keywords():
+    heads, heads_k, d = 6, 3, 64
+    q, k, v, cu_q, cu_k = packed([5, 17, 1], [9, 17, 40], heads, heads_k, d, BF16)
+    sinks = sinks_for(heads)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ss = sinks.clone().requires_grad_(True)
+    out, lse, _ = flashtile.flash_attn_varlen_func(qq, kk, vv, cu_q, cu_k, 17, 40, causal=True,
+                                                    return_attn_probs=True, s_aux=ss)
+    assert_packed_matches(out.detach(), lse.detach(), q, k, v, cu_q, cu_k, sinks, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert ss.grad is not None and torch.isfinite(ss.grad).all()
+    for b in range(3):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        grads = (qq.grad[rq].unsqueeze(0), kk.grad[rk].unsqueeze(0), vv.grad[rk].unsqueeze(0))
+        assert_grads_match_reference(grads, q[rq].unsqueeze(0), k[rk].unsqueeze(0), v[rk].unsqueeze(0),
+                                     dout[rq].unsqueeze(0), causal=True, sinks=sinks)
+    # vLLM's form: out= and return_softmax_lse, forward only (the sinks applied in place, one launch)
+    with torch.no_grad():
+        want, want_lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 40, causal=True,
+                                                          return_softmax_lse=True, s_aux=sinks)
+        into = nan_like(out)
+        got, got_lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 40, causal=True, out=into,
+                                                        return_softmax_lse=True, s_aux=sinks)
+    assert got is into and torch.equal(into, want) and torch.equal(got_lse, want_lse)
+    assert_packed_matches(into, got_lse, q, k, v, cu_q, cu_k, sinks, causal=True)
+
+
+def test_varlen_lse_with_dropout_is_not_refused():
+    """return_softmax_lse (no S_dmask) goes with dropout; return_attn_probs with dropout stays refused."""
+    q, k, v, cu_q, cu_k = packed([7, 12], [7, 12], 2, 2, 32, F16)
+    out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, dropout_p=0.2,
+                                                return_softmax_lse=True, s_aux=sinks_for(2))
+    assert out.shape == q.shape and lse.shape == (2, 19) and torch.isfinite(lse).all()
+    with pytest.raises(NotImplementedError, match="return_attn_probs with dropout"):
+        flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, dropout_p=0.2, return_attn_probs=True)
+
+
+@pytest.mark.parametrize("page_size", [None, 3, 16], ids=["contiguous", "page3", "page16"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_with_append(page_size, num_splits):
+    """A decode/speculative step (2 new tokens, causal) appended to caches of different lengths."""
+    batch, heads, heads_k, d, capacity = 3, 8, 2, 64, 48
+    lengths = torch.tensor([30, 0, 45], dtype=torch.int32)
+    k_full = torch.randn(batch, capacity, heads_k, d, dtype=BF16)
+    v_full = torch.randn(batch, capacity, heads_k, d, dtype=BF16)
+    q = torch.randn(batch, 2, heads, d, dtype=BF16)
+    k_new, v_new = torch.randn(batch, 2, heads_k, d, dtype=BF16), torch.randn(batch, 2, heads_k, d, dtype=BF16)
+    sinks = sinks_for(heads)
+    kw = dict(cache_seqlens=lengths, k=k_new, v=v_new, causal=True, num_splits=num_splits,
+              return_softmax_lse=True, s_aux=sinks)
+    if page_size is None:
+        k_cache, v_cache = k_full.clone(), v_full.clone()
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    else:
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages)
+        table = order.view(batch, pages).to(torch.int32)
+        k_cache = torch.empty(batch * pages, page_size, heads_k, d, dtype=BF16)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[order] = k_full.view(batch * pages, page_size, heads_k, d)
+        v_cache[order] = v_full.view(batch * pages, page_size, heads_k, d)
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    for b in range(batch):
+        n = int(lengths[b])
+        keys = torch.cat([k_full[b, :n], k_new[b]]).unsqueeze(0)
+        values = torch.cat([v_full[b, :n], v_new[b]]).unsqueeze(0)
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], keys, values, causal=True, sinks=sinks,
+                                 rounded_twice=True)
+
+
+def test_kvcache_packed_form_equals_varlen():
+    """FlashAttention-3's packed kvcache call with sinks: flash_attn_varlen_func's result on the same pools."""
+    heads, heads_k, d, page = 4, 1, 64, 16
+    lengths_q, lengths_k = [1, 3, 1], [20, 35, 16]
+    pool_k = torch.randn(12, page, heads_k, d, dtype=F16)
+    pool_v = torch.randn(12, page, heads_k, d, dtype=F16)
+    table = torch.randperm(12).view(3, 4).to(torch.int32)
+    q = torch.randn(sum(lengths_q), heads, d, dtype=F16)
+    cu_q = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    seqlens = torch.tensor(lengths_k, dtype=torch.int32)
+    sinks = sinks_for(heads)
+    out, lse = flashtile.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=seqlens, page_table=table,
+                                                 cu_seqlens_q=cu_q, max_seqlen_q=3, causal=True,
+                                                 return_softmax_lse=True, s_aux=sinks)
+    want, want_lse = flashtile.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, None, 3, 64, causal=True,
+                                                      block_table=table, seqused_k=seqlens,
+                                                      return_softmax_lse=True, s_aux=sinks)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    keys = pool_k[table.long()].flatten(1, 2)
+    values = pool_v[table.long()].flatten(1, 2)
+    for b in range(3):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        n = lengths_k[b]
+        assert_matches_reference(out[rq].unsqueeze(0), lse[:, rq].unsqueeze(0), q[rq].unsqueeze(0),
+                                 keys[b:b + 1, :n], values[b:b + 1, :n], causal=True, sinks=sinks, rounded_twice=True)
+
+
+def test_fp8_calls_apply_the_sink_to_their_own_result():
+    """e4m3 inputs and caches: the sink changes the finished call's output and LSE only, exactly as
+    out * sigmoid(lse - sink) and logaddexp(lse, sink) of the same call without it."""
+    heads, heads_k, d = 4, 2, 64
+    sinks = sinks_for(heads)
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in make_qkv(2, 24, 40, heads, heads_k, d, F16))
+    base, base_lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=sinks)
+    factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
+    assert_within_an_ulp(out, base.float() * factor)
+    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+    # an e4m3 KV cache read by a bf16 query, (B, Hk) descales
+    qb = torch.randn(2, 1, heads, d, dtype=BF16)
+    k_cache, v_cache = k.clone(), v.clone()
+    k_descale, v_descale = torch.rand(2, heads_k) + 0.5, torch.rand(2, heads_k) + 0.5
+    kw = dict(cache_seqlens=torch.tensor([40, 11], dtype=torch.int32), k_descale=k_descale, v_descale=v_descale,
+              return_softmax_lse=True)
+    base, base_lse = flashtile.flash_attn_with_kvcache(qb, k_cache, v_cache, **kw)
+    out, lse = flashtile.flash_attn_with_kvcache(qb, k_cache, v_cache, s_aux=sinks, **kw)
+    factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
+    assert_within_an_ulp(out, base.float() * factor)
+    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+
+
+def assert_within_an_ulp(got, exact):
+    """got (16-bit) is exact (float32) rounded either way: the interpreter truncates bf16 stores."""
+    ulp = torch.finfo(got.dtype).eps * exact.abs().clamp(min=torch.finfo(got.dtype).tiny)
+    assert ((got.float() - exact).abs() <= ulp).all(), (got.float() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(F16, 40), (BF16, 111), (BF16, 128)])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_in_place_kernel_is_the_torch_formula(dtype, head_dim, packed):
+    """The one-launch path of eager inference calls against the differentiable torch ops, on strided
+    views, rows that saw no key, sinks of -inf and sinks far above the row's LSE."""
+    from flashtile.interface import _with_sinks
+
+    heads = 5
+    if packed:
+        out = torch.randn(heads, 37, head_dim, dtype=dtype).transpose(0, 1)  # (total, H, D), strided
+        lse = torch.randn(37, heads).t() * 4  # (H, total), strided
+    else:
+        out = torch.randn(2, heads, 23, head_dim, dtype=dtype).transpose(1, 2)
+        lse = torch.randn(2, 23, heads).transpose(1, 2) * 4
+    lse[..., 3] = float("inf")  # rows that saw no key
+    (out[3] if packed else out[:, 3]).zero_()
+    sinks = torch.tensor([0.5, float("-inf"), 60.0, -2.0, 3.0])
+    want_out, want_lse, _ = _with_sinks(out.clone(), lse.clone(), sinks.clone().requires_grad_(True), packed)
+    got_out, got_lse = out.clone(), lse.clone()
+    got_out, got_lse, factor = _with_sinks(got_out, got_lse, sinks, packed)
+    assert factor is None  # the kernel's path, in place
+    assert not torch.isnan(got_out).any() and not torch.isnan(got_lse).any()
+    assert_within_an_ulp(got_out, out.float() * torch.sigmoid(lse - sinks.view(heads, 1)).mT.unsqueeze(-1)
+                         if packed else out.float() * torch.sigmoid(lse - sinks.view(1, heads, 1))
+                         .transpose(1, 2).unsqueeze(-1))
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(got_lse[finite], want_lse.detach()[finite], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_out.float(), want_out.detach().float(), rtol=2 ** -7, atol=0)
+
+
+def test_bad_sinks_are_named_before_any_launch():
+    q, k, v = make_qkv(1, 8, 8, 4, 2, 32, F16)
+    for bad, error, match in [([0.0] * 4, TypeError, "s_aux must be a torch.Tensor"),
+                              (torch.zeros(4, dtype=torch.int32), TypeError, "s_aux must be float32"),
+                              (torch.zeros(2), ValueError, r"s_aux must have shape \(4,\)"),
+                              (torch.zeros(1, 4), ValueError, r"s_aux must have shape \(4,\)")]:
+        with pytest.raises(error, match=match):
+            flashtile.flash_attn_func(q, k, v, s_aux=bad)
+        with pytest.raises(error, match=match):
+            flashtile.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, 8], dtype=torch.int32),
+                                             torch.tensor([0, 8], dtype=torch.int32), 8, 8, s_aux=bad)
+    # the append must not happen when s_aux is wrong
+    k_cache, v_cache = torch.zeros(1, 16, 2, 32, dtype=F16), torch.zeros(1, 16, 2, 32, dtype=F16)
+    with pytest.raises(ValueError, match="s_aux must have shape"):
+        flashtile.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, k=k[:, :1], v=v[:, :1], cache_seqlens=3,
+                                          s_aux=torch.zeros(3))
+    assert not k_cache.any() and not v_cache.any()
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        flashtile.flash_attn_func(q8, k8, v8, s_aux=torch.zeros(4, requires_grad=True))
+
+
+def test_compiles_with_fullgraph():
+    """Forward and backward with sinks under torch.compile(fullgraph=True): eager's results."""
+    q, k, v = make_qkv(2, 20, 20, 4, 2, 32, BF16)
+    sinks = sinks_for(4)
+
+    def step(q, k, v, s):
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=s)
+        return out, lse
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        args = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+        out, lse = fn(*args)
+        (out.float().square().sum() + lse.sum()).backward()
+        results.append((out.detach(), lse.detach(), *(a.grad for a in args)))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
