@@ -9,9 +9,9 @@ Mistral with its sliding window, Gemma2 with its softcap, ...) then run flashtil
 mask transformers builds for FlashAttention selects the real tokens, which run packed through
 ``flash_attn_varlen_func``; packed batches (``position_ids`` restarting at 0, or ``cu_seq_lens_*``
 from a flattening collator) run the same way. Decode steps without padding take the split-KV kernel.
-What flashtile cannot honour (attention weights as output, head masks, attention sinks, padding
-that is not one contiguous run of real tokens per row) raises an error instead of computing
-something else.
+gpt-oss's attention sinks (``s_aux``) go to the kernels' calls. What flashtile cannot honour
+(attention weights as output, head masks, padding that is not one contiguous run of real tokens per
+row) raises an error instead of computing something else.
 
 transformers is an optional dependency (``pip install flashtile[transformers]``); importing this
 module without it raises ImportError.
@@ -126,6 +126,7 @@ def _decode_signature(module, query, key, value, dropout, scaling, sliding_windo
     """The key of a call that may take the prepared decode, or None."""
     if (query.shape[2] > DECODE_MAX_QUERY or torch.is_grad_enabled() or query.dtype not in _HALF
             or torch.compiler.is_compiling() or kwargs.get("cu_seq_lens_q") is not None
+            or kwargs.get("s_aux") is not None
             or kwargs.get("position_ids") is not None and query.shape[0] == 1 and query.shape[2] > 1):
         return None
     is_causal = kwargs.get("is_causal")
@@ -147,8 +148,6 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     if kwargs.get("output_attentions") or kwargs.get("head_mask") is not None:
         raise NotImplementedError("flashtile attention does not return attention weights or apply "
                                   "head masks; use attn_implementation='eager' for those")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("flashtile attention does not support attention sinks (s_aux)")
     signature = None
     if attention_mask is None:
         signature = _decode_signature(module, query, key, value, dropout, scaling, sliding_window,
@@ -176,6 +175,8 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         q, k, v = (t.to(dtype).transpose(1, 2) for t in (query, key, value))
     kw = dict(softmax_scale=scaling, causal=bool(is_causal), window_size=_window(sliding_window),
               softcap=float(softcap or 0.0))
+    if kwargs.get("s_aux") is not None:  # gpt-oss's attention sinks, one logit per query head
+        kw["s_aux"] = kwargs["s_aux"]
     dropout_p = float(dropout) if module.training else 0.0
     decode_step = (q_len <= DECODE_MAX_QUERY and dropout_p == 0.0 and not torch.is_grad_enabled()
                    and k_len >= q_len)
@@ -259,12 +260,35 @@ def _serve_flash_imports() -> None:
     fa_utils._lazy_imports = lazy_imports
 
 
+def _keep_flashtile_chosen() -> None:
+    """transformers 5 replaces a requested implementation whose name contains "flash" by the first
+    FlashAttention build a model lists as compatible (gpt-oss lists Hub kernels), so "flashtile" would
+    turn into a download of another kernel. flashtile serves any model that calls attention through
+    AttentionInterface (sinks included): count it as listed on the model being checked."""
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is None or getattr(check, "keeps_flashtile", False):
+        return
+
+    def checked(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, "_compatible_flash_implementations", None)
+        if listed is not None and attn_implementation in (NAME, f"paged|{NAME}") \
+                and attn_implementation not in listed:
+            self._compatible_flash_implementations = [*listed, attn_implementation]
+        return check(self, attn_implementation, *args, **kwargs)
+
+    checked.keeps_flashtile = True
+    PreTrainedModel._check_and_adjust_attn_implementation = checked
+
+
 def register() -> None:
     """Make ``attn_implementation="flashtile"`` available (done on import; idempotent)."""
     AttentionInterface.register(NAME, flashtile_attention_forward)
     # The mask transformers builds for FlashAttention: None, or the 2-D padding mask.
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     _serve_flash_imports()
+    _keep_flashtile_chosen()
 
 
 register()
