@@ -89,6 +89,8 @@ command_for() {
         sanitize-work-list) echo "${SANITIZER[*]} python benchmarks/work_list.py --small" ;;
         sanitize-varlen-decode) echo "${SANITIZER[*]} python benchmarks/varlen_decode.py --small" ;;
         e4m3-rows-probe) echo "python benchmarks/e4m3_rows_probe.py" ;;
+        sinks-cost) echo "python benchmarks/sinks_cost.py --out $OUT ${ROUNDS:+--rounds $ROUNDS}" ;;
+        sanitize-sinks) echo "${SANITIZER[*]} python benchmarks/fuzz_gpu.py --family sinks --scale 0.05 --seconds ${SECONDS_FUZZ:-60} --seed ${SEED:-5} --out $OUT" ;;
         fp8-pool-gather) echo "python benchmarks/fp8_pool_gather.py --out $OUT ${ROUNDS:+--rounds $ROUNDS}" ;;
         varlen-gluon-check) echo "python benchmarks/varlen_gluon.py --check --out $OUT" ;;
         sanitize-varlen-gluon) echo "${SANITIZER[*]} python benchmarks/varlen_gluon.py --check --small" ;;

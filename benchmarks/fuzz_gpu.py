@@ -23,7 +23,9 @@ flash_attn_func with (B, Hk) descales, or quantize_qkv's block scales with or wi
 rotation; budget in prefill_fp8_case), ``varlen-fp8`` (e4m3 packed sequences through
 flash_attn_varlen_func with per-sequence descales, keys contiguous or on page pools; the LSE
 by assert_e4m3_lse; calls the Gluon varlen forward takes, which round P to e4m3, by
-prefill_fp8_case's rule; each varlen case records how many calls took that kernel). Every other case uses the test suite's accuracy rule
+prefill_fp8_case's rule; each varlen case records how many calls took that kernel), ``sinks``
+(attention sinks, s_aux, on flash_attn_func forward and backward, decode steps on page pools and
+flash_attn_with_kvcache: sinks_case). Every other case uses the test suite's accuracy rule
 (tests/helpers.py: output within 2x the error of textbook attention in the input dtype, gradients
 3x, LSE to fp32 rounding, rows without keys 0 / +inf). Cases run until
 ``--seconds`` have passed (new shapes compile kernels: the count depends on the cache). Writes
@@ -743,11 +745,103 @@ def varlen_fp8_case(rng):
     return params, run
 
 
+def sinks_case(rng):
+    """Attention sinks (s_aux) on the routes gpt-oss's calls take: flash_attn_func (forward, or forward
+    and backward with ds_aux checked as test_sinks checks it), packed decode steps on page pools
+    through flash_attn_varlen_func with seqused_k, and flash_attn_with_kvcache decode steps (splits,
+    paged or not). Outputs by the accuracy rule with half an ulp for the second rounding."""
+    route = rng.choice(["func", "func-backward", "varlen-pages", "kvcache"])
+    hk = rng.choice([1, 2, 8])
+    h = hk * rng.choice([1, 4, 8])
+    d = rng.choice([64, 64, 128, 80])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    sinks = torch.randn(h, device=DEV) * 3
+    kw = {}
+    if rng.random() < 0.5:
+        kw["causal"] = True
+    if rng.random() < 0.3:  # gpt-oss's sliding layers: 128 keys
+        kw["causal"], kw["window_size"] = True, (_n(127), 0)
+    params = dict(family="sinks", route=route, h=h, hk=hk, d=d, dtype=str(dtype), **kw)
+
+    def run():
+        if route.startswith("func"):
+            b, sq = rng.randint(1, 2), rng.randint(1, _n(2000))
+            sk = sq if rng.random() < 0.5 else rng.randint(1, _n(2000))
+            params.update(b=b, sq=sq, sk=sk)
+            q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
+            k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
+            v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
+            if route == "func":
+                out, lse, _ = flashtile.flash_attn_func(q, k, v, s_aux=sinks, return_attn_probs=True, **kw)
+                assert_matches_reference(out, lse, q, k, v, sinks=sinks, rounded_twice=True, **kw)
+                return
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            ss = sinks.clone().requires_grad_(True)
+            out = flashtile.flash_attn_func(qq, kk, vv, s_aux=ss, **kw)
+            dout = torch.randn_like(out)
+            out.backward(dout)
+            assert_matches_reference(out.detach(), None, q, k, v, sinks=sinks, rounded_twice=True, **kw)
+            assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, sinks=sinks, **kw)
+            from flashtile.reference import attention
+            exact_s = sinks.double().clone().requires_grad_(True)
+            low_s = sinks.clone().requires_grad_(True)
+            for s_, t in ((exact_s, torch.float64), (low_s, dtype)):
+                o, _ = attention(q.to(t), k.to(t), v.to(t), sinks=s_, **kw)
+                (o.double() * dout.double()).sum().backward()
+            raw, raw_lse = attention(q.double(), k.double(), v.double(), **kw)
+            kept = torch.sigmoid(raw_lse - sinks.double().view(1, h, 1))
+            stored = flashtile.flash_attn_func(q, k, v, **kw).double()
+            rounding = ((stored - raw) * dout.double()).sum(-1).transpose(1, 2)
+            stored_err = (kept * (1 - kept) * rounding).nan_to_num().sum((0, 2)).abs().max().item()
+            err = (ss.grad.double() - exact_s.grad).abs().max().item()
+            low_err = (low_s.grad.double() - exact_s.grad).abs().max().item()
+            assert err <= max(3 * low_err, 2 * stored_err, 1e-6), f"ds_aux: {err:.3g} ({low_err:.3g}, {stored_err:.3g})"
+            return
+        n = rng.randint(1, 8)
+        lens_k = [rng.randint(1, _n(5000)) for _ in range(n)]
+        if route == "varlen-pages":
+            lens_q = [min(rng.randint(1, 4), lk) for lk in lens_k]
+            page = rng.choice([16, 16, 1, 32])
+            q, k, v, cu_q, cu_k = _packed_inputs(lens_q, lens_k, h, hk, d, dtype)
+            k_pool, v_pool, table = _varlen_pools(k, v, lens_k, page)
+            params.update(lens_q=lens_q, lens_k=lens_k, page=page)
+            seqused = torch.tensor(lens_k, device=DEV, dtype=torch.int32)
+            out, lse = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, max(lens_q), max(lens_k),
+                                                        block_table=table, seqused_k=seqused, s_aux=sinks,
+                                                        return_softmax_lse=True, **kw)
+            for i in range(n):
+                qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+                assert_matches_reference(out[qs].unsqueeze(0), lse[:, qs].unsqueeze(0), q[qs].unsqueeze(0),
+                                         k[ks].unsqueeze(0), v[ks].unsqueeze(0), sinks=sinks, rounded_twice=True,
+                                         **kw)
+            return
+        sq = rng.randint(1, 4)
+        capacity = max(lens_k) + sq
+        k_cache = torch.randn(n, capacity, hk, d, device=DEV, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(n, sq, h, d, device=DEV, dtype=dtype)
+        lengths = torch.tensor(lens_k, device=DEV, dtype=torch.int32)
+        splits = rng.choice([0, 0, 1, 3])
+        page = rng.choice([None, 16, 5])
+        params.update(lens_k=lens_k, sq=sq, splits=splits, page=page)
+        call = dict(cache_seqlens=lengths, num_splits=splits, s_aux=sinks, return_softmax_lse=True, **kw)
+        if page is None:
+            out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+        else:
+            k_pool, v_pool, table = _paged(k_cache, v_cache, page)
+            out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=table, **call)
+        for i in range(n):
+            m = lens_k[i]
+            assert_matches_reference(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :m],
+                                     v_cache[i:i + 1, :m], sinks=sinks, rounded_twice=True, **kw)
+    return params, run
+
+
 FAMILIES = {"prefill": prefill_case, "varlen": varlen_case, "kvcache": kvcache_case, "mixed": mixed_case,
             "kvcache-long": lambda rng: kvcache_case(rng, long=True),
             "kvcache-fp8-long": lambda rng: kvcache_fp8_case(rng, long=True),
             "kvcache-fp8": kvcache_fp8_case, "prefill-fp8": prefill_fp8_case,
-            "varlen-fp8": varlen_fp8_case}
+            "varlen-fp8": varlen_fp8_case, "sinks": sinks_case}
 
 
 def main(argv=None) -> int:

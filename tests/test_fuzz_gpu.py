@@ -29,7 +29,7 @@ def test_each_family_runs_and_passes(tmp_path):
     fuzz = _fuzzer()
     seed = int(torch.randint(1 << 20, ()).item())
     for family in ("prefill", "varlen", "kvcache", "kvcache-long", "kvcache-fp8", "kvcache-fp8-long",
-                   "prefill-fp8", "varlen-fp8", "mixed"):
+                   "prefill-fp8", "varlen-fp8", "mixed", "sinks"):
         rc = fuzz.main(["--device", "cpu", "--scale", "0.02", "--seconds", "4", "--seed", str(seed),
                         "--family", family, "--out", str(tmp_path)])
         result = _result(tmp_path, seed)

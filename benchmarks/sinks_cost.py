@@ -1,0 +1,129 @@
+"""What attention sinks (s_aux) cost on top of the same call without them, gpt-oss's shapes (64 query
+heads, 8 KV heads, head dim 64; 120b's, 20b has 64/8 too).
+
+    PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke]
+
+Medians of triton.testing.do_bench in balanced rounds (with, without, without, with, ...) for:
+decode steps through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and pages of
+16), a prefill through flash_attn_func (4k causal, batch 1), and a training step (forward and
+backward, 4k causal) where the sinks take the torch ops; plus host microseconds per eager decode call.
+``--smoke``: tiny shapes through the interpreter on the CPU (no timings worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import flashtile
+
+
+def points(smoke: bool):
+    if smoke:
+        return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("train", 1, 32, 0)]
+    decode = [("decode", b, n, page) for b in (1, 16, 64) for n in (8192, 32768) for page in (0, 16)
+              if b * n <= 64 * 8192 or b == 16]
+    return decode + [("prefill", 1, 4096, 0), ("train", 1, 4096, 0)]
+
+
+def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
+    dtype = torch.bfloat16
+    sinks = torch.randn(heads, device=device) * 2
+    if kind == "decode":
+        q = torch.randn(batch, 1, heads, d, device=device, dtype=dtype)
+        k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        lengths = torch.full((batch,), keys, device=device, dtype=torch.int32)
+        extra = {}
+        if page:
+            pages = keys // page
+            table = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
+            pool_k = torch.empty(batch * pages, page, heads_k, d, device=device, dtype=dtype)
+            pool_v = torch.empty_like(pool_k)
+            pool_k[table.long().flatten()] = k.view(batch * pages, page, heads_k, d)
+            pool_v[table.long().flatten()] = v.view(batch * pages, page, heads_k, d)
+            k, v, extra = pool_k, pool_v, dict(block_table=table)
+
+        def call(with_sinks):
+            return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True,
+                                                     s_aux=sinks if with_sinks else None, **extra)
+        return call
+    q = torch.randn(batch, keys, heads, d, device=device, dtype=dtype)
+    k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    if kind == "prefill":
+        return lambda with_sinks: flashtile.flash_attn_func(q, k, v, causal=True,
+                                                           s_aux=sinks if with_sinks else None)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ss = sinks.clone().requires_grad_(True)
+    dout = torch.randn_like(q)
+
+    def step(with_sinks):
+        out = flashtile.flash_attn_func(qq, kk, vv, causal=True, s_aux=ss if with_sinks else None)
+        out.backward(dout)
+    return step
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:
+        def bench(fn):
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+    else:
+        from triton.testing import do_bench
+        bench = do_bench
+    rows = []
+    for kind, batch, keys, page in points(args.smoke):
+        call = make_call(kind, batch, keys, page, device)
+        times = {True: [], False: []}
+        for r in range(args.rounds):
+            for with_sinks in ((True, False) if r % 2 == 0 else (False, True)):
+                times[with_sinks].append(bench(lambda: call(with_sinks)))
+        row = dict(kind=kind, batch=batch, keys=keys, page=page,
+                   ms_with=median(times[True]), ms_without=median(times[False]))
+        row["ratio"] = row["ms_with"] / row["ms_without"]
+        if kind == "decode":  # host time of eager calls: enqueue 50, least of 3
+            host = {}
+            for with_sinks in (False, True):
+                best = float("inf")
+                for _ in range(3):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(5 if args.smoke else 50):
+                        call(with_sinks)
+                    best = min(best, (time.perf_counter() - start) / (5 if args.smoke else 50) * 1e6)
+                host[with_sinks] = best
+            row.update(host_us_with=host[True], host_us_without=host[False])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    name = "sinks-cost-smoke.json" if args.smoke else "sinks-cost.json"
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(dict(device=device_name, rounds=args.rounds, rows=rows), f, indent=1)
+    print(f"{'kind':8} {'B':>3} {'keys':>6} {'page':>4} {'with ms':>9} {'without':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['kind']:8} {r['batch']:>3} {r['keys']:>6} {r['page']:>4} {r['ms_with']:9.4f} "
+              f"{r['ms_without']:9.4f} {r['ratio']:6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
