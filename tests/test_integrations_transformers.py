@@ -203,3 +203,28 @@ def test_decode_step_checks_a_signature_once(monkeypatch):
     assert len(public) == 2
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
         step(heads=3)
+
+
+def test_decode_step_with_sinks_takes_the_prepared_decode(monkeypatch):
+    """gpt-oss's decode steps (s_aux given) take the prepared decode after the first validated call, with
+    the public function's result; another sinks tensor of the same shape is read at each call."""
+    import flashtile.integrations.transformers as integration
+
+    monkeypatch.setattr(integration, "_PREPARED_DECODE", {})
+    public = []
+    real = integration.interface.flash_attn_with_kvcache
+    monkeypatch.setattr(integration.interface, "flash_attn_with_kvcache",
+                        lambda *a, **k: public.append(1) or real(*a, **k))
+    module = torch.nn.Linear(1, 1).to(torch.bfloat16)
+    module.is_causal = True
+    q = torch.randn(3, 4, 1, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 2, 37, 16, dtype=torch.bfloat16) for _ in range(2))
+    for layer_sinks in (torch.randn(4) * 3, torch.randn(4) * 3, torch.randn(4).to(torch.bfloat16)):
+        with torch.no_grad():
+            out, _ = integration.flashtile_attention_forward(module, q, k, v, None, scaling=0.3, s_aux=layer_sinks)
+            expected = real(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                            softmax_scale=0.3, s_aux=layer_sinks)
+            without = real(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                           softmax_scale=0.3)
+        assert torch.equal(out, expected) and not torch.equal(out, without)
+    assert len(public) == 2  # the first float32 sinks' call and the first bf16 one

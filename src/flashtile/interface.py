@@ -180,7 +180,7 @@ def _with_sinks(out, lse, sinks, packed: bool, need_factor: bool = False):
     output 0 and LSE +inf. ``packed``: out (total_q, H, D) and lse (H, total_q), else (B, Sq, H, D) and
     (B, H, Sq). Returns (out, lse, the factor in lse's layout, or None where not ``need_factor``).
     Eager calls without gradients write the call's own out and lse in place, in one launch."""
-    if not (need_factor or torch.compiler.is_compiling() or torch.is_grad_enabled()
+    if not (need_factor or torch.compiler.is_compiling() or out.stride(-1) != 1 or torch.is_grad_enabled()
             and (out.requires_grad or lse.requires_grad or sinks.requires_grad)):
         apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks)
         return out, lse, None

@@ -23,6 +23,7 @@ import torch
 
 from .. import interface
 from ..kernels import decode
+from ..kernels.sinks import apply_sinks_
 
 try:
     from transformers import AttentionInterface
@@ -126,16 +127,17 @@ def _decode_signature(module, query, key, value, dropout, scaling, sliding_windo
     """The key of a call that may take the prepared decode, or None."""
     if (query.shape[2] > DECODE_MAX_QUERY or torch.is_grad_enabled() or query.dtype not in _HALF
             or torch.compiler.is_compiling() or kwargs.get("cu_seq_lens_q") is not None
-            or kwargs.get("s_aux") is not None
             or kwargs.get("position_ids") is not None and query.shape[0] == 1 and query.shape[2] > 1):
         return None
     is_causal = kwargs.get("is_causal")
+    sinks = kwargs.get("s_aux")  # a layer's own tensor at every call: its shape, dtype and device key
     # Under CUDA graph capture a decode plans differently (split for the GPU, not the host).
     return (query.shape, query.stride(), query.dtype, key.shape, key.stride(), key.dtype, value.shape,
             value.stride(), value.dtype, query.get_device(), key.get_device(), value.get_device(),
             scaling, bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
             sliding_window, softcap, float(dropout) if module.training else 0.0,
-            query.is_cuda and torch.cuda.is_current_stream_capturing())
+            query.is_cuda and torch.cuda.is_current_stream_capturing(),
+            None if sinks is None else (sinks.shape, sinks.dtype, sinks.get_device()))
 
 
 def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -157,7 +159,10 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             # The launch reads only the data pointers of query/key/value (the same as their
             # (B, S, H, D) views'); the strides are in the plan, taken from those views.
             lengths = interface._full_lengths(query.shape[0], key.shape[2], query.device)
-            return decode.run_decode(prepared, query, key, value, lengths)[0], None
+            out, lse = decode.run_decode(prepared, query, key, value, lengths)
+            if kwargs.get("s_aux") is not None:
+                apply_sinks_(out, lse, kwargs["s_aux"])
+            return out, None
     elif attention_mask.dim() != 2:
         raise ValueError("flashtile attention takes transformers' 2-D padding mask; got a "
                          f"{attention_mask.dim()}-D mask (is the model's mask function registered?)")
@@ -208,7 +213,7 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                     _PREPARED_DECODE.clear()
                 _PREPARED_DECODE[signature] = decode.prepare_decode(
                     q, k, v, softmax_scale=interface._check_scale(scaling, head_dim),
-                    window_left=left, window_right=right, softcap=kw["softcap"], need_lse=False)
+                    window_left=left, window_right=right, softcap=kw["softcap"], need_lse="s_aux" in kw)
         else:
             out = interface.flash_attn_func(q, k, v, dropout_p=dropout_p, **kw)
         return out, None
