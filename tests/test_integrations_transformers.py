@@ -173,9 +173,9 @@ def test_mask_is_read_once_per_forward(monkeypatch):
     assert len(calls) == 1
 
 
-def test_decode_step_checks_a_signature_once(monkeypatch):
-    """A decode call whose shapes, strides, dtypes and options were validated goes straight to the
-    kernel, with the public function's result; a new signature is validated (and refused) again."""
+def counted_decode_calls(monkeypatch):
+    """The integration with an empty prepared-decode table, a list that counts its calls of the public
+    flash_attn_with_kvcache, that function itself, and a causal bf16 module to call it for."""
     import flashtile.integrations.transformers as integration
 
     monkeypatch.setattr(integration, "_PREPARED_DECODE", {})
@@ -185,6 +185,13 @@ def test_decode_step_checks_a_signature_once(monkeypatch):
                         lambda *a, **k: public.append(1) or real(*a, **k))
     module = torch.nn.Linear(1, 1).to(torch.bfloat16)
     module.is_causal = True
+    return integration, public, real, module
+
+
+def test_decode_step_checks_a_signature_once(monkeypatch):
+    """A decode call whose shapes, strides, dtypes and options were validated goes straight to the
+    kernel, with the public function's result; a new signature is validated (and refused) again."""
+    integration, public, real, module = counted_decode_calls(monkeypatch)
 
     def step(heads=4, heads_k=2, keys=37, dim=16):
         q = torch.randn(3, heads, 1, dim, dtype=torch.bfloat16)
@@ -208,15 +215,7 @@ def test_decode_step_checks_a_signature_once(monkeypatch):
 def test_decode_step_with_sinks_takes_the_prepared_decode(monkeypatch):
     """gpt-oss's decode steps (s_aux given) take the prepared decode after the first validated call, with
     the public function's result; another sinks tensor of the same shape is read at each call."""
-    import flashtile.integrations.transformers as integration
-
-    monkeypatch.setattr(integration, "_PREPARED_DECODE", {})
-    public = []
-    real = integration.interface.flash_attn_with_kvcache
-    monkeypatch.setattr(integration.interface, "flash_attn_with_kvcache",
-                        lambda *a, **k: public.append(1) or real(*a, **k))
-    module = torch.nn.Linear(1, 1).to(torch.bfloat16)
-    module.is_causal = True
+    integration, public, real, module = counted_decode_calls(monkeypatch)
     q = torch.randn(3, 4, 1, 16, dtype=torch.bfloat16)
     k, v = (torch.randn(3, 2, 37, 16, dtype=torch.bfloat16) for _ in range(2))
     for layer_sinks in (torch.randn(4) * 3, torch.randn(4) * 3, torch.randn(4).to(torch.bfloat16)):
