@@ -218,7 +218,8 @@ def test_decode_step_with_sinks_takes_the_prepared_decode(monkeypatch):
     integration, public, real, module = counted_decode_calls(monkeypatch)
     q = torch.randn(3, 4, 1, 16, dtype=torch.bfloat16)
     k, v = (torch.randn(3, 2, 37, 16, dtype=torch.bfloat16) for _ in range(2))
-    for layer_sinks in (torch.randn(4) * 3, torch.randn(4) * 3, torch.randn(4).to(torch.bfloat16)):
+    # sinks near the rows' LSE (~log 37 + 1): each takes a share that shows in bf16
+    for layer_sinks in (4 + torch.randn(4), 4 + torch.randn(4), (4 + torch.randn(4)).to(torch.bfloat16)):
         with torch.no_grad():
             out, _ = integration.flashtile_attention_forward(module, q, k, v, None, scaling=0.3, s_aux=layer_sinks)
             expected = real(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
