@@ -339,5 +339,5 @@ def test_compiles_with_fullgraph():
         out, lse = fn(*args)
         (out.float().square().sum() + lse.sum()).backward()
         results.append((out.detach(), lse.detach(), *(a.grad for a in args)))
-    for eager, compiled in zip(*results):
-        torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+    for eager, compiled in zip(*results):  # the same kernels; the sinks' ops fused or not (float32 sums)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
