@@ -788,11 +788,12 @@ def sinks_case(rng):
             for s_, t in ((exact_s, torch.float64), (low_s, dtype)):
                 o, _ = attention(q.to(t), k.to(t), v.to(t), sinks=s_, **kw)
                 (o.double() * dout.double()).sum().backward()
-            raw, raw_lse = attention(q.double(), k.double(), v.double(), **kw)
-            kept = torch.sigmoid(raw_lse - sinks.double().view(1, h, 1))
-            stored = flashtile.flash_attn_func(q, k, v, **kw).double()
-            rounding = ((stored - raw) * dout.double()).sum(-1).transpose(1, 2)
-            stored_err = (kept * (1 - kept) * rounding).nan_to_num().sum((0, 2)).abs().max().item()
+            # D's rounding: the backward reads the output as the forward stored it, the sinks applied
+            ref, ref_lse = attention(q.double(), k.double(), v.double(), sinks=sinks, **kw)
+            share = torch.exp(sinks.double().view(1, h, 1) - ref_lse)
+            stored = out.detach().double()
+            rounding = ((stored - ref) * dout.double()).sum(-1).transpose(1, 2)
+            stored_err = (share * rounding).nan_to_num().sum((0, 2)).abs().max().item()
             err = (ss.grad.double() - exact_s.grad).abs().max().item()
             low_err = (low_s.grad.double() - exact_s.grad).abs().max().item()
             assert err <= max(3 * low_err, 2 * stored_err, 1e-6), f"ds_aux: {err:.3g} ({low_err:.3g}, {stored_err:.3g})"

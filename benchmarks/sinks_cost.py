@@ -3,10 +3,12 @@ heads, 8 KV heads, head dim 64; 120b's, 20b has 64/8 too).
 
     PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke]
 
-Medians of triton.testing.do_bench in balanced rounds (with, without, without, with, ...) for:
-decode steps through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and pages of
-16), a prefill through flash_attn_func (4k causal, batch 1), and a training step (forward and
-backward, 4k causal) where the sinks take the torch ops; plus host microseconds per eager decode call.
+Medians of triton.testing.do_bench in rounds that rotate the order of three calls: with s_aux,
+without, and without but returning the LSE (what the sinks need of the kernels), for: decode steps
+through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and pages of 16), a
+prefill through flash_attn_func (4k causal, batch 1), and a training step (forward and backward, 4k
+causal); plus, for decode, host microseconds per eager call and the GPU time of one call replayed
+from a CUDA graph (how serving engines run decode: eager decode calls this small are host-bound).
 ``--smoke``: tiny shapes through the interpreter on the CPU (no timings worth reading).
 """
 
@@ -48,24 +50,42 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             pool_v[table.long().flatten()] = v.view(batch * pages, page, heads_k, d)
             k, v, extra = pool_k, pool_v, dict(block_table=table)
 
-        def call(with_sinks):
+        def call(mode):
             return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True,
-                                                     s_aux=sinks if with_sinks else None, **extra)
+                                                     s_aux=sinks if mode == "with" else None,
+                                                     return_softmax_lse=mode == "lse", **extra)
         return call
     q = torch.randn(batch, keys, heads, d, device=device, dtype=dtype)
     k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
     if kind == "prefill":
-        return lambda with_sinks: flashtile.flash_attn_func(q, k, v, causal=True,
-                                                           s_aux=sinks if with_sinks else None)
+        return lambda mode: flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks if mode == "with" else None,
+                                                      return_attn_probs=mode == "lse")
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     ss = sinks.clone().requires_grad_(True)
     dout = torch.randn_like(q)
 
-    def step(with_sinks):
-        out = flashtile.flash_attn_func(qq, kk, vv, causal=True, s_aux=ss if with_sinks else None)
-        out.backward(dout)
+    def step(mode):
+        out = flashtile.flash_attn_func(qq, kk, vv, causal=True, s_aux=ss if mode == "with" else None,
+                                        return_attn_probs=mode == "lse")
+        (out[0] if mode == "lse" else out).backward(dout)
     return step
+
+
+MODES = ("with", "without", "lse")
+
+
+def graph_ms(call, mode, bench) -> float:
+    """One call captured in a CUDA graph, its replay timed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(mode)  # warm: compiled, planned
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(mode)
+    return bench(graph.replay)
 
 
 def median(values):
@@ -91,13 +111,18 @@ def main(argv=None) -> int:
     rows = []
     for kind, batch, keys, page in points(args.smoke):
         call = make_call(kind, batch, keys, page, device)
-        times = {True: [], False: []}
+        times = {mode: [] for mode in MODES}
         for r in range(args.rounds):
-            for with_sinks in ((True, False) if r % 2 == 0 else (False, True)):
-                times[with_sinks].append(bench(lambda: call(with_sinks)))
-        row = dict(kind=kind, batch=batch, keys=keys, page=page,
-                   ms_with=median(times[True]), ms_without=median(times[False]))
+            for i in range(len(MODES)):
+                mode = MODES[(r + i) % len(MODES)]
+                times[mode].append(bench(lambda: call(mode)))
+        row = dict(kind=kind, batch=batch, keys=keys, page=page, ms_with=median(times["with"]),
+                   ms_without=median(times["without"]), ms_lse=median(times["lse"]))
         row["ratio"] = row["ms_with"] / row["ms_without"]
+        if kind == "decode" and device.type == "cuda":
+            for mode in MODES:
+                row[f"graph_ms_{mode}"] = median([graph_ms(call, mode, bench) for _ in range(3)])
+            row["graph_ratio"] = row["graph_ms_with"] / row["graph_ms_without"]
         if kind == "decode":  # host time of eager calls: enqueue 50, least of 3
             host = {}
             for with_sinks in (False, True):
@@ -107,7 +132,7 @@ def main(argv=None) -> int:
                         torch.cuda.synchronize()
                     start = time.perf_counter()
                     for _ in range(5 if args.smoke else 50):
-                        call(with_sinks)
+                        call("with" if with_sinks else "without")
                     best = min(best, (time.perf_counter() - start) / (5 if args.smoke else 50) * 1e6)
                 host[with_sinks] = best
             row.update(host_us_with=host[True], host_us_without=host[False])
@@ -118,10 +143,13 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(dict(device=device_name, rounds=args.rounds, rows=rows), f, indent=1)
-    print(f"{'kind':8} {'B':>3} {'keys':>6} {'page':>4} {'with ms':>9} {'without':>9} {'ratio':>6}")
+    print(f"{'kind':8} {'B':>3} {'keys':>6} {'page':>4} {'with ms':>9} {'without':>9} {'lse only':>9} {'ratio':>6}"
+          f" {'graph with':>10} {'without':>9} {'lse only':>9} {'ratio':>6}")
     for r in rows:
+        graph = (f" {r['graph_ms_with']:10.4f} {r['graph_ms_without']:9.4f} {r['graph_ms_lse']:9.4f} "
+                 f"{r['graph_ratio']:6.3f}" if "graph_ratio" in r else "")
         print(f"{r['kind']:8} {r['batch']:>3} {r['keys']:>6} {r['page']:>4} {r['ms_with']:9.4f} "
-              f"{r['ms_without']:9.4f} {r['ratio']:6.3f}")
+              f"{r['ms_without']:9.4f} {r['ms_lse']:9.4f} {r['ratio']:6.3f}{graph}")
     return 0
 
 

@@ -64,9 +64,9 @@ def test_lse_counts_the_sink_and_sinks_may_be_minus_infinity():
 def test_backward_matches_reference(dtype, with_lse):
     """dq, dk, dv by the accuracy rule; ds_aux within 3x textbook attention's error in the input dtype
     or, where larger, 2x the error the algorithm has in exact arithmetic. That one is D's: ds_aux[h] =
-    -sum over rows of sigmoid'(lse - s_aux[h]) * (dO . O), with O the forward kernel's output as
-    stored, the same sum FlashAttention's backward takes D from; textbook attention has no such
-    term."""
+    sum over rows of p_i (dlse_i - dO_i . O_i), p_i the sink's probability and O the output as the
+    forward stored it (the sinks applied), the same sum FlashAttention's backward takes D from;
+    textbook attention has no such term."""
     batch, sq, sk, heads, heads_k, d = 2, 41, 57, 6, 2, 80
     q, k, v = make_qkv(batch, sq, sk, heads, heads_k, d, dtype)
     sinks = sinks_for(heads)
@@ -89,11 +89,11 @@ def test_backward_matches_reference(dtype, with_lse):
         total.backward()
         return s.grad.double()
     exact, low = sink_grad(torch.float64), sink_grad(dtype)
-    raw, raw_lse = attention(q.double(), k.double(), v.double(), causal=True)  # without the sink
-    kept = torch.sigmoid(raw_lse - sinks.double().view(1, heads, 1))
-    stored = flashtile.flash_attn_func(q, k, v, causal=True).double()  # what the sinks were applied to
-    rounding = ((stored - raw) * dout.double()).sum(-1).transpose(1, 2)  # (B, H, Sq)
-    stored_err = (kept * (1 - kept) * rounding).sum((0, 2)).abs().max().item()
+    ref, ref_lse = attention(q.double(), k.double(), v.double(), causal=True, sinks=sinks)
+    share = torch.exp(sinks.double().view(1, heads, 1) - ref_lse)
+    stored = flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks).double()  # what the backward reads
+    rounding = ((stored - ref) * dout.double()).sum(-1).transpose(1, 2)  # (B, H, Sq)
+    stored_err = (share * rounding).sum((0, 2)).abs().max().item()
     err = (ss.grad.double() - exact).abs().max().item()
     low_err = (low - exact).abs().max().item()
     assert err <= max(3 * low_err, 2 * stored_err), (err, low_err, stored_err)
@@ -300,6 +300,64 @@ def test_in_place_kernel_is_the_torch_formula(dtype, head_dim, packed):
     finite = torch.isfinite(want_lse)
     torch.testing.assert_close(got_lse[finite], want_lse.detach()[finite], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_out.float(), want_out.detach().float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(F16, 40), (BF16, 111)])
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out-and-lse"])
+def test_sink_gradient_kernel_is_the_formula(dtype, head_dim, with_lse):
+    """kernels.sinks.sink_grad against float64 sums of the same stored tensors: ds[h] = sum over rows
+    of exp(s[h] - lse_i) (dlse_i - dout_i . out_i); strided dout and lse, rows that saw no key (LSE
+    +inf: no share), a sink of -inf (none)."""
+    from flashtile.kernels.sinks import sink_grad
+
+    batch, seqlen, heads = 2, 45, 5
+    out = torch.randn(batch, seqlen, heads, head_dim, dtype=dtype)
+    dout = torch.randn(batch, heads, seqlen, head_dim, dtype=dtype).transpose(1, 2)
+    sinks = torch.tensor([0.5, float("-inf"), 3.0, -2.0, 1.0])
+    lse = (torch.randn(batch, seqlen, heads) * 2 + 1).transpose(1, 2)
+    lse = torch.maximum(lse, sinks.view(1, heads, 1))  # an LSE with the sink's column is at least the sink
+    lse[:, :, 7] = float("inf")
+    out[:, 7] = 0
+    dlse = torch.randn(batch, heads, seqlen) if with_lse else None
+    got = sink_grad(out, dout, lse, dlse, sinks)
+    share = torch.exp(sinks.double().view(1, heads, 1) - lse.double())
+    weight = -(out.double() * dout.double()).sum(-1).transpose(1, 2)
+    if with_lse:
+        weight = weight + dlse.double()
+    want = (share * weight).nan_to_num(0.0).sum((0, 2))
+    assert got.dtype == sinks.dtype and not torch.isnan(got).any()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert got[1] == 0
+
+
+def test_training_calls_apply_the_sinks_inside_the_op(monkeypatch):
+    """Calls that need gradients take the sinks in the attention op (applied in place, the backward
+    reading the stored output), not the torch ops on the finished output: the same bits as the call
+    without gradients, which takes the in-place kernel too."""
+    import flashtile.interface as interface
+
+    q, k, v = make_qkv(2, 30, 41, 4, 2, 64, BF16)
+    sinks = sinks_for(4)
+    plain = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=sinks)
+    q_p, k_p, v_p, cu_q, cu_k = packed([30, 7], [41, 12], 4, 2, 64, BF16)
+    plain_packed = flashtile.flash_attn_varlen_func(q_p, k_p, v_p, cu_q, cu_k, 30, 41, causal=True,
+                                                    return_attn_probs=True, s_aux=sinks)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch ops on the finished output were taken")
+    monkeypatch.setattr(interface, "_with_sinks", refuse)
+    ss = sinks.clone().requires_grad_(True)
+    out, lse, _ = flashtile.flash_attn_func(*(t.clone().requires_grad_(True) for t in (q, k, v)), causal=True,
+                                            return_attn_probs=True, s_aux=ss)
+    assert torch.equal(out.detach(), plain[0]) and torch.equal(lse.detach(), plain[1])
+    out.float().sum().backward()
+    assert ss.grad is not None and torch.isfinite(ss.grad).all()
+    ss = sinks.clone().requires_grad_(True)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q_p, k_p.clone().requires_grad_(True), v_p, cu_q, cu_k, 30, 41,
+                                                   causal=True, return_attn_probs=True, s_aux=ss)
+    assert torch.equal(out.detach(), plain_packed[0]) and torch.equal(lse.detach(), plain_packed[1])
+    (out.float().sum() + lse.sum()).backward()
+    assert ss.grad is not None and torch.isfinite(ss.grad).all()
 
 
 def test_bad_sinks_are_named_before_any_launch():

@@ -223,13 +223,16 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     alibi = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device) if alibi_slopes is not None else None
     seed = ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None
     out, lse = ops.forward(q, k, v, scale, left, right, True, softcap, alibi, None, None, 0, 0,
-                           dropout_p, seed, None, _check_deterministic(deterministic))
-    if not return_attn_probs and sinks is None:
+                           dropout_p, seed, None, _check_deterministic(deterministic), sinks=sinks)
+    if not return_attn_probs:
         return out
     s_dmask = None
-    if seed is not None and return_attn_probs:
+    if seed is not None:
         s_dmask = _dropped_probabilities(q, k, seed, dropout_p, scale, left, right, softcap, alibi)
-    return _sinks_applied((out, lse, s_dmask), sinks, return_attn_probs, packed=False)
+        if sinks is not None:  # the probabilities shrink by the sink's factor, 1 - exp(sink - lse)
+            kept = -torch.expm1(sinks.detach().float().unsqueeze(-1) - lse.detach())
+            s_dmask = (s_dmask * kept.unsqueeze(-1)).to(s_dmask.dtype)
+    return out, lse, s_dmask
 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -755,17 +758,17 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                   num_splits=num_splits)
         return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
 
-    def prefill(key_offsets, keyed_sequences=0):
+    def prefill(key_offsets, keyed_sequences=0, sinks=None):
         return ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q, key_offsets,
                            max_seqlen_q, max_seqlen_k, dropout_p,
                            ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,
-                           _check_deterministic(deterministic), keyed_sequences)
-    if _mixed_batch_wanted(q, max_seqlen_q, dropout_p, block_table, batch):
+                           _check_deterministic(deterministic), keyed_sequences, sinks=sinks)
+    if _mixed_batch_wanted(q, max_seqlen_q, dropout_p, block_table, batch):  # (no gradients: page pools)
         out, lse = _mixed_batch(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), scale, left, right,
                                 softcap, alibi, block_table, prefill, num_splits=num_splits)
-    else:
-        out, lse = prefill(_key_offsets(cu_seqlens_k, seqused_k))
-    return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
+        return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
+    out, lse = prefill(_key_offsets(cu_seqlens_k, seqused_k), sinks=sinks)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def _check_probs_without_dropout(return_attn_probs, dropout_p) -> None:

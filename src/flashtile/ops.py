@@ -13,6 +13,7 @@ import torch
 from .kernels.backward import attention_backward
 from .kernels.decode import block_packed_rows, combine, decode_attention, out_dtype, unblock_rows
 from .kernels.forward import attention_forward
+from .kernels.sinks import apply_sinks_, sink_grad
 
 
 def new_dropout_seed(dropout_p: float, device: torch.device):
@@ -26,10 +27,11 @@ def new_dropout_seed(dropout_p: float, device: torch.device):
 def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, bottom_right: bool,
             softcap: float, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
             max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed=None, block_table=None,
-            deterministic: bool = False, keyed_sequences: int = 0):
+            deterministic: bool = False, keyed_sequences: int = 0, sinks=None):
     """The forward as the public functions call it. ``keyed_sequences`` > 0: at most that many packed
     sequences have keys (a mixed batch's prefill part on page pools, no autograd): it sizes the
-    pools' gathers (forward._gluon_varlen).
+    pools' gathers (forward._gluon_varlen). ``sinks`` (H,): attention sinks (s_aux), applied to the
+    outputs in place (kernels/sinks.py), which the backward reads as they are; they get a gradient.
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
     tens of microseconds a call, as much as a short prefill kernel. Eager calls with inputs that
@@ -42,22 +44,27 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
             block_table)
     if torch.compiler.is_compiling():
-        return attn_fwd(*args, deterministic, keyed_sequences)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(*args, deterministic)
-    return _attn_fwd_impl(*args, keyed_sequences)
+        return attn_fwd(*args, deterministic, keyed_sequences, sinks)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or sinks is not None and sinks.requires_grad):
+        return _EagerAttention.apply(*args, deterministic, 0, sinks)
+    return _attn_fwd_impl(*args, keyed_sequences, sinks)
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                    alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   dropout_seed, block_table, keyed_sequences=0):
+                   dropout_seed, block_table, keyed_sequences=0, sinks=None):
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
-    return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
-                             window_right=window_right, diag_offset=diag_offset, softcap=softcap,
-                             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             block_table=block_table, keyed_sequences=keyed_sequences)
+    out, lse = attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
+                                 window_right=window_right, diag_offset=diag_offset, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                 max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                 block_table=block_table, keyed_sequences=keyed_sequences)
+    if sinks is not None:
+        packed = cu_seqlens_q is not None
+        apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks.detach())
+    return out, lse
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -68,18 +75,19 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
              max_seqlen_k: int = 0, dropout_p: float = 0.0,
              dropout_seed: Optional[torch.Tensor] = None,
              block_table: Optional[torch.Tensor] = None,
-             deterministic: bool = False, keyed_sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on validated tensors; returns (out, lse). ``deterministic`` only chooses
-    the backward's dQ path."""
+             deterministic: bool = False, keyed_sequences: int = 0,
+             sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward on validated tensors; returns (out, lse), with ``sinks`` those of the softmax
+    with one more logit a head. ``deterministic`` only chooses the backward's dQ path."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                           alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dropout_p, dropout_seed, block_table, keyed_sequences)
+                          dropout_p, dropout_seed, block_table, keyed_sequences, sinks)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
-      dropout_seed=None, block_table=None, deterministic=False, keyed_sequences=0):
+      dropout_seed=None, block_table=None, deterministic=False, keyed_sequences=0, sinks=None):
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
@@ -129,23 +137,51 @@ def _setup_fwd_context(ctx, inputs, output):
      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
      block_table, *rest) = inputs
     ctx.deterministic = bool(rest[0]) if rest else False  # (rest[1]: keyed_sequences)
+    sinks = rest[2] if len(rest) > 2 else None
     ctx.inputs = len(inputs)
     ctx.paged = block_table is not None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed, sinks)
     ctx.params = (softmax_scale, window_left, window_right, bottom_right, softcap)
     ctx.extra = (max_seqlen_q, max_seqlen_k, dropout_p)
 
 
-def _attn_fwd_backward(ctx, grad_out, grad_lse, backward=attn_bwd):
+@torch.library.custom_op("flashtile::sinks_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def sinks_bwd(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
+              sinks: torch.Tensor, packed: bool) -> torch.Tensor:
+    """The sinks' gradient (kernels.sinks.sink_grad) from attn_fwd's saved output and LSE; ``packed``:
+    (total, H, D) and (H, total)."""
+    return _sinks_bwd_impl(out, grad_out, lse, grad_lse, sinks, packed)
+
+
+def _sinks_bwd_impl(out, grad_out, lse, grad_lse, sinks, packed):
+    if packed:
+        out, grad_out, lse = out.unsqueeze(0), grad_out.unsqueeze(0), lse.unsqueeze(0)
+        grad_lse = grad_lse.unsqueeze(0) if grad_lse is not None else None
+    return sink_grad(out, grad_out, lse, grad_lse, sinks)
+
+
+@sinks_bwd.register_fake
+def _(out, grad_out, lse, grad_lse, sinks, packed):
+    return sinks.new_empty(sinks.shape)
+
+
+def _attn_fwd_backward(ctx, grad_out, grad_lse, backward=attn_bwd, sinks_backward=sinks_bwd):
     if ctx.paged:
         raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table)")
-    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed, sinks = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
-                          cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed, ctx.deterministic)
-    return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
+    dq = dk = dv = ds = None
+    if any(ctx.needs_input_grad[:3]):
+        # out and lse are the softmax's with the sinks' column when there are sinks: the same kernels
+        # give its dq, dk, dv (the column adds no value, so nothing to dP or to D = rowsum(dO * O))
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
+                              cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed, ctx.deterministic)
+    if sinks is not None and ctx.needs_input_grad[ctx.inputs - 1]:
+        ds = sinks_backward(out, grad_out, lse, grad_lse, sinks, cu_seqlens_q is not None)
+    grads = (dq, dk, dv) + (None,) * (ctx.inputs - 3)
+    return grads[:-1] + (ds,) if sinks is not None else grads
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)
@@ -157,14 +193,14 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         ctx.set_materialize_grads(False)  # an unused LSE gives None: no zeros, no dLSE pass
-        output = _attn_fwd_impl(*inputs[:16])
+        output = _attn_fwd_impl(*inputs[:16], 0, inputs[18] if len(inputs) > 18 else None)
         _setup_fwd_context(ctx, inputs, output)
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        return _attn_fwd_backward(ctx, grad_out, grad_lse, backward=_attn_bwd_impl)
+        return _attn_fwd_backward(ctx, grad_out, grad_lse, backward=_attn_bwd_impl, sinks_backward=_sinks_bwd_impl)
 
 
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale: float, window_left: int,

@@ -465,17 +465,20 @@ def compile_copy_keys(head_dim: int, arch: int) -> list:
 
 
 def sinks_variants() -> list[Variant]:
-    """The in-place attention-sinks epilogue (kind "sinks") on 16-bit outputs, odd head dims too."""
+    """The in-place attention-sinks epilogue and the sinks' gradient (kind "sinks") on 16-bit outputs,
+    odd head dims too."""
     return [Variant(64, "bf16", kind="sinks"), Variant(128, "fp16", kind="sinks"),
             Variant(111, "bf16", kind="sinks")]
 
 
 def compile_sinks(variant: Variant, arch: int) -> list:
-    from .sinks import BLOCK_ROWS, _apply_sinks
+    from .sinks import BLOCK_ROWS, _apply_sinks, _sink_grad
 
     values = {"BLOCK_ROWS": BLOCK_ROWS, "HEAD_DIM": variant.head_dim,
               "HEAD_DIM_PAD": head_dim_padded(variant.head_dim)}
-    return [_compile(_apply_sinks, values, variant, arch, 4, 1)]
+    return [_compile(_apply_sinks, values, variant, arch, 4, 1),
+            _compile(_sink_grad, {**values, "HAS_DLSE": True}, variant, arch, 4, 1,
+                     pointer_types={"DLse": "*fp32", "Partial": "*fp32"})]
 
 
 def all_variants() -> list[Variant]:
