@@ -263,6 +263,16 @@ def test_fp8_calls_apply_the_sink_to_their_own_result():
     factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
     assert_within_an_ulp(out, base.float() * factor)
     torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+    # flashtile.fp8's per-block call (Hadamard-rotated Q and K)
+    from flashtile import fp8
+    x = fp8.quantize_qkv(*make_qkv(2, 24, 40, heads, heads_k, d, BF16), hadamard=True)
+    base, base_lse = fp8.attention(x, causal=True, return_lse=True)
+    out, lse = fp8.attention(x, causal=True, return_lse=True, s_aux=sinks)
+    factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
+    assert_within_an_ulp(out, base.float() * factor)
+    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"s_aux must have shape \(4,\)"):
+        fp8.attention(x, s_aux=torch.zeros(3))
 
 
 def assert_within_an_ulp(got, exact):

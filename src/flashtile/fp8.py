@@ -238,13 +238,16 @@ def kernel_blocks(head_dim: int, device) -> tuple[int, int]:
 
 
 def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = None,
-              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False):
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False, *,
+              s_aux=None):
     """Attention on quantized tensors (``quantize_qkv``): scores from e4m3 Q and K, each tile's
     descales applied in fp32, P and V in e4m3 for the second product; bfloat16 output (B, Sq, H, D)
     and, with ``return_lse``, the LSE (B, H, Sq). Causal and windows align bottom-right as in
-    flash_attn_func; GQA/MQA as there. The rotation needs no undoing: it leaves the scores as they were."""
-    from . import ops
+    flash_attn_func; GQA/MQA as there. The rotation needs no undoing: it leaves the scores as they were.
+    ``s_aux`` (H,): attention sinks as in flash_attn_func (applied to the finished output and LSE)."""
+    from . import interface, ops
     q, k, v = x.q, x.k, x.v
+    sinks = interface._check_sinks(s_aux, q, 4)
     if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
     if q.shape[2] % k.shape[2]:
@@ -269,4 +272,6 @@ def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = Non
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = ops.fp8_forward(q, k, v, x.q_descale, x.k_descale, x.v_descale, scale, int(left), int(right),
                                k.shape[1] - q.shape[1], float(softcap), None, x.block_q, x.block_k)
+    if sinks is not None:
+        out, lse, _ = interface._with_sinks(out, lse, sinks, packed=False)
     return (out, lse) if return_lse else out
