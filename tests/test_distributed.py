@@ -162,3 +162,83 @@ def test_bench_ring_cpu_check():
     from flashtile.bench import ring
     check = ring._run_world(2, (), on_gpu=False)["check"]
     assert check["passed"], check
+
+
+def _sinks_worker(rank, world, init_file, varlen, result_dir):
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        import flashtile
+        from flashtile.distributed import ring_flash_attn_func, ring_flash_attn_varlen_func
+        gen = torch.Generator().manual_seed(7)
+        heads, heads_k, head_dim, unit = 4, 2, 32, 2 * world
+        lengths = [3 * unit, 5 * unit] if varlen else [8 * unit]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        lead = () if varlen else (1,)
+        q = torch.randn(*lead, sum(lengths), heads, head_dim, generator=gen).to(torch.bfloat16)
+        k = torch.randn(*lead, sum(lengths), heads_k, head_dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(*lead, sum(lengths), heads_k, head_dim, generator=gen).to(torch.bfloat16)
+        dout = torch.randn(*lead, sum(lengths), heads, head_dim, generator=gen).to(torch.bfloat16)
+        sinks = torch.randn(heads, generator=gen) * 2
+        ss = sinks.clone().requires_grad_(True)
+        if varlen:
+            local = [shard_varlen(t, cu, rank, world, "zigzag")[0].requires_grad_(i < 3)
+                     for i, t in enumerate((q, k, v, dout))]
+            cu_local = shard_varlen(q, cu, rank, world, "zigzag")[1]
+            out, lse = ring_flash_attn_varlen_func(*local[:3], cu_local, max(lengths) // world, causal=True,
+                                                   return_lse=True, s_aux=ss)
+        else:
+            local = [shard(t, rank, world, "zigzag").requires_grad_(i < 3) for i, t in enumerate((q, k, v, dout))]
+            out, lse = ring_flash_attn_func(*local[:3], causal=True, return_lse=True, s_aux=ss)
+        out.backward(local[3])
+        torch.save({"out": out.detach(), "lse": lse, "dq": local[0].grad, "dk": local[1].grad,
+                    "dv": local[2].grad, "ds": ss.grad}, os.path.join(result_dir, f"{rank}.pt"))
+        if rank == 0:
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+            if varlen:
+                full_out, full_lse, _ = flashtile.flash_attn_varlen_func(
+                    *leaves[:3], cu, cu, max(lengths), max(lengths), causal=True, return_attn_probs=True,
+                    s_aux=leaves[3])
+            else:
+                full_out, full_lse, _ = flashtile.flash_attn_func(*leaves[:3], causal=True, return_attn_probs=True,
+                                                                  s_aux=leaves[3])
+            full_out.backward(dout)
+            torch.save({"out": full_out.detach(), "lse": full_lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
+                        "dv": leaves[2].grad, "ds": leaves[3].grad, "cu": cu, "inputs": (q, k, v, dout, sinks)},
+                       os.path.join(result_dir, "full.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "packed"])
+def test_ring_takes_attention_sinks(varlen):
+    """s_aux through the ring (2 ranks, zigzag, causal): output and LSE of the softmax with the sinks'
+    column, the gradients by the accuracy rule, each rank's ds_aux for its own rows (their sum the
+    whole sequence's)."""
+    from helpers import assert_grads_match_reference, assert_matches_reference
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_sinks_worker, args=(world, os.path.join(tmp, "init"), varlen, tmp), nprocs=world, join=True)
+        parts = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+        full = torch.load(os.path.join(tmp, "full.pt"))
+    if varlen:
+        ring = {name: unshard_varlen([p[name] for p in parts], full["cu"], "zigzag", dim=1 if name == "lse" else 0)
+                for name in ("out", "lse", "dq", "dk", "dv")}
+    else:
+        ring = {name: unshard([p[name] for p in parts], "zigzag", dim=2 if name == "lse" else 1)
+                for name in ("out", "lse", "dq", "dk", "dv")}
+    q, k, v, dout, sinks = full["inputs"]
+    bounds = full["cu"].tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if varlen:
+            one = [t[a:b].unsqueeze(0) for t in (q, k, v, dout)]
+            got = [ring[n][a:b].unsqueeze(0) for n in ("out", "dq", "dk", "dv")]
+            got_lse = ring["lse"][:, a:b].unsqueeze(0)
+        else:
+            one, got, got_lse = [q, k, v, dout], [ring[n] for n in ("out", "dq", "dk", "dv")], ring["lse"]
+        assert_matches_reference(got[0], got_lse, *one[:3], causal=True, sinks=sinks, rounded_twice=True)
+        assert_grads_match_reference(tuple(got[1:]), *one, causal=True, sinks=sinks)
+    torch.testing.assert_close(ring["lse"], full["lse"], atol=1e-4, rtol=1e-5)
+    ds = sum(p["ds"] for p in parts)
+    assert all(p["ds"] is not None for p in parts)
+    torch.testing.assert_close(ds, full["ds"], atol=2e-2 * full["ds"].abs().max().item(), rtol=0)

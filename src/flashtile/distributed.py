@@ -24,8 +24,14 @@ import torch.distributed as dist
 
 from .kernels.backward import attention_backward
 from .kernels.forward import attention_forward
+from .kernels.sinks import apply_sinks_, sink_grad
 
 LAYOUTS = ("zigzag", "contiguous")
+
+
+def _check_sinks(s_aux, q, ndim):
+    from .interface import _check_sinks as check  # (the public functions' check, loaded on first use)
+    return check(s_aux, q, ndim)
 
 
 # ----------------------------------------------------------------------------------------- layouts
@@ -244,18 +250,31 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, softcap, layou
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, softcap, layout, geo):
+    def forward(ctx, q, k, v, group, causal, scale, softcap, layout, geo, sinks):
         out, lse = _ring_forward(q, k, v, group, causal, scale, softcap, layout, geo)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            # in place on the merged rows, which the backward then reads as the softmax's with the
+            # sinks' column (as ops.attn_fwd does: kernels/sinks.py)
+            packed = geo.varlen
+            apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks.detach())
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, scale, softcap, layout, geo)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        ds = None
+        if sinks is not None and ctx.needs_input_grad[9]:
+            # this rank's rows' share; a replicated sinks parameter's gradient is summed over the
+            # ranks with the other parameters' (as each rank's share of any weight's is)
+            packed = ctx.args[5].varlen
+            ds = (sink_grad(out.unsqueeze(0), dout.unsqueeze(0), lse.unsqueeze(0), None, sinks) if packed
+                  else sink_grad(out, dout, lse, None, sinks))
+        return dq, dk, dv, None, None, None, None, None, None, ds
 
 
 def _check_ring_inputs(caller: str, q, k, v, layout: str, shape: str) -> None:
@@ -279,16 +298,18 @@ def _check_ring_inputs(caller: str, q, k, v, layout: str, shape: str) -> None:
 
 def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                          softmax_scale: float | None = None, causal: bool = False, softcap: float = 0.0,
-                         layout: str = "zigzag", return_lse: bool = False):
+                         layout: str = "zigzag", return_lse: bool = False, *, s_aux=None):
     """Attention over a sequence sharded across the ranks of ``group`` (default: the world).
 
     q (B, S_local, H, D), k and v (B, S_local, Hk, D): this rank's shard in ``layout`` (see ``shard``),
     the same S_local on every rank (even for "zigzag"). ``causal`` follows token positions in the
     full sequence. Returns this rank's output (B, S_local, H, D), and with ``return_lse`` the LSE
-    (B, H, S_local) float32; differentiable in q, k and v. Every rank must call it with the same
-    arguments (it is a collective).
+    (B, H, S_local) float32; differentiable in q, k and v. ``s_aux`` (H,): attention sinks as in
+    flash_attn_func (differentiable; each rank's gradient covers its own rows). Every rank must call
+    it with the same arguments (it is a collective).
     """
     _check_ring_inputs("ring_flash_attn_func", q, k, v, layout, "(batch, seqlen_local, heads, head_dim)")
+    sinks = _check_sinks(s_aux, q, 4)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per rank: local length "
                          f"{q.shape[1]} must be even")
@@ -296,7 +317,7 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         raise ValueError(f"softcap must be >= 0, got {softcap}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap), layout,
-                                    _Geometry(local_len=q.shape[1]))
+                                    _Geometry(local_len=q.shape[1]), sinks)
     return (out, lse) if return_lse else out
 
 
@@ -327,12 +348,14 @@ def unshard_varlen(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, layout:
 def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 cu_seqlens: torch.Tensor, max_seqlen: int, group=None,
                                 softmax_scale: float | None = None, causal: bool = False,
-                                softcap: float = 0.0, layout: str = "zigzag", return_lse: bool = False):
+                                softcap: float = 0.0, layout: str = "zigzag", return_lse: bool = False, *,
+                                s_aux=None):
     """``ring_flash_attn_func`` for packed sequences: q (T_local, H, D), k and v (T_local, Hk, D) hold
     this rank's shard of every sequence (``shard_varlen``), ``cu_seqlens`` (int32, B + 1) the local
     offsets and ``max_seqlen`` the longest local shard, identical on every rank. Returns the output
-    (T_local, H, D), and with ``return_lse`` the LSE (H, T_local)."""
+    (T_local, H, D), and with ``return_lse`` the LSE (H, T_local). ``s_aux``: as there."""
     _check_ring_inputs("ring_flash_attn_varlen_func", q, k, v, layout, "(total_local, heads, head_dim)")
+    sinks = _check_sinks(s_aux, q, 3)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise TypeError("cu_seqlens must be a 1-D int32 tensor of local offsets")
     bounds = cu_seqlens.tolist()
@@ -346,5 +369,5 @@ def ring_flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                          "local length must be even")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     geo = _Geometry(cu=cu_seqlens.to(q.device), max_len=int(max_seqlen))
-    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap), layout, geo)
+    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, float(softcap), layout, geo, sinks)
     return (out, lse) if return_lse else out
