@@ -22,6 +22,8 @@ for case in range(n):
     kn = torch.randn(B, new, Hk, d, dtype=dtype) if new else None; vn = torch.randn_like(kn) if new else None
     splits = rng.choice([0, 1, 2, 5])
     page = rng.choice([None, 1, 7, 16])
+    sinks = torch.randn(H) * 3 if rng.random() < 0.3 else None  # attention sinks (s_aux)
+    kw_call = dict(kw, s_aux=sinks) if sinks is not None else kw
     try:
         if page:
             per = -(-cap // page); npg = B * per + 2; order = torch.randperm(npg)[:B * per].view(B, per)
@@ -29,16 +31,17 @@ for case in range(n):
             for b in range(B):
                 for j in range(per):
                     r = slice(j * page, min((j + 1) * page, cap)); kp[order[b, j], :r.stop - r.start] = kc[b, r]; vp[order[b, j], :r.stop - r.start] = vc[b, r]
-            out, lse = flashtile.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=order.int(), num_splits=splits, return_softmax_lse=True, **kw)
+            out, lse = flashtile.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=lens, block_table=order.int(), num_splits=splits, return_softmax_lse=True, **kw_call)
             # rebuild contiguous view of what the pages hold now
             for b in range(B):
                 for j in range(per):
                     r = slice(j * page, min((j + 1) * page, cap)); kc[b, r] = kp[order[b, j], :r.stop - r.start]; vc[b, r] = vp[order[b, j], :r.stop - r.start]
         else:
-            out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True, **kw)
+            out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True, **kw_call)
         for b in range(B):
             L = int(lens[b]) + new
-            assert_matches_reference(out[b:b+1], lse[b:b+1], q[b:b+1], kc[b:b+1, :L], vc[b:b+1, :L], **kw)
+            assert_matches_reference(out[b:b+1], lse[b:b+1], q[b:b+1], kc[b:b+1, :L], vc[b:b+1, :L],
+                                     rounded_twice=sinks is not None, **(dict(kw, sinks=sinks) if sinks is not None else kw))
     except Exception as e:
-        fails += 1; print("FAIL", dict(B=B,H=H,Hk=Hk,Sq=Sq,cap=cap,d=d,dtype=dtype,new=new,splits=splits,page=page,**kw), str(e)[:200], flush=True)
+        fails += 1; print("FAIL", dict(B=B,H=H,Hk=Hk,Sq=Sq,cap=cap,d=d,dtype=dtype,new=new,splits=splits,page=page,sinks=sinks is not None,**kw), str(e)[:200], flush=True)
 print(f"seed {seed}: {n} cases, {fails} failures")
