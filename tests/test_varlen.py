@@ -680,6 +680,39 @@ def test_vllm_keywords_out_num_splits_and_lse(monkeypatch):
     assert splits == [0, 0, 0, 3]
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+def test_vllm_out_takes_the_decode_rows_without_a_copy(fp8, monkeypatch):
+    """On the decode route the row move writes into ``out`` itself (no copy after the call), with the
+    LSE and the sinks too; an ``out`` whose head dim is strided gets a copy. Bit for bit the call
+    without ``out``."""
+    from flashtile import interface
+    moved_into = []
+    real_unblock = interface.ops.unblock
+    monkeypatch.setattr(interface.ops, "unblock",
+                        lambda *a, **k: moved_into.append(a[4] if len(a) > 4 else None) or real_unblock(*a, **k))
+    copies = []
+    lens_q, lens_k = [1, 2, 0, 1], [40, 9, 3, 70]
+    cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+    q = torch.randn(sum(lens_q), 8, 32, dtype=BF16)
+    k, v = torch.randn(sum(lens_k), 2, 32, dtype=BF16), torch.randn(sum(lens_k), 2, 32, dtype=BF16)
+    k_pool, v_pool, table = paged_copy(k, v, cu_k, 8)
+    kw = dict(block_table=table, seqused_k=cu_k[1:] - cu_k[:-1], causal=True, s_aux=torch.randn(8))
+    if fp8:
+        q, k_pool, v_pool = (t.to(torch.float8_e4m3fn) for t in (q, k_pool, v_pool))
+    expected, expected_lse = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 2, 70,
+                                                              return_softmax_lse=True, **kw)
+    for strided in (False, True):
+        moved_into.clear()
+        base = torch.full((q.shape[0], 8, 64), float("nan"), dtype=BF16)
+        out = base[..., ::2] if strided else base[..., :32]
+        real_copy = out.copy_
+        monkeypatch.setattr(out, "copy_", lambda *a: copies.append(1) or real_copy(*a), raising=False)
+        given, lse = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 2, 70, out=out,
+                                                      return_softmax_lse=True, **kw)
+        assert given is out and torch.equal(out, expected) and torch.equal(lse, expected_lse)
+        assert (moved_into[-1] is None) == strided and len(copies) == int(strided)
+
+
 @pytest.mark.parametrize("overrides,exc,message", [
     (dict(out=torch.zeros(5, 4, 16, dtype=F16)), TypeError, "out must have dtype torch.bfloat16"),
     (dict(out=torch.zeros(4, 4, 16, dtype=BF16)), ValueError, r"out must have shape \(5, 4, 16\)"),

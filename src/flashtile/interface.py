@@ -237,7 +237,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, descales, names, packed=None, block_table=None, seqused_k=None,
-                   num_splits=0):
+                   num_splits=0, out=None):
     """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
     ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences, q
     (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
@@ -298,7 +298,8 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     if packed is not None and _varlen_decode_wanted(q, seqlen_q, 0.0, block_table, heads_k):
         out, lse = _varlen_decode(q, k, v, packed[0], _key_counts(packed[1], seqused_k), seqlen_q, scale, left,
                                   right, _check_softcap(softcap), alibi, block_table, per_head,
-                                  need_lse=return_attn_probs, num_splits=num_splits)
+                                  need_lse=return_attn_probs, num_splits=num_splits,
+                                  into=_decode_into(out, q, return_attn_probs))
         return (out, lse, None) if return_attn_probs else out
     group = heads // heads_k
     # One scale block spanning the whole (longest) sequence: a power of two of at least 256, so a
@@ -702,12 +703,26 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
     return out, (lse if need_lse else None)
 
 
+def _decode_into(out, q, need_lse: bool):
+    """The decode route's ``into`` for a caller's ``out`` (vLLM's; checked by _check_out): its rows
+    moved there straight from the decode's block, no copy after; an LSE beside it where one is
+    wanted (or the compiled row move needs one). None where ``out`` is not given or its head dim is
+    strided (then the result is copied)."""
+    if out is None or out.stride(-1) != 1:
+        return None
+    lse = None
+    if need_lse or torch.compiler.is_compiling():
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                       block_table, deterministic=False, names=("q", "k", "v"),
-                      descales=(None, None, None), seqused_k=None, num_splits=0, s_aux=None):
+                      descales=(None, None, None), seqused_k=None, num_splits=0, s_aux=None, out=None):
     """The packed call (flash_attn_varlen_func's, checked here); returns out, or (out, lse (H, total_q),
-    None) with ``return_attn_probs``."""
+    None) with ``return_attn_probs``. ``out`` (checked): where the decode route writes its rows; the
+    other routes leave it to the caller (who copies)."""
     sinks = _check_sinks(s_aux, q, 3)
     want_lse = return_attn_probs or sinks is not None
     if seqused_k is not None:
@@ -721,7 +736,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         result = _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                 alibi_slopes, want_lse, descales, names,
                                 packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                                block_table=block_table, seqused_k=seqused_k, num_splits=num_splits)
+                                block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, out=out)
         return _sinks_applied(result, sinks, return_attn_probs, packed=True)
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
@@ -755,7 +770,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table, k.shape[2] if block_table is not None else 1):
         out, lse = _varlen_decode(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), max_seqlen_q,
                                   scale, left, right, softcap, alibi, block_table, need_lse=want_lse,
-                                  num_splits=num_splits)
+                                  num_splits=num_splits, into=_decode_into(out, q, want_lse))
         return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
 
     def prefill(key_offsets, keyed_sequences=0, sinks=None):
@@ -807,7 +822,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ``block_table`` the page pools are e4m3 too (vLLM's FP8 KV cache with FlashAttention-3).
 
     vLLM's keywords (forward only): ``out`` (total_q, H, D) in the output's dtype receives the output
-    and is returned (the result is copied there: the kernels do not write into it directly);
+    and is returned (decode steps' rows are moved there straight from the decode; the other routes'
+    results are copied there);
     ``num_splits`` for the split-KV decode that takes decode steps on page pools (as in
     flash_attn_with_kvcache: 0 = heuristic, 1 = none); ``scheduler_metadata`` is accepted and not
     used; ``return_softmax_lse`` returns (out, softmax_lse (H, total_q)); ``s_aux`` (H,) are attention
@@ -824,9 +840,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                                dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                need_lse, block_table, deterministic,
                                descales=(q_descale, k_descale, v_descale), seqused_k=seqused_k,
-                               num_splits=num_splits, s_aux=s_aux)
+                               num_splits=num_splits, s_aux=s_aux, out=out)
     attended = result[0] if need_lse else result
-    if out is not None:
+    if out is not None and attended is not out:  # (the decode route wrote its rows there itself)
         attended = out.copy_(attended)
     if return_attn_probs:
         return attended, result[1], None
