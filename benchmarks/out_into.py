@@ -6,8 +6,8 @@ FlashAttention backend calls it (seqused_k, cu_seqlens_k None), replayed from CU
     PYTHONPATH=src python benchmarks/out_into.py --out $OUT [--rounds N]
     PYTHONPATH=src TRITON_INTERPRET=1 python benchmarks/out_into.py --smoke   (CPU: the check only)
 
-Each point first checks that both give the same bits. Medians of triton.testing.do_bench over
-rounds that alternate the order.
+Each point first checks that both give the same bits, then times both (varlen_gather.graph_rounds:
+CUDA graphs replayed by do_bench in rounds of alternating order).
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
 import flashtile
 from flashtile import interface
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 POINTS = [(1, 32, 8, 8192), (16, 32, 8, 8192), (64, 32, 8, 4096), (16, 12, 2, 16384), (128, 12, 2, 2048)]
 
@@ -52,18 +55,6 @@ def copied(call):
     return run
 
 
-def graph_of(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
@@ -82,15 +73,9 @@ def main() -> int:
         ok &= same
         row = dict(batch=batch, heads=heads, heads_k=heads_k, keys=keys, same_bits=same)
         if not args.smoke:
-            from triton.testing import do_bench
-            timed = {"into": graph_of(call), "copied": graph_of(copied(call))}
-            times = {name: [] for name in timed}
-            for r in range(args.rounds):
-                for name in (("into", "copied") if r % 2 == 0 else ("copied", "into")):
-                    times[name].append(do_bench(timed[name]) * 1e3)
-            for name, values in times.items():
-                row[f"{name}_us"] = sorted(values)[len(values) // 2]
-            row["copied_over_into"] = row["copied_us"] / row["into_us"]
+            from varlen_gather import graph_rounds
+            med = graph_rounds({"into": call, "copied": copied(call)}, args.rounds)
+            row.update(into_us=med["into"], copied_us=med["copied"], copied_over_into=med["copied"] / med["into"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)

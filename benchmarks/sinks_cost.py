@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -76,15 +77,10 @@ MODES = ("with", "without", "lse")
 
 
 def graph_ms(call, mode, bench) -> float:
-    """One call captured in a CUDA graph, its replay timed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call(mode)  # warm: compiled, planned
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(mode)
+    """One call captured in a CUDA graph (varlen_bounds.capture), its replay timed."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from varlen_bounds import capture
+    graph, _ = capture(lambda: call(mode))
     return bench(graph.replay)
 
 
