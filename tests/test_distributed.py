@@ -227,8 +227,10 @@ def test_ring_takes_attention_sinks(varlen):
     else:
         ring = {name: unshard([p[name] for p in parts], "zigzag", dim=2 if name == "lse" else 1)
                 for name in ("out", "lse", "dq", "dk", "dv")}
+    from flashtile.reference import attention
     q, k, v, dout, sinks = full["inputs"]
     bounds = full["cu"].tolist()
+    exact, low, stored = (torch.zeros(sinks.shape[0], dtype=torch.float64) for _ in range(3))
     for a, b in zip(bounds[:-1], bounds[1:]):
         if varlen:
             one = [t[a:b].unsqueeze(0) for t in (q, k, v, dout)]
@@ -238,7 +240,19 @@ def test_ring_takes_attention_sinks(varlen):
             one, got, got_lse = [q, k, v, dout], [ring[n] for n in ("out", "dq", "dk", "dv")], ring["lse"]
         assert_matches_reference(got[0], got_lse, *one[:3], causal=True, sinks=sinks, rounded_twice=True)
         assert_grads_match_reference(tuple(got[1:]), *one, causal=True, sinks=sinks)
+        # ds_aux's budget, as test_sinks takes it: textbook attention's error in bf16, and D's rounding
+        # (the output as the ring stored it)
+        for total, precision in ((exact, torch.float64), (low, torch.bfloat16)):
+            s_ = sinks.clone().requires_grad_(True)
+            o, _ = attention(*(t.to(precision) for t in one[:3]), causal=True, sinks=s_)
+            (o.double() * one[3].double()).sum().backward()
+            total += s_.grad.double()
+        ref, ref_lse = attention(*(t.double() for t in one[:3]), causal=True, sinks=sinks)
+        share = torch.exp(sinks.double().view(1, -1, 1) - ref_lse)
+        rounding = ((got[0].double() - ref) * one[3].double()).sum(-1).transpose(1, 2)
+        stored += (share * rounding).sum((0, 2))
     torch.testing.assert_close(ring["lse"], full["lse"], atol=1e-4, rtol=1e-5)
-    ds = sum(p["ds"] for p in parts)
     assert all(p["ds"] is not None for p in parts)
-    torch.testing.assert_close(ds, full["ds"], atol=2e-2 * full["ds"].abs().max().item(), rtol=0)
+    err = (sum(p["ds"] for p in parts).double() - exact).abs().max().item()
+    budget = max(3 * (low - exact).abs().max().item(), 2 * stored.abs().max().item())
+    assert err <= budget, (err, budget)

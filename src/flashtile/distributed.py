@@ -255,8 +255,7 @@ class _RingAttention(torch.autograd.Function):
         if sinks is not None:
             # in place on the merged rows, which the backward then reads as the softmax's with the
             # sinks' column (as ops.attn_fwd does: kernels/sinks.py)
-            packed = geo.varlen
-            apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks.detach())
+            apply_sinks_(out, lse, sinks.detach(), packed=geo.varlen)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (group, causal, scale, softcap, layout, geo)
         ctx.mark_non_differentiable(lse)
@@ -271,9 +270,7 @@ class _RingAttention(torch.autograd.Function):
         if sinks is not None and ctx.needs_input_grad[9]:
             # this rank's rows' share; a replicated sinks parameter's gradient is summed over the
             # ranks with the other parameters' (as each rank's share of any weight's is)
-            packed = ctx.args[5].varlen
-            ds = (sink_grad(out.unsqueeze(0), dout.unsqueeze(0), lse.unsqueeze(0), None, sinks) if packed
-                  else sink_grad(out, dout, lse, None, sinks))
+            ds = sink_grad(out, dout, lse, None, sinks, packed=ctx.args[5].varlen)
         return dq, dk, dv, None, None, None, None, None, None, ds
 
 

@@ -182,7 +182,7 @@ def _with_sinks(out, lse, sinks, packed: bool, need_factor: bool = False):
     Eager calls without gradients write the call's own out and lse in place, in one launch."""
     if not (need_factor or torch.compiler.is_compiling() or out.stride(-1) != 1 or torch.is_grad_enabled()
             and (out.requires_grad or lse.requires_grad or sinks.requires_grad)):
-        apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks)
+        apply_sinks_(out, lse, sinks, packed)
         return out, lse, None
     gap = lse - sinks.to(torch.float32).unsqueeze(-1)
     kept = torch.sigmoid(gap)

@@ -62,8 +62,7 @@ def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_rig
                                  max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                  block_table=block_table, keyed_sequences=keyed_sequences)
     if sinks is not None:
-        packed = cu_seqlens_q is not None
-        apply_sinks_(out.unsqueeze(0) if packed else out, lse.unsqueeze(0) if packed else lse, sinks.detach())
+        apply_sinks_(out, lse, sinks.detach(), packed=cu_seqlens_q is not None)
     return out, lse
 
 
@@ -151,14 +150,7 @@ def sinks_bwd(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, grad
               sinks: torch.Tensor, packed: bool) -> torch.Tensor:
     """The sinks' gradient (kernels.sinks.sink_grad) from attn_fwd's saved output and LSE; ``packed``:
     (total, H, D) and (H, total)."""
-    return _sinks_bwd_impl(out, grad_out, lse, grad_lse, sinks, packed)
-
-
-def _sinks_bwd_impl(out, grad_out, lse, grad_lse, sinks, packed):
-    if packed:
-        out, grad_out, lse = out.unsqueeze(0), grad_out.unsqueeze(0), lse.unsqueeze(0)
-        grad_lse = grad_lse.unsqueeze(0) if grad_lse is not None else None
-    return sink_grad(out, grad_out, lse, grad_lse, sinks)
+    return sink_grad(out, grad_out, lse, grad_lse, sinks, packed)
 
 
 @sinks_bwd.register_fake
@@ -200,7 +192,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        return _attn_fwd_backward(ctx, grad_out, grad_lse, backward=_attn_bwd_impl, sinks_backward=_sinks_bwd_impl)
+        return _attn_fwd_backward(ctx, grad_out, grad_lse, backward=_attn_bwd_impl, sinks_backward=sink_grad)
 
 
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale: float, window_left: int,

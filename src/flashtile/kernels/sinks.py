@@ -46,9 +46,11 @@ def _apply_sinks(Out, Lse, Sinks, seqlen, stride_ob, stride_os, stride_oh, strid
     tl.store(lse_at, merged, mask=row_ok)
 
 
-def apply_sinks_(out, lse, sinks) -> None:
+def apply_sinks_(out, lse, sinks, packed: bool = False) -> None:
     """out (B, S, H, D) and lse (B, H, S) float32, both written in place; sinks (H,). Views of any
-    strides (the last dimension of out contiguous)."""
+    strides (the last dimension of out contiguous). ``packed``: out (total, H, D), lse (H, total)."""
+    if packed:
+        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
     batch, seqlen, heads, head_dim = out.shape
     if out.numel() == 0:
         return
@@ -93,12 +95,16 @@ def _sink_grad(Out, DOut, Lse, DLse, Sinks, Partial, seqlen, blocks, stride_ob, 
     tl.store(Partial + (batch * tl.num_programs(1) + head).to(tl.int64) * blocks + block, total)
 
 
-def sink_grad(out, dout, lse, dlse, sinks) -> torch.Tensor:
+def sink_grad(out, dout, lse, dlse, sinks, packed: bool = False) -> torch.Tensor:
     """The sinks' gradient (H,) in sinks' dtype, from out (B, S, H, D) and lse (B, H, S) of the softmax
     with the sinks (as apply_sinks_ left them), dout like out and dlse like lse or None:
     ds[h] = sum over rows of p_i (dlse_i - rowsum(dout_i * out_i)), p_i = exp(s[h] - lse_i) the sink's
     probability (a sink's logit moves only the normalizer). One pass over out and dout; per-block sums
-    added by torch, so the result does not depend on the launch order."""
+    added by torch, so the result does not depend on the launch order. ``packed``: out and dout
+    (total, H, D), lse and dlse (H, total)."""
+    if packed:
+        out, dout, lse = out.unsqueeze(0), dout.unsqueeze(0), lse.unsqueeze(0)
+        dlse = dlse.unsqueeze(0) if dlse is not None else None
     batch, seqlen, heads, head_dim = out.shape
     if out.numel() == 0:
         return torch.zeros_like(sinks)
