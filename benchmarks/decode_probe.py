@@ -270,7 +270,7 @@ def probe_point(point, page, device, ceiling):
         out = torch.empty(p.out_shape, dtype=p.dtype, device=device)
         lse = torch.empty(p.lse_shape, dtype=torch.float32, device=device)
         launch(dec._attn_decode, p.grid, (q, k, v, outp, lsep, out, lse, lengths, None, None, table,
-                                          None, None, None, None), p.scalars, p.kernel_options)
+                                          None, None, None, None, None), p.scalars, p.kernel_options)
         return out
 
     if p.splits > 1:

@@ -798,8 +798,9 @@ def sinks_case(rng):
             low_err = (low_s.grad.double() - exact_s.grad).abs().max().item()
             assert err <= max(3 * low_err, 2 * stored_err, 1e-6), f"ds_aux: {err:.3g} ({low_err:.3g}, {stored_err:.3g})"
             return
-        n = rng.randint(1, 8)
-        lens_k = [rng.randint(1, _n(5000)) for _ in range(n)]
+        long_cache = route == "kvcache" and rng.random() < 0.4  # split plans of the Gluon kernel: the merge
+        n = rng.randint(1, 2) if long_cache else rng.randint(1, 8)  # takes the sinks
+        lens_k = [rng.randint(1, _n(40000 if long_cache else 5000)) for _ in range(n)]
         if route == "varlen-pages":
             lens_q = [min(rng.randint(1, 4), lk) for lk in lens_k]
             page = rng.choice([16, 16, 1, 32])
@@ -826,11 +827,13 @@ def sinks_case(rng):
         page = rng.choice([None, 16, 5])
         params.update(lens_k=lens_k, sq=sq, splits=splits, page=page)
         call = dict(cache_seqlens=lengths, num_splits=splits, s_aux=sinks, return_softmax_lse=True, **kw)
-        if page is None:
-            out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
-        else:
-            k_pool, v_pool, table = _paged(k_cache, v_cache, page)
-            out, lse = flashtile.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=table, **call)
+        k_in, v_in, table = (k_cache, v_cache, None) if page is None else _paged(k_cache, v_cache, page)
+        out, lse = flashtile.flash_attn_with_kvcache(q, k_in, v_in, block_table=table, **call)
+        from flashtile.kernels import decode
+        left, right = flashtile.interface._check_window(kw.get("window_size", (-1, -1)), kw.get("causal", False))
+        plan = decode.prepare_decode(q, k_in, v_in, softmax_scale=d ** -0.5, window_left=left, window_right=right,
+                                     block_table=table, num_splits=splits, sinks=True)
+        params.update(plan_splits=plan.splits, gluon=plan.gluon is not None, sinks_after=plan.sinks_after)
         for i in range(n):
             m = lens_k[i]
             assert_matches_reference(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :m],

@@ -273,3 +273,25 @@ def test_merge_launches_dependents_after_16bit_one_per_sm_plans_only(monkeypatch
     assert not merge(1, 2, 131072)["LAUNCH_DEPENDENTS"]  # 1-2 pairs: two per SM
     assert not merge(1, 8, 32768, fp8=True)["LAUNCH_DEPENDENTS"]  # e4m3: three or four per SM
     assert not merge(16, 8, 65536, fp8=True)["LAUNCH_DEPENDENTS"]
+
+
+def test_the_gluon_route_launches_the_plans_merge(monkeypatch):
+    """run_decode hands the Gluon kernel the merge options its plan made (the early launch of the next
+    kernel, the sinks) rather than a merge of its own: before, the plan's were dropped."""
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    splits, _, _, merge, variant = decode._gluon_plan(1, 8, 128, torch.bfloat16, torch.device("cpu"), 32768, 0,
+                                                      0, False, False, False, False, 4, sinks=True)
+    assert merge["LAUNCH_DEPENDENTS"] and merge["SINKS"]
+    seen = {}
+
+    def fake_gluon_decode(q, k_cache, v_cache, cache_seqlens, **kwargs):
+        seen.update(kwargs)
+        return q, None
+
+    monkeypatch.setattr(gluon_decode, "gluon_decode", fake_gluon_decode)
+    prepared = decode.PreparedDecode(splits, False, None, merge, (), (1, 1, 32, 128), (1, 32, 1), (splits, 1, 8),
+                                     torch.bfloat16, torch.device("cpu"), (variant, 0.1, False))
+    sinks = torch.zeros(32)
+    q = torch.zeros(1, 1, 32, 128)
+    decode.run_decode(prepared, q, q, q, torch.ones(1, dtype=torch.int32), sinks=sinks)
+    assert seen["combine_options"] is merge and seen["sinks"] is sinks and seen["splits"] == splits

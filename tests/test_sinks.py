@@ -409,3 +409,102 @@ def test_compiles_with_fullgraph():
         results.append((out.detach(), lse.detach(), *(a.grad for a in args)))
     for eager, compiled in zip(*results):  # the same kernels; the sinks' ops fused or not (float32 sums)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit-epilogue", "split-merge"])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_kvcache_takes_the_sinks_inside_the_decode(monkeypatch, page_size, num_splits, dtype):
+    """Decode steps: the unsplit kernel's epilogue or the split plan's merge takes the sinks, so the
+    output is rounded once (no extra half ulp in the budget) and no launch follows; a sequence
+    without keys keeps output 0 and LSE +inf."""
+    from flashtile.kernels import decode
+
+    monkeypatch.setattr(decode, "_PLANS", {})
+
+    def no_after_pass(*args, **kwargs):
+        raise AssertionError("the sinks were applied after the decode")
+
+    monkeypatch.setattr("flashtile.kernels.sinks.apply_sinks_", no_after_pass)
+    monkeypatch.setattr("flashtile.interface.apply_sinks_", no_after_pass)
+    batch, heads, heads_k, d, capacity = 3, 8, 2, 80, 64
+    lengths = torch.tensor([41, 0, 64], dtype=torch.int32)
+    k_full = torch.randn(batch, capacity, heads_k, d, dtype=dtype)
+    v_full = torch.randn(batch, capacity, heads_k, d, dtype=dtype)
+    q = torch.randn(batch, 1, heads, d, dtype=dtype)
+    sinks = sinks_for(heads).to(dtype)
+    kw = dict(cache_seqlens=lengths, causal=True, num_splits=num_splits, return_softmax_lse=True, s_aux=sinks)
+    if page_size is None:
+        k_cache, v_cache, table = k_full, v_full, None
+    else:
+        pages = capacity // page_size
+        order = torch.randperm(batch * pages)
+        table = order.view(batch, pages).to(torch.int32)
+        k_cache = torch.empty(batch * pages, page_size, heads_k, d, dtype=dtype)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[order] = k_full.view(batch * pages, page_size, heads_k, d)
+        v_cache[order] = v_full.view(batch * pages, page_size, heads_k, d)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    prepared = decode.prepare_decode(q, k_cache, v_cache, softmax_scale=d ** -0.5, window_left=-1,
+                                     window_right=-1, block_table=table, num_splits=num_splits, sinks=True)
+    assert prepared.splits == num_splits and not prepared.sinks_after
+    for b in range(batch):
+        n = int(lengths[b])
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_full[b:b + 1, :n],
+                                 v_full[b:b + 1, :n], causal=True, sinks=sinks.float())
+    plain = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table,
+                                             **dict(kw, s_aux=None, return_softmax_lse=False))
+    assert not torch.equal(out[[0, 2]], plain[[0, 2]])  # (the sinks took their share)
+
+
+def test_kvcache_sinks_after_the_plans_that_do_not_take_them(monkeypatch):
+    """Stream-K plans leave the sinks to one pass over the finished result: the same answer."""
+    from flashtile.kernels import decode
+
+    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "STREAM_PLANS", True)
+    batch, heads, heads_k, d = 2, 4, 1, 64
+    lengths = torch.tensor([50, 9], dtype=torch.int32)
+    k_cache = torch.randn(batch, 64, heads_k, d, dtype=F16)
+    v_cache = torch.randn(batch, 64, heads_k, d, dtype=F16)
+    q = torch.randn(batch, 1, heads, d, dtype=F16)
+    sinks = sinks_for(heads)
+    prepared = decode.prepare_decode(q, k_cache, v_cache, softmax_scale=d ** -0.5, window_left=-1,
+                                     window_right=-1, sinks=True)
+    assert prepared.stream is not None and prepared.sinks_after
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 return_softmax_lse=True, s_aux=sinks)
+    for b in range(batch):
+        n = int(lengths[b])
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n],
+                                 v_cache[b:b + 1, :n], causal=True, sinks=sinks, rounded_twice=True)
+
+
+def test_kvcache_sinks_gradient_and_compile():
+    """Sinks that require grad take the torch formula on the decode's result (a gradient); under
+    torch.compile(fullgraph=True) the registered decode op takes them: eager's output."""
+    batch, heads, heads_k, d = 2, 4, 2, 32
+    lengths = torch.tensor([20, 33], dtype=torch.int32)
+    k_cache = torch.randn(batch, 40, heads_k, d, dtype=BF16)
+    v_cache = torch.randn(batch, 40, heads_k, d, dtype=BF16)
+    q = torch.randn(batch, 1, heads, d, dtype=BF16)
+    sinks = sinks_for(heads)
+
+    def step(q, s):
+        return flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=2,
+                                                 return_softmax_lse=True, s_aux=s)
+
+    eager_out, eager_lse = step(q, sinks)
+    compiled_out, compiled_lse = torch.compile(step, fullgraph=True)(q, sinks)
+    assert torch.equal(compiled_out, eager_out) and torch.equal(compiled_lse, eager_lse)
+    s = sinks.clone().requires_grad_(True)
+    out, lse = step(q, s)
+    lse.sum().backward()
+    ref = torch.tensor(0.0, dtype=torch.float64)
+    for b in range(batch):  # d lse_i / d s = the sink's probability exp(s - lse_i)
+        ref = ref + torch.exp(sinks.double()[:, None] - lse[b].detach().double()).sum(-1)
+    ref_lse = torch.stack([attention(q[b:b + 1].double(), k_cache[b:b + 1, :int(lengths[b])].double(),
+                                     v_cache[b:b + 1, :int(lengths[b])].double(), sinks=sinks.double())[1][0]
+                           for b in range(batch)])
+    torch.testing.assert_close(lse.detach().double(), ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s.grad.double(), ref, rtol=1e-4, atol=1e-5)

@@ -1256,12 +1256,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               q_consecutive=causal or left >= 0 or right >= 0)
         if new_tokens:
             lengths = lengths + new_tokens
+    # Sinks go into the decode (its merge or epilogue: one rounding, no launch more) unless their
+    # gradient is asked for, which the torch ops on the result give.
+    sinks_after = sinks is not None and torch.is_grad_enabled() and sinks.requires_grad
     out, lse = ops.kvcache(q, k_cache, v_cache, lengths, block_table, cache_batch_idx, alibi,
                            scale, left, right, softcap, num_splits, cache_leftpad,
                            k_descale if fp8_cache else None, v_descale if fp8_cache else None,
-                           need_lse=bool(return_softmax_lse) or sinks is not None,
-                           q_descale=q_descale if fp8_q else None, seq_descales=fp8_cache and seq_descales)
-    if sinks is not None:
+                           need_lse=bool(return_softmax_lse) or sinks_after,
+                           q_descale=q_descale if fp8_q else None, seq_descales=fp8_cache and seq_descales,
+                           sinks=None if sinks_after else sinks)
+    if sinks_after:
         out, lse, _ = _with_sinks(out, lse, sinks, packed=False)
     return (out, lse) if return_softmax_lse else out
 

@@ -301,9 +301,10 @@ def _(out_partial, lse_partial, out_dtype):
 def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
             softmax_scale: float, window_left: int, window_right: int, softcap: float, num_splits: int,
             cache_leftpad=None, k_descale=None, v_descale=None, need_lse: bool = True, q_descale=None,
-            seq_descales: bool = False):
+            seq_descales: bool = False, sinks=None):
     """The decode as ``flash_attn_with_kvcache`` calls it; (out, lse), lse None when not
-    ``need_lse`` and the kernel could skip it.
+    ``need_lse`` and the kernel could skip it. ``sinks`` (H,): attention sinks, taken inside the
+    decode (no gradient: a caller that wants one applies them to the result instead).
 
     As ``forward``: eager calls go straight to the launcher, since the custom-op dispatcher costs
     tens of microseconds on the host, paid by every layer at every decode step. Under torch.compile,
@@ -312,7 +313,7 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, al
     """
     args = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes,
             softmax_scale, window_left, window_right, softcap, num_splits, cache_leftpad, k_descale,
-            v_descale, q_descale, seq_descales)
+            v_descale, q_descale, seq_descales, sinks)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
             or (alibi_slopes is not None and alibi_slopes.requires_grad))):
@@ -323,13 +324,13 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, al
 def _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
                        alibi_slopes, softmax_scale, window_left, window_right, softcap, num_splits,
                        cache_leftpad, k_descale=None, v_descale=None, q_descale=None, seq_descales=False,
-                       need_lse=True):
+                       sinks=None, need_lse=True):
     return decode_attention(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale,
                             window_left=window_left, window_right=window_right, softcap=softcap,
                             alibi_slopes=alibi_slopes, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                             num_splits=num_splits, k_descale=k_descale, v_descale=v_descale,
-                            need_lse=need_lse, q_descale=q_descale, seq_descales=seq_descales)
+                            need_lse=need_lse, q_descale=q_descale, seq_descales=seq_descales, sinks=sinks)
 
 
 @torch.library.custom_op("flashtile::attn_kvcache", mutates_args=(), device_types=("cuda", "cpu"))
@@ -341,18 +342,21 @@ def attn_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_leftpad: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
                  v_descale: Optional[torch.Tensor] = None,
                  q_descale: Optional[torch.Tensor] = None,
-                 seq_descales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 seq_descales: bool = False,
+                 sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row;
-    an e4m3 cache with per-key descales (k_descale/v_descale), an e4m3 q with q_descale (B, Hk)."""
+    an e4m3 cache with per-key descales (k_descale/v_descale), an e4m3 q with q_descale (B, Hk);
+    attention sinks (H,)."""
     return _attn_kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
                               alibi_slopes, softmax_scale, window_left, window_right, softcap,
-                              num_splits, cache_leftpad, k_descale, v_descale, q_descale, seq_descales)
+                              num_splits, cache_leftpad, k_descale, v_descale, q_descale, seq_descales,
+                              sinks)
 
 
 @attn_kvcache.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, alibi_slopes, softmax_scale,
       window_left, window_right, softcap, num_splits, cache_leftpad=None, k_descale=None,
-      v_descale=None, q_descale=None, seq_descales=False):
+      v_descale=None, q_descale=None, seq_descales=False, sinks=None):
     batch, seqlen_q, heads, _ = q.shape
     return (q.new_empty(q.shape, dtype=out_dtype(q.dtype)),
             q.new_empty(batch, heads, seqlen_q, dtype=torch.float32))

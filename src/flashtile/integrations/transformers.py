@@ -23,7 +23,6 @@ import torch
 
 from .. import interface
 from ..kernels import decode
-from ..kernels.sinks import apply_sinks_
 
 try:
     from transformers import AttentionInterface
@@ -159,9 +158,7 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
             # The launch reads only the data pointers of query/key/value (the same as their
             # (B, S, H, D) views'); the strides are in the plan, taken from those views.
             lengths = interface._full_lengths(query.shape[0], key.shape[2], query.device)
-            out, lse = decode.run_decode(prepared, query, key, value, lengths)
-            if kwargs.get("s_aux") is not None:
-                apply_sinks_(out, lse, kwargs["s_aux"])
+            out, _ = decode.run_decode(prepared, query, key, value, lengths, sinks=kwargs.get("s_aux"))
             return out, None
     elif attention_mask.dim() != 2:
         raise ValueError("flashtile attention takes transformers' 2-D padding mask; got a "
@@ -213,7 +210,7 @@ def flashtile_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                     _PREPARED_DECODE.clear()
                 _PREPARED_DECODE[signature] = decode.prepare_decode(
                     q, k, v, softmax_scale=interface._check_scale(scaling, head_dim),
-                    window_left=left, window_right=right, softcap=kw["softcap"], need_lse="s_aux" in kw)
+                    window_left=left, window_right=right, softcap=kw["softcap"], need_lse=False, sinks="s_aux" in kw)
         else:
             out = interface.flash_attn_func(q, k, v, dropout_p=dropout_p, **kw)
         return out, None

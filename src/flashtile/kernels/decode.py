@@ -64,7 +64,7 @@ def _stream_layout(CacheSeqlens, CacheLeftpad, batch_size, heads_k, seqlen_q, se
 
 @triton.jit
 def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
-                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb, stride_dss,
+                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, Sinks, stride_dsb, stride_dss,
                  stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
                  stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
@@ -80,7 +80,8 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  WRITE_LSE: tl.constexpr = True, Q_FP16: tl.constexpr = False,
                  PAGE_SHIFT: tl.constexpr = -1, ROW_BLOCKS: tl.constexpr = False,
                  Q_DESCALE: tl.constexpr = False, SEQ_DS: tl.constexpr = False,
-                 STREAM: tl.constexpr = False, BLOCK_B: tl.constexpr = 1, WARPS: tl.constexpr = 0):
+                 STREAM: tl.constexpr = False, BLOCK_B: tl.constexpr = 1, WARPS: tl.constexpr = 0,
+                 SINKS: tl.constexpr = False):
     """Grid (splits, B, Hk x row blocks): program (split, b, h) takes its split of the key tiles
     sequence b's rows see in KV head h. STREAM (stream-K): grid (programs,), every program an
     equal share of all pairs' key tiles laid end to end (``_stream_layout``), as segments of at
@@ -107,7 +108,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
             first = into - kv_head * tiles
             count = tl.minimum(tiles - first, stop - pos)
             _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
-                         CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb,
+                         CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, Sinks, stride_dsb,
                          stride_dss, stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb,
                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_os,
                          stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
@@ -130,7 +131,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
             kv_head = tl.program_id(2)
             row_block = 0
         _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
-                     CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb,
+                     CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, Sinks, stride_dsb,
                      stride_dss, stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb,
                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_os,
                      stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
@@ -140,7 +141,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                      tl.program_id(0), tl.num_programs(0), tl.program_id(1), kv_head, row_block,
                      0, 0, ROWS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP,
                      ALIBI, PAGED, BATCH_IDX, LEFTPAD, UPCAST, SPLIT, EMPTY_LSE, FP8, WRITE_LSE,
-                     Q_FP16, PAGE_SHIFT, ROW_BLOCKS, Q_DESCALE, SEQ_DS, False, WARPS)
+                     Q_FP16, PAGE_SHIFT, ROW_BLOCKS, Q_DESCALE, SEQ_DS, False, WARPS, SINKS)
 
 
 @triton.jit
@@ -217,7 +218,7 @@ def _warp_split_loop(q, k_base, v_base, stride_ks, stride_vs, rows_pos, s_lo, fu
 
 @triton.jit
 def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchIdx,
-                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, stride_dsb, stride_dss,
+                 CacheLeftpad, BlockTable, Alibi, KDescale, VDescale, QDescale, Sinks, stride_dsb, stride_dss,
                  stride_dsh, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_os, stride_ob, stride_oq, stride_oh,
                  stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
@@ -233,10 +234,12 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                  EMPTY_LSE: tl.constexpr, FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
                  Q_FP16: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                  Q_DESCALE: tl.constexpr, SEQ_DS: tl.constexpr, STREAM: tl.constexpr,
-                 WARPS: tl.constexpr = 0):
+                 WARPS: tl.constexpr = 0, SINKS: tl.constexpr = False):
     """Rows ``row_block`` of (sequence ``batch``, KV head ``kv_head``) against split ``split`` of
     ``num_splits`` of the key tiles they see, or (STREAM) against tiles [first, first + count) of
-    them, writing partials at index ``split`` or, when that is all of them, the output."""
+    them, writing partials at index ``split`` or, when that is all of them, the output. SINKS (an
+    unsplit plan only: a split one's merge takes them): attention sinks, sinks[head] one more logit
+    of each row's softmax with no value, folded in before the output's one rounding."""
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
     key_start = seqlen_k * 0
     if LEFTPAD:  # the sequence occupies cache slots [leftpad, cache_seqlens)
@@ -382,6 +385,13 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
             SOFTCAP, ALIBI, UPCAST, False, False, PAGED, FP8, 1, PAGE_SHIFT)
 
     seen = l_i > 0.0
+    if SINKS:  # (rows that saw no key keep output 0 and EMPTY_LSE, as apply_sinks_ leaves them)
+        sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.where(seen, tl.maximum(m_i, sink), m_i)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = tl.where(seen, l_i * alpha + tl.exp2(tl.minimum(sink - m_new, 0.0)), l_i)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
@@ -419,12 +429,12 @@ def _store_rows(Out, Lse, out, lse, seen, qi, head, q_ok, row_ok, stride_q, stri
 
 
 @triton.jit
-def _combine(OutPart, LsePart, Out, Lse, num_splits,
+def _combine(OutPart, LsePart, Out, Lse, Sinks, num_splits,
              stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
              stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
              SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
              EMPTY_LSE: tl.constexpr, PDL: tl.constexpr = False,
-             LAUNCH_DEPENDENTS: tl.constexpr = False):
+             LAUNCH_DEPENDENTS: tl.constexpr = False, SINKS: tl.constexpr = False):
     if PDL:  # resident while the splits finish; reads their partials only after they all have
         gdc_wait()
         if LAUNCH_DEPENDENTS:
@@ -448,9 +458,18 @@ def _combine(OutPart, LsePart, Out, Lse, num_splits,
     lse = tl.load(LsePart + s.to(tl.int64) * stride_ls + batch.to(tl.int64) * stride_lb
                   + head.to(tl.int64) * stride_lh + qi, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    seen = m > float("-inf")
+    if SINKS:
+        # One more logit, sinks[head], with no value (kernels/sinks.py): its share of the mass joins
+        # the splits' here, so the output is rounded once and no launch follows. A row no split saw
+        # keeps output 0 and EMPTY_LSE, as apply_sinks_ leaves it.
+        sink = tl.load(Sinks + head).to(tl.float32)
+        m = tl.where(seen, tl.maximum(m, sink), m)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # each split's share of the softmax mass, unnormalized
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.where(seen, tl.exp(sink - m_safe), 0.0)
     w = w / tl.where(total > 0, total, 1.0)
     out = tl.sum(w[:, None] * o, 0)
     tl.store(Out + batch.to(tl.int64) * stride_rb + qi.to(tl.int64) * stride_rq
@@ -542,10 +561,10 @@ def _next_power_of_2(n: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool,
-                     launch_dependents: bool = False) -> dict:
+                     launch_dependents: bool = False, sinks: bool = False) -> dict:
     """The combine kernel's constexprs and launch options (one dict per value: ``launch`` keys
     options by identity; never mutated). ``launch_dependents`` (with ``pdl``): the next kernel may
-    launch as soon as the merge starts (see _combine)."""
+    launch as soon as the merge starts (see _combine); ``sinks``: the merge takes attention sinks."""
     splits_pad, head_dim_pad = max(2, _next_power_of_2(splits)), head_dim_padded(head_dim)
     # As few warps as hold the partials in 128 floats a thread: the reductions over the splits then
     # stay within a warp (shuffles) or cross few, and every load is issued before the first use
@@ -554,8 +573,8 @@ def _combine_options(splits: int, head_dim: int, empty_lse: float, pdl: bool,
     # splits spilled, +2%).
     warps = max(1, min(4, splits_pad * head_dim_pad // 4096))
     return dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                EMPTY_LSE=empty_lse, PDL=pdl, LAUNCH_DEPENDENTS=pdl and launch_dependents, num_warps=warps,
-                **({"launch_pdl": True} if pdl else {}))
+                EMPTY_LSE=empty_lse, PDL=pdl, LAUNCH_DEPENDENTS=pdl and launch_dependents, SINKS=sinks,
+                num_warps=warps, **({"launch_pdl": True} if pdl else {}))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -586,9 +605,10 @@ def _launch_combine_stream(out_partial, lse_partial, out, lse, cache_seqlens, ca
            options)
 
 
-def _launch_combine(out_partial, lse_partial, out, lse, options: dict) -> None:
+def _launch_combine(out_partial, lse_partial, out, lse, options: dict, sinks=None) -> None:
+    """``sinks``: the (H,) logits of a merge whose options have SINKS."""
     splits, batch, seqlen_q, heads, _ = out_partial.shape
-    launch(_combine, (seqlen_q, heads, batch), (out_partial, lse_partial, out, lse),
+    launch(_combine, (seqlen_q, heads, batch), (out_partial, lse_partial, out, lse, sinks),
            (splits, *out_partial.stride()[:4], *lse_partial.stride()[:3], *out.stride()[:3],
             *lse.stride()[:2]), options)
 
@@ -932,13 +952,14 @@ WARP_SPLIT_MIN_KEYS = 16384
 def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capacity, num_splits,
           config, has_left, has_right, has_softcap, has_alibi, has_batch_idx, has_leftpad, fp8_cache,
           one_launch, write_lse, page_size, gluon_ok=False, causal=False, q_descale=False,
-          seq_descales=False):
+          seq_descales=False, sinks=False):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None,
-    the Gluon kernel's variant or None)."""
+    the Gluon kernel's variant or None). ``sinks``: attention sinks, taken by the merge of a split
+    plan and by the Triton kernel's unsplit one (run_decode applies them to the others' results)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
-                           heads // heads_k * seqlen_q, q_descale, seq_descales)
+                           heads // heads_k * seqlen_q, q_descale, seq_descales, sinks)
     rows = heads // heads_k * seqlen_q  # query rows a KV head
     tile_rows = tile_rows_for(rows, fp8_cache, device, head_dim)
     # programs per sequence: KV heads x blocks of rows (see _attn_decode)
@@ -996,14 +1017,14 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
         Q_DESCALE=q_descale, SEQ_DS=fp8_cache and seq_descales,
         STREAM=stream, BLOCK_B=_next_power_of_2(batch) if stream else 1, WARPS=warps,
-        num_warps=cfg.num_warps, num_stages=num_stages, **launch)
+        SINKS=sinks and splits == 1 and not stream, num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
     if stream:
         merge = _stream_combine_options(kernel, head_dim, pdl)
     else:
-        merge = _combine_options(splits, head_dim, math.inf, pdl) if splits > 1 else None
+        merge = _combine_options(splits, head_dim, math.inf, pdl, sinks=sinks) if splits > 1 else None
     return splits, upcast, kernel, merge, None
 
 
@@ -1190,7 +1211,8 @@ def gluon_wanted(paged: bool, pairs: int, sms: int, capacity: int, fp8: bool = F
 
 
 def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, page_size, causal,
-                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False, seq_descales=False):
+                has_batch_idx, one_launch, fp8=False, rows=64, q_descale=False, seq_descales=False,
+                sinks=False):
     from . import gluon_decode
 
     pairs = batch * heads_k
@@ -1247,7 +1269,7 @@ def _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits, p
     # us less a layer at B1 32/8 from 4k, contiguous and on 16-key pages; two CTAs per SM lost 0.9
     # us at B1 12/2 128k, e4m3 plans gained or lost up to 7 us (merge-share-h200-20261203-b/-c)
     trigger = not fp8 and base.programs_per_sm == 1
-    merge = _combine_options(splits, head_dim, math.inf, True, trigger) if splits > 1 else None
+    merge = _combine_options(splits, head_dim, math.inf, True, trigger, sinks) if splits > 1 else None
     return splits, False, None, merge, variant
 
 
@@ -1371,6 +1393,9 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     # stream-K (_attn_decode's STREAM): _combine_stream's scalars (its tensors are the call's),
     # else None; ``splits`` counts the programs then, partials (programs + B x Hk, Sq, H, D)
     stream: tuple | None = None
+    # attention sinks that the plan's kernels do not take (the Gluon kernel unsplit, stream-K, the
+    # prefill forward): run_decode applies them to the finished output and LSE
+    sinks_after: bool = False
 
 
 # A causal call with one query row runs as full attention (see prepare_decode); False: as causal, as
@@ -1383,9 +1408,11 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    alibi_slopes=None, block_table=None, cache_batch_idx=None, cache_leftpad=None,
                    num_splits: int = 0, config: DecodeConfig | None = None, k_descale=None,
                    need_lse: bool = True, in_graph: bool = False, q_descale=None,
-                   seq_descales: bool = False) -> PreparedDecode:
+                   seq_descales: bool = False, sinks: bool = False) -> PreparedDecode:
     """decode_attention's host work for one signature; see ``run_decode``. ``in_graph``: plan as
-    for a call captured in a CUDA graph (as a call made while capturing is planned)."""
+    for a call captured in a CUDA graph (as a call made while capturing is planned); ``sinks``: the
+    call has attention sinks (the LSE is then always written)."""
+    need_lse = need_lse or sinks
     batch, seqlen_q, heads, head_dim = q.shape
     if ONE_ROW_AS_FULL and seqlen_q == 1 and window_left < 0 and window_right == 0 \
             and alibi_slopes is None:
@@ -1414,7 +1441,8 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             config=config):
         return PreparedDecode(1, False, None, None, (), (batch, seqlen_q, heads, head_dim),
                               (batch, heads, seqlen_q), (1,), q.dtype, device, None,
-                              (softmax_scale, causal, prefill_gathers(q, k_cache, v_cache, block_table)))
+                              (softmax_scale, causal, prefill_gathers(q, k_cache, v_cache, block_table)),
+                              sinks_after=sinks)
     fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
                 and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache,
@@ -1427,7 +1455,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
            config, window_left >= 0, window_right >= 0, softcap > 0, alibi_slopes is not None,
            cache_batch_idx is not None, cache_leftpad is not None, k_cache.dtype == torch.float8_e4m3fn,
            one_launch, need_lse, k_cache.shape[1] if paged else 0, gluon_ok, causal,
-           q_descale is not None, seq_descales)
+           q_descale is not None, seq_descales, sinks)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(*key)
@@ -1439,7 +1467,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return PreparedDecode(splits, False, None, combine_options, (), (batch, seqlen_q, heads, head_dim),
                               (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
                               (splits, batch, heads_k), out_dtype(q.dtype), device,
-                              (gluon_variant, softmax_scale, causal))
+                              (gluon_variant, softmax_scale, causal), sinks_after=sinks and splits == 1)
     # the blocks the kernel computes from its tile rows (fewer than MAX_TILE_ROWS past head dim
     # 128 on GPUs with 99 KB of shared memory)
     row_blocks = check_grid(batch, seqlen_q, heads, heads_k, kernel_options["ROWS"])
@@ -1476,7 +1504,8 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          max(window_right, 0), heads // heads_k, splits)
         return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                               (batch, seqlen_q, heads, head_dim), (batch, heads, seqlen_q),
-                              (splits, 1, 1), out_dtype(q.dtype), device, stream=merge_scalars)
+                              (splits, 1, 1), out_dtype(q.dtype), device, stream=merge_scalars,
+                              sinks_after=sinks)
     return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                           (batch, seqlen_q, heads, head_dim),
                           (batch, heads, seqlen_q) if write_lse else None,
@@ -1494,9 +1523,20 @@ def descale_rows(q_descale: torch.Tensor) -> torch.Tensor:
 
 def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batch_idx=None,
                cache_leftpad=None, block_table=None, alibi_slopes=None, k_descale=None, v_descale=None,
-               q_descale=None):
+               q_descale=None, sinks=None):
     """The launches of a prepared decode, for tensors with the signature it was prepared for
-    (the caller's guarantee). Returns (out, lse or None)."""
+    (the caller's guarantee; ``sinks`` (H,) given exactly when it was prepared with them). Returns
+    (out, lse or None)."""
+    out, lse = _run_decode(p, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                           block_table, alibi_slopes, k_descale, v_descale, q_descale, sinks)
+    if p.sinks_after:
+        from .sinks import apply_sinks_
+        apply_sinks_(out, lse, sinks)
+    return out, lse
+
+
+def _run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, alibi_slopes, k_descale, v_descale, q_descale, sinks):
     if p.prefill is not None:
         from .gluon_forward import gluon_attention_forward, plain_forward
         softmax_scale, causal, gather = p.prefill
@@ -1523,7 +1563,7 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
                             causal=causal, splits=p.splits, block_table=block_table,
                             cache_batch_idx=cache_batch_idx, need_lse=p.lse_shape is not None,
                             variant=variant, k_descale=k_descale, v_descale=v_descale,
-                            q_descale=q_descale)
+                            q_descale=q_descale, combine_options=p.combine_options, sinks=sinks)
     out = torch.empty(p.out_shape, dtype=torch.float32 if p.upcast else p.dtype, device=p.device)
     lse = None if p.lse_shape is None else torch.empty(p.lse_shape, dtype=torch.float32,
                                                         device=p.device)
@@ -1542,13 +1582,14 @@ def run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_batc
         out_partial, lse_partial = out, lse  # unused: the kernel writes out directly
     tensors = (q, k_cache, v_cache, out_partial, lse_partial, out, out if lse is None else lse,
                cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes, k_descale,
-               v_descale, q_descale)
+               v_descale, q_descale, sinks if p.kernel_options["SINKS"] else None)
     launch(_attn_decode, p.grid, tensors, p.scalars, p.kernel_options)
     if p.stream is not None:
         _launch_combine_stream(out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad,
                                p.stream, p.combine_options)
     elif p.splits > 1:
-        _launch_combine(out_partial, lse_partial, out, lse, p.combine_options)
+        _launch_combine(out_partial, lse_partial, out, lse, p.combine_options,
+                        sinks if p.combine_options["SINKS"] else None)
     return (out.to(p.dtype) if p.upcast else out), lse
 
 
@@ -1557,7 +1598,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      window_right: int, softcap: float = 0.0, alibi_slopes=None, block_table=None,
                      cache_batch_idx=None, cache_leftpad=None, num_splits: int = 0,
                      config: DecodeConfig | None = None, k_descale=None, v_descale=None,
-                     need_lse: bool = True, q_descale=None, seq_descales: bool = False):
+                     need_lse: bool = True, q_descale=None, seq_descales: bool = False, sinks=None):
     """Attention of q (B, Sq, H, D) against the first cache_seqlens[b] keys of each cache row.
 
     k_cache/v_cache: (B_cache, S_max, Hk, D), or page pools (num_pages, page_size, Hk, D) with
@@ -1571,16 +1612,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     per sequence and KV head (FlashAttention-3's (B, Hk), given as a (B, 1, Hk) view: indexed by the
     sequence, whatever the cache's rows are). With an e4m3 cache, q may be e4m3 too,
     with ``q_descale`` (B, Hk) float32 or None (1.0); the output is then bf16. With
-    ``need_lse=False`` the LSE may be left unwritten and None is returned in its place.
+    ``need_lse=False`` the LSE may be left unwritten and None is returned in its place. ``sinks``
+    (H,): attention sinks (one more logit a row, with no value), the LSE counting them.
     """
     prepared = prepare_decode(q, k_cache, v_cache, softmax_scale=softmax_scale,
                               window_left=window_left, window_right=window_right, softcap=softcap,
                               alibi_slopes=alibi_slopes, block_table=block_table,
                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                               num_splits=num_splits, config=config, k_descale=k_descale,
-                              need_lse=need_lse, q_descale=q_descale, seq_descales=seq_descales)
+                              need_lse=need_lse, q_descale=q_descale, seq_descales=seq_descales,
+                              sinks=sinks is not None)
     return run_decode(prepared, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
-                      block_table, alibi_slopes, k_descale, v_descale, q_descale)
+                      block_table, alibi_slopes, k_descale, v_descale, q_descale, sinks)
 
 
 # Packed rows <-> a (B, Sq, H, D) block, for decode steps given as packed sequences

@@ -987,11 +987,14 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, 
 
 def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, causal: bool,
                  splits: int, variant: DecodeVariant, block_table=None, cache_batch_idx=None,
-                 need_lse: bool = True, k_descale=None, v_descale=None, q_descale=None):
+                 need_lse: bool = True, k_descale=None, v_descale=None, q_descale=None,
+                 combine_options: dict | None = None, sinks=None):
     # (q_descale: (B, Hk) rows of Hk contiguous values, decode.descale_rows)
     """One decode launch (plus the merge when ``splits`` > 1) on inputs ``supported`` accepts, with
     a variant matching them (decode.py's plan picks it). Returns out (B, Sq, H, D) in q's dtype and
-    lse (B, H, Sq) float32 (+inf where a row saw no key), or None when not needed and unsplit."""
+    lse (B, H, Sq) float32 (+inf where a row saw no key), or None when not needed and unsplit.
+    ``combine_options``: the merge's, as the plan made them (default: a plain PDL merge);
+    ``sinks`` (H,): attention sinks, which only the merge takes (with SINKS in its options)."""
     from .decode import _combine_options, _launch_combine
 
     batch, seqlen_q, heads, head_dim = q.shape
@@ -1032,8 +1035,8 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
     launch(_attn_decode_gluon, grid, tensors, scalars,
            _options(variant, split, need_lse), descriptors)
     if split:
-        _launch_combine(out_partial, lse_partial, out, lse, _combine_options(splits, head_dim,
-                                                                             math.inf, True))
+        _launch_combine(out_partial, lse_partial, out, lse,
+                        combine_options or _combine_options(splits, head_dim, math.inf, True), sinks)
     return out, lse
 
 

@@ -130,6 +130,12 @@ def _compile(fn, values: dict, variant: Variant, arch: int, num_warps: int, num_
             else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
+        elif name == "Sinks" and "SINKS" in fn.arg_names:  # attention sinks: float32 logits, if taken
+            if values.get("SINKS"):
+                signature[name] = "*fp32"
+            else:
+                signature[name] = "constexpr"
+                constexprs[name] = None
         elif name.startswith("CuSeqlens"):
             if variant.varlen:
                 signature[name] = "*i32"
@@ -257,10 +263,11 @@ def compile_decode(variant: Variant, arch: int) -> list:
               "PAGE_SHIFT": -1, "BATCH_IDX": not variant.paged,
               "LEFTPAD": not variant.paged, "EMPTY_LSE": float("inf"), "PDL": arch >= 90,
               "FP8": (3 if arch >= 89 else 2) if variant.fp8_cache else 0, "Q_FP16": variant.fp8_cache and variant.dtype == "bf16",
-              "Q_DESCALE": False, "SEQ_DS": False, "STREAM": False, "BLOCK_B": 1, "WARPS": 0}
+              "Q_DESCALE": False, "SEQ_DS": False, "STREAM": False, "BLOCK_B": 1, "WARPS": 0,
+              "SINKS": False}
     cache = {"K": "*fp8e4nv", "V": "*fp8e4nv"} if variant.fp8_cache else None
     comb = {"SPLITS_PAD": 16, "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
-            "EMPTY_LSE": float("inf")}
+            "EMPTY_LSE": float("inf"), "SINKS": False}
     stages = 3 if variant.paged else 2
     # Hopper plans of contiguous caches run 2-warp split programs up to head dim 128: 64-key steps on
     # e4m3 caches, 32-key steps on 16-bit ones, 3 stages.
@@ -294,6 +301,11 @@ def compile_decode(variant: Variant, arch: int) -> list:
                      variant, arch, warps, split_stages, cache),
             _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": variant.paged},
                      variant, arch, 4, stages, cache),
+            # attention sinks: the unsplit kernel's epilogue, the merge of split plans
+            _compile(_attn_decode, {**decode, **whole_pages, "SPLIT": False, "WRITE_LSE": True, "SINKS": True},
+                     variant, arch, 4, stages, cache),
+            _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": arch >= 90, "SINKS": True},
+                     variant, arch, 4, 1),
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": False}, variant, arch, 4, 1),
             # (after the 16-bit Gluon plans of one CTA per SM)
             _compile(_combine, {**comb, "PDL": arch >= 90, "LAUNCH_DEPENDENTS": arch >= 90}, variant, arch,
