@@ -20,6 +20,21 @@ def sinks_for(heads: int) -> torch.Tensor:
     return torch.randn(heads) * 3.0
 
 
+def shuffled_pools(k_full, v_full, page_size):
+    """Caches (B, capacity, Hk, D) as page pools in a random order with their block table, or as they
+    are (table None) when ``page_size`` is None."""
+    if page_size is None:
+        return k_full, v_full, None
+    batch, capacity = k_full.shape[:2]
+    pages = capacity // page_size
+    order = torch.randperm(batch * pages)
+    k_cache, v_cache = torch.empty_like(k_full).view(-1, page_size, *k_full.shape[2:]), torch.empty_like(v_full)
+    v_cache = v_cache.view(-1, page_size, *v_full.shape[2:])
+    k_cache[order] = k_full.reshape(batch * pages, page_size, *k_full.shape[2:])
+    v_cache[order] = v_full.reshape(batch * pages, page_size, *v_full.shape[2:])
+    return k_cache, v_cache, order.view(batch, pages).to(torch.int32)
+
+
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
@@ -194,18 +209,8 @@ def test_kvcache_with_append(page_size, num_splits):
     sinks = sinks_for(heads)
     kw = dict(cache_seqlens=lengths, k=k_new, v=v_new, causal=True, num_splits=num_splits,
               return_softmax_lse=True, s_aux=sinks)
-    if page_size is None:
-        k_cache, v_cache = k_full.clone(), v_full.clone()
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
-    else:
-        pages = capacity // page_size
-        order = torch.randperm(batch * pages)
-        table = order.view(batch, pages).to(torch.int32)
-        k_cache = torch.empty(batch * pages, page_size, heads_k, d, dtype=BF16)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[order] = k_full.view(batch * pages, page_size, heads_k, d)
-        v_cache[order] = v_full.view(batch * pages, page_size, heads_k, d)
-        out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
+    k_cache, v_cache, table = shuffled_pools(k_full.clone(), v_full.clone(), page_size)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
     for b in range(batch):
         n = int(lengths[b])
         keys = torch.cat([k_full[b, :n], k_new[b]]).unsqueeze(0)
@@ -434,16 +439,7 @@ def test_kvcache_takes_the_sinks_inside_the_decode(monkeypatch, page_size, num_s
     q = torch.randn(batch, 1, heads, d, dtype=dtype)
     sinks = sinks_for(heads).to(dtype)
     kw = dict(cache_seqlens=lengths, causal=True, num_splits=num_splits, return_softmax_lse=True, s_aux=sinks)
-    if page_size is None:
-        k_cache, v_cache, table = k_full, v_full, None
-    else:
-        pages = capacity // page_size
-        order = torch.randperm(batch * pages)
-        table = order.view(batch, pages).to(torch.int32)
-        k_cache = torch.empty(batch * pages, page_size, heads_k, d, dtype=dtype)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[order] = k_full.view(batch * pages, page_size, heads_k, d)
-        v_cache[order] = v_full.view(batch * pages, page_size, heads_k, d)
+    k_cache, v_cache, table = shuffled_pools(k_full, v_full, page_size)
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table, **kw)
     prepared = decode.prepare_decode(q, k_cache, v_cache, softmax_scale=d ** -0.5, window_left=-1,
                                      window_right=-1, block_table=table, num_splits=num_splits, sinks=True)
