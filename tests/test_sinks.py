@@ -504,3 +504,36 @@ def test_kvcache_sinks_gradient_and_compile():
                            for b in range(batch)])
     torch.testing.assert_close(lse.detach().double(), ref_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s.grad.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_out", [False, True], ids=["returned", "vllm-out"])
+def test_varlen_decode_route_takes_the_sinks_inside(monkeypatch, with_out):
+    """vLLM's decode steps (flash_attn_varlen_func on page pools, seqused_k, s_aux, out=): the decode
+    takes the sinks, no pass follows, and the rows are flash_attn_with_kvcache's own bits."""
+    def no_after_pass(*args, **kwargs):
+        raise AssertionError("the sinks were applied after the decode")
+
+    heads, heads_k, d, page = 8, 2, 64, 16
+    lengths = [37, 64, 5]
+    k_full = torch.randn(3, 64, heads_k, d, dtype=BF16)
+    v_full = torch.randn(3, 64, heads_k, d, dtype=BF16)
+    k_pool, v_pool, table = shuffled_pools(k_full, v_full, page)
+    q = torch.randn(3, heads, d, dtype=BF16)
+    cu_q = torch.arange(4, dtype=torch.int32)
+    seqused = torch.tensor(lengths, dtype=torch.int32)
+    sinks = sinks_for(heads)
+    want, want_lse = flashtile.flash_attn_with_kvcache(q.unsqueeze(1), k_pool, v_pool, cache_seqlens=seqused,
+                                                       block_table=table, causal=True, return_softmax_lse=True,
+                                                       s_aux=sinks)
+    monkeypatch.setattr("flashtile.kernels.sinks.apply_sinks_", no_after_pass)
+    monkeypatch.setattr("flashtile.interface.apply_sinks_", no_after_pass)
+    out = nan_like(q) if with_out else None
+    got, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 1, 64, causal=True,
+                                                   block_table=table, seqused_k=seqused, s_aux=sinks,
+                                                   return_attn_probs=True, out=out)
+    assert torch.equal(got, want[:, 0]) and torch.equal(lse, want_lse[:, :, 0].t())
+    if with_out:
+        assert torch.equal(out, want[:, 0])
+    for b, n in enumerate(lengths):
+        assert_matches_reference(got[b:b + 1].unsqueeze(0), lse[:, b:b + 1].unsqueeze(0), q[b:b + 1].unsqueeze(0),
+                                 k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal=True, sinks=sinks)

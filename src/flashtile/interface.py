@@ -668,7 +668,7 @@ def _key_offsets(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> 
 
 def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: float, left: int,
                    right: int, softcap: float, alibi, block_table, descales=None, need_lse: bool = True,
-                   into=None, num_splits: int = 0):
+                   into=None, num_splits: int = 0, sinks=None):
     """Packed queries q (total_q, H, D) of sequences on page pools k, v through the decode of
     flash_attn_with_kvcache (validated inputs; ``key_counts`` (B,) int32: each sequence's keys, on
     the device; ``descales``: the e4m3 call's (B, Hk) ones). Sequence b's queries take the last
@@ -677,7 +677,8 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
     sequence's first query, so no mask moves). Returns out (total_q, H, D) and lse (H, total_q) or
     None without ``need_lse``; rows past cu_seqlens_q[-1] are left unwritten. ``into``: (out, lse)
     to write the rows of sequences of at most max_seqlen_q queries into (a mixed batch's).
-    ``num_splits``: flash_attn_with_kvcache's (0: its heuristic)."""
+    ``num_splits``: flash_attn_with_kvcache's (0: its heuristic). ``sinks`` (H,): attention sinks,
+    taken inside the decode (no gradient)."""
     batch = cu_seqlens_q.shape[0] - 1
     total, heads, head_dim = q.shape
     seqlen = max_seqlen_q
@@ -694,7 +695,7 @@ def _varlen_decode(q, k, v, cu_seqlens_q, key_counts, max_seqlen_q: int, scale: 
                       if rows > decode.SMALL_SHARED_MEMORY_TILE_ROWS else None)
     out, lse = ops.kvcache(blocked, k, v, key_counts, block_table, None, alibi, scale, left, right, softcap,
                            num_splits, None, k_view, v_view, need_lse=need_lse, q_descale=q_descale,
-                           seq_descales=per_sequence)
+                           seq_descales=per_sequence, sinks=sinks)
     if into is not None:
         return ops.unblock(out, lse, cu_seqlens_q, total, *into)
     if lse is None or not (need_lse or torch.compiler.is_compiling()):
@@ -768,10 +769,16 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if block_table is not None:
         _check_pages(block_table, k.shape[0], block_table.shape[1] * k.shape[1], max_seqlen_k)
     if _varlen_decode_wanted(q, max_seqlen_q, dropout_p, block_table, k.shape[2] if block_table is not None else 1):
+        # the sinks inside the decode, as flash_attn_with_kvcache takes them (after it only for a gradient)
+        sinks_after = sinks is not None and torch.is_grad_enabled() and sinks.requires_grad
+        need_lse = return_attn_probs or sinks_after
         out, lse = _varlen_decode(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), max_seqlen_q,
-                                  scale, left, right, softcap, alibi, block_table, need_lse=want_lse,
-                                  num_splits=num_splits, into=_decode_into(out, q, want_lse))
-        return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
+                                  scale, left, right, softcap, alibi, block_table, need_lse=need_lse,
+                                  num_splits=num_splits, into=_decode_into(out, q, need_lse),
+                                  sinks=None if sinks_after else sinks)
+        if sinks_after:
+            return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True)
+        return (out, lse, None) if return_attn_probs else out
 
     def prefill(key_offsets, keyed_sequences=0, sinks=None):
         return ops.forward(q, k, v, scale, left, right, True, softcap, alibi, cu_seqlens_q, key_offsets,
