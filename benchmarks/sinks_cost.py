@@ -24,6 +24,8 @@ import torch
 
 import flashtile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
 
 def points(smoke: bool):
     if smoke:
@@ -49,12 +51,33 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             pool_v = torch.empty_like(pool_k)
             pool_k[table.long().flatten()] = k.view(batch * pages, page, heads_k, d)
             pool_v[table.long().flatten()] = v.view(batch * pages, page, heads_k, d)
-            k, v, extra = pool_k, pool_v, dict(block_table=table)
 
         def call(mode):
             return flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True,
                                                      s_aux=sinks if mode == "with" else None,
                                                      return_softmax_lse=mode == "lse", **extra)
+
+        def check():
+            """The call with sinks against float64 (the accuracy rule; half an ulp more only where the
+            plan applies the sinks after the kernels) on its first and last sequence; the plan."""
+            from flashtile.kernels import decode
+            from helpers import assert_matches_reference
+            plan = decode.prepare_decode(q, k, v, softmax_scale=d ** -0.5, window_left=-1, window_right=0,
+                                         block_table=extra.get("block_table"), sinks=True)
+            out, lse = flashtile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, s_aux=sinks,
+                                                         return_softmax_lse=True, **extra)
+            budgets = []
+            for b in sorted({0, batch - 1}):
+                kb, vb = (keys_of[b:b + 1] for keys_of in (keys_k, keys_v))
+                err, budget = assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kb, vb, causal=True,
+                                                       sinks=sinks, rounded_twice=plan.sinks_after)
+                budgets.append(err / budget if budget else 0.0)
+            return dict(splits=plan.splits, gluon=plan.gluon is not None, sinks_after=plan.sinks_after,
+                        worst_of_budget=max(budgets))
+        keys_k, keys_v = k, v
+        if page:
+            k, v, extra = pool_k, pool_v, dict(block_table=table)
+        call.check = check
         return call
     q = torch.randn(batch, keys, heads, d, device=device, dtype=dtype)
     k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
@@ -107,6 +130,7 @@ def main(argv=None) -> int:
     rows = []
     for kind, batch, keys, page in points(args.smoke):
         call = make_call(kind, batch, keys, page, device)
+        checked = call.check() if kind == "decode" else None  # (AssertionError: the run stops)
         times = {mode: [] for mode in MODES}
         for r in range(args.rounds):
             for i in range(len(MODES)):
@@ -115,6 +139,8 @@ def main(argv=None) -> int:
         row = dict(kind=kind, batch=batch, keys=keys, page=page, ms_with=median(times["with"]),
                    ms_without=median(times["without"]), ms_lse=median(times["lse"]))
         row["ratio"] = row["ms_with"] / row["ms_without"]
+        if checked:
+            row["check"] = checked
         if kind == "decode" and device.type == "cuda":
             for mode in MODES:
                 row[f"graph_ms_{mode}"] = median([graph_ms(call, mode, bench) for _ in range(3)])
@@ -141,6 +167,12 @@ def main(argv=None) -> int:
         json.dump(dict(device=device_name, rounds=args.rounds, rows=rows), f, indent=1)
     print(f"{'kind':8} {'B':>3} {'keys':>6} {'page':>4} {'with ms':>9} {'without':>9} {'lse only':>9} {'ratio':>6}"
           f" {'graph with':>10} {'without':>9} {'lse only':>9} {'ratio':>6}")
+    for r in rows:
+        if "check" in r:
+            c = r["check"]
+            print(f"check {r['kind']} B{r['batch']} {r['keys']} page {r['page']}: splits {c['splits']}, "
+                  f"{'Gluon' if c['gluon'] else 'Triton'}, sinks {'after' if c['sinks_after'] else 'inside'}, "
+                  f"error {c['worst_of_budget']:.2f} of the budget")
     for r in rows:
         graph = (f" {r['graph_ms_with']:10.4f} {r['graph_ms_without']:9.4f} {r['graph_ms_lse']:9.4f} "
                  f"{r['graph_ratio']:6.3f}" if "graph_ratio" in r else "")

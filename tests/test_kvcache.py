@@ -998,6 +998,18 @@ def test_warp_split_loop_matches_reference(warp_split_plans, nan_empty, dtype, s
     assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, **kw)
 
 
+def test_warp_split_loop_takes_sinks(warp_split_plans, nan_empty):
+    # Attention sinks in the unsplit epilogue after the warps' states are merged: one rounding.
+    decode = warp_split_plans
+    q, k_cache, v_cache, lengths = cache_case(batch=2, heads=8, heads_k=2, head_dim=128, capacity=200, dtype=BF16)
+    lengths[1] = 70
+    sinks = torch.randn(8) * 3
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 return_softmax_lse=True, s_aux=sinks)
+    assert [(p[2]["WARPS"], p[2]["SINKS"]) for p in decode._PLANS.values()] == [(4, True)]
+    assert_each_sequence_matches(out, lse, q, k_cache, v_cache, lengths, causal=True, sinks=sinks)
+
+
 def test_warp_split_plans(h200_plans):
     # Only unsplit plans of contiguous 16-bit caches with head dim 128, from WARP_SPLIT_MIN_KEYS keys
     # and at most one program per SM, without left windows, softcap or ALiBi.
