@@ -955,7 +955,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
           seq_descales=False, sinks=False):
     """(splits, upcast, the decode kernel's constexprs and launch options, the combine's or None,
     the Gluon kernel's variant or None). ``sinks``: attention sinks, taken by the merge of a split
-    plan and by the Triton kernel's unsplit one (run_decode applies them to the others' results)."""
+    plan and by the kernels' unsplit epilogues (run_decode applies them after stream-K plans)."""
     if gluon_ok and config is None:
         return _gluon_plan(batch, heads_k, head_dim, dtype, device, capacity, num_splits,
                            page_size if paged else 0, causal, has_batch_idx, one_launch, fp8_cache,
@@ -1393,8 +1393,8 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     # stream-K (_attn_decode's STREAM): _combine_stream's scalars (its tensors are the call's),
     # else None; ``splits`` counts the programs then, partials (programs + B x Hk, Sq, H, D)
     stream: tuple | None = None
-    # attention sinks that the plan's kernels do not take (the Gluon kernel unsplit, stream-K, the
-    # prefill forward): run_decode applies them to the finished output and LSE
+    # attention sinks that the plan's kernels do not take (stream-K, the prefill forward): run_decode
+    # applies them to the finished output and LSE
     sinks_after: bool = False
 
 
@@ -1467,7 +1467,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return PreparedDecode(splits, False, None, combine_options, (), (batch, seqlen_q, heads, head_dim),
                               (batch, heads, seqlen_q) if need_lse or splits > 1 else None,
                               (splits, batch, heads_k), out_dtype(q.dtype), device,
-                              (gluon_variant, softmax_scale, causal), sinks_after=sinks and splits == 1)
+                              (gluon_variant, softmax_scale, causal))
     # the blocks the kernel computes from its tile rows (fewer than MAX_TILE_ROWS past head dim
     # 128 on GPUs with 99 KB of shared memory)
     row_blocks = check_grid(batch, seqlen_q, heads, heads_k, kernel_options["ROWS"])

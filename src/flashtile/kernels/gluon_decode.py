@@ -321,14 +321,14 @@ if _GLUON:
                        mask=gl.expand_dims(g < group_size, 1), other=0.0)
 
     @gluon.jit
-    def _decode_consumer(Q, OutPart, LsePart, Out, Lse, q_smem, k_bufs, v_bufs, ready, empty,
+    def _decode_consumer(Q, OutPart, LsePart, Out, Lse, Sinks, q_smem, k_bufs, v_bufs, ready, empty,
                          CacheSeqlens, capacity, seqlen_q, group_size, qk_scale,
                          stride_qb, stride_qs, stride_qh, stride_os, stride_ob, stride_oq, stride_oh,
                          stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
                          stride_lrb, stride_lrh,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
-                         HEADS_FIRST: gl.constexpr):
+                         HEADS_FIRST: gl.constexpr, SINKS: gl.constexpr = False):
         """4 warps: S = Q K^T and O += P V by wgmma from the ring, the online softmax between."""
         split, batch, kv_head, num_splits = _program(HEADS_FIRST)
         seqlen_k = gl.minimum(gl.maximum(gl.load(CacheSeqlens + batch), 0), capacity)
@@ -370,27 +370,42 @@ if _GLUON:
         _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
                     group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
                     stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh, SPLIT,
-                    WRITE_LSE, EMPTY_LSE)
+                    WRITE_LSE, EMPTY_LSE, Sinks=Sinks, SINKS=SINKS)
 
     @gluon.jit
     def _write_rows(o, l_i, m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head, seqlen_q,
                     group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
                     stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
                     SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
-                    ROWS_AXIS: gl.constexpr = 0, D_PAIRS: gl.constexpr = 0):
+                    ROWS_AXIS: gl.constexpr = 0, D_PAIRS: gl.constexpr = 0, Sinks=None,
+                    SINKS: gl.constexpr = False):
         """The rows' output (divided by their sums) and natural-log LSE: a split's partials, or the
         result. Row r is query head r // Sq of the group at position r % Sq; the rows run along
         ``o``'s axis ROWS_AXIS (1: O^T of the transposed consumer). Stored from the wgmma layout
-        itself: a layout change would take shared memory the ring needs."""
+        itself: a layout change would take shared memory the ring needs. SINKS (unsplit only: a
+        split launch's merge takes them): Sinks[head] one more logit of each row with no value,
+        joined before the one rounding; rows that saw no key keep output 0 and EMPTY_LSE."""
         o_layout: gl.constexpr = o.type.layout
         R: gl.constexpr = ROWS_AXIS
         C: gl.constexpr = 1 - ROWS_AXIS
         N: gl.constexpr = o.shape[R]
         HEAD_DIM: gl.constexpr = o.shape[C]
         seen = l_i > 0.0
+        rows_s = gl.arange(0, N, layout=l_i.type.layout)
+        g_l = rows_s // seqlen_q
+        q_l = rows_s % seqlen_q
+        h_l = kv_head * group_size + g_l
+        lse_ok = g_l < group_size
+        scale = gl.full_like(l_i, 1.0)
+        if SINKS:
+            sink = gl.load(Sinks + h_l, mask=lse_ok, other=0.0).to(gl.float32) * 1.4426950408889634
+            m_new = gl.where(seen, gl.maximum(m_i, sink), m_i)
+            scale = gl.exp2(m_i - m_new)
+            l_i = gl.where(seen, l_i * scale + gl.exp2(gl.minimum(sink - m_new, 0.0)), l_i)
+            m_i = m_new
         l_safe = gl.where(seen, l_i, 1.0)
         lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
-        o = o * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(C, o_layout)), C)
+        o = o * gl.expand_dims(gl.convert_layout(scale / l_safe, gl.SliceLayout(C, o_layout)), C)
         ro = gl.arange(0, N, layout=gl.SliceLayout(C, o_layout))
         do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(R, o_layout))
         if D_PAIRS:  # o holds the even (1) or the odd (2) head dims only
@@ -400,11 +415,6 @@ if _GLUON:
         qo = ro % seqlen_q
         ho = kv_head * group_size + go
         o_ok = gl.expand_dims(go < group_size, C)
-        rows_s = gl.arange(0, N, layout=l_i.type.layout)
-        g_l = rows_s // seqlen_q
-        q_l = rows_s % seqlen_q
-        h_l = kv_head * group_size + g_l
-        lse_ok = g_l < group_size
         if SPLIT:  # normalized partial output and its LSE (-inf where the split saw nothing)
             gl.store(OutPart + split.to(gl.int64) * stride_os + batch.to(gl.int64) * stride_ob
                      + gl.expand_dims(qo * stride_oq + ho * stride_oh, C) + do, o, mask=o_ok)
@@ -458,14 +468,14 @@ if _GLUON:
             gl.thread_barrier()
 
     @gluon.jit
-    def _decode_consumer_t(Q, OutPart, LsePart, Out, Lse, q_smem, pt_smem, k_bufs, v_bufs, ready,
+    def _decode_consumer_t(Q, OutPart, LsePart, Out, Lse, Sinks, q_smem, pt_smem, k_bufs, v_bufs, ready,
                            empty, CacheSeqlens, capacity, seqlen_q, group_size, qk_scale,
                            stride_qb, stride_qs, stride_qh, stride_os, stride_ob, stride_oq,
                            stride_oh, stride_ls, stride_lb, stride_lh, stride_rb, stride_rq,
                            stride_rh, stride_lrb, stride_lrh,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                            SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
-                           HEADS_FIRST: gl.constexpr):
+                           HEADS_FIRST: gl.constexpr, SINKS: gl.constexpr = False):
         """4 warps, 16-bit cache, every tile transposed (as ``_decode_consumer_fp8``): S^T = K Q^T
         with the keys as the wgmma's M and the N query rows its N, the softmax on BLOCK_N x N
         scores, O^T += V^T P^T with V^T read straight from the ring (16-bit wgmma takes its A operand
@@ -534,7 +544,7 @@ if _GLUON:
         _write_rows(o_t, gl.sum(l_acc, 0), m_i, OutPart, LsePart, Out, Lse, split, batch, kv_head,
                     seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
                     stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
-                    SPLIT, WRITE_LSE, EMPTY_LSE, 1)
+                    SPLIT, WRITE_LSE, EMPTY_LSE, 1, Sinks=Sinks, SINKS=SINKS)
 
     @gluon.jit
     def _s_part(k_tile, q_smem, c: gl.constexpr, zero_st):
@@ -561,7 +571,7 @@ if _GLUON:
             "=h,=h,h", [pairs], dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
 
     @gluon.jit
-    def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, ds_bufs, KDescale, VDescale, qh_smem,
+    def _decode_consumer_fp8(Q, OutPart, LsePart, Out, Lse, Sinks, ds_bufs, KDescale, VDescale, qh_smem,
                                qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready, empty,
                                CacheSeqlens, CacheBatchIdx, capacity, seqlen_q, group_size,
                                qk_scale, stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss,
@@ -572,7 +582,8 @@ if _GLUON:
                                SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, EMPTY_LSE: gl.constexpr,
                                HEADS_FIRST: gl.constexpr, BATCH_IDX: gl.constexpr,
                                V_REGS: gl.constexpr = False, DS_RING: gl.constexpr = False,
-                               SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False):
+                               SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False,
+                               SINKS: gl.constexpr = False):
         """4 warps, e4m3 cache, 16-bit or e4m3 query, every tile transposed: the keys are the wgmmas' M and
         the N (8-64) query rows their N, so the softmax runs on BLOCK_N x N scores (4 a thread at
         N = 8), not on 64 rows of which 4-6 are real. S^T = K Q^T by e4m3 wgmmas straight from the
@@ -755,16 +766,16 @@ if _GLUON:
         _write_rows(o_t, l_i, m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
                     seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
                     stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
-                    SPLIT, WRITE_LSE, EMPTY_LSE, 1, 1 if V_PAIRS else 0)
+                    SPLIT, WRITE_LSE, EMPTY_LSE, 1, 1 if V_PAIRS else 0, Sinks=Sinks, SINKS=SINKS)
         if V_PAIRS:
             _write_rows(o_odd, l_i, m_u, OutPart, LsePart, Out, Lse, split, batch, kv_head,
                         seqlen_q, group_size, stride_os, stride_ob, stride_oq, stride_oh, stride_ls,
                         stride_lb, stride_lh, stride_rb, stride_rq, stride_rh, stride_lrb,
-                        stride_lrh, SPLIT, WRITE_LSE, EMPTY_LSE, 1, 2)
+                        stride_lrh, SPLIT, WRITE_LSE, EMPTY_LSE, 1, 2, Sinks=Sinks, SINKS=SINKS)
 
     @gluon.jit
     def _attn_decode_gluon(k_desc, v_desc, Q, OutPart, LsePart, Out, Lse, CacheSeqlens,
-                           CacheBatchIdx, BlockTable, KDescale, VDescale, QDescale,
+                           CacheBatchIdx, BlockTable, KDescale, VDescale, QDescale, Sinks,
                            stride_qb, stride_qs, stride_qh, stride_dsb, stride_dss, stride_dsh,
                            stride_os, stride_ob, stride_oq, stride_oh,
                            stride_ls, stride_lb, stride_lh, stride_rb, stride_rq, stride_rh,
@@ -780,7 +791,8 @@ if _GLUON:
                            V16_LAYOUT: gl.constexpr, ROWS_N: gl.constexpr = 0,
                            PT_LAYOUT: gl.constexpr = None, V_REGS: gl.constexpr = False,
                            DS_RING: gl.constexpr = False, Q_DESCALE: gl.constexpr = False,
-                           SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False):
+                           SEQ_DS: gl.constexpr = False, V_PAIRS: gl.constexpr = False,
+                           SINKS: gl.constexpr = False):
         """Grid (splits, B, Hk). ``capacity``: keys a sequence can hold (S_max, or pages x page
         size); a contiguous cache is rows of ``capacity`` keys per cache row, a paged one rows of
         ``page_size`` keys per page. Layouts: TILE_LAYOUT the [BLOCK_N, HEAD_DIM] K/V tile's,
@@ -822,7 +834,7 @@ if _GLUON:
             v16_smem = pt_smem if V_REGS else gl.allocate_shared_memory(
                 gl.float16, [2, BLOCK_N, HEAD_DIM], V16_LAYOUT)
             gl.warp_specialize([
-                (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, ds_bufs, KDescale, VDescale,
+                (_decode_consumer_fp8, (Q, OutPart, LsePart, Out, Lse, Sinks, ds_bufs, KDescale, VDescale,
                                           qh_smem, qm_smem, v16_smem, pt_smem, k_bufs, v_bufs, ready,
                                           empty, CacheSeqlens, CacheBatchIdx, capacity, seqlen_q,
                                           group_size, qk_scale, stride_qb, stride_qs, stride_qh,
@@ -831,7 +843,7 @@ if _GLUON:
                                           stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                           stride_rq, stride_rh, stride_lrb, stride_lrh, BLOCK_N, STAGES,
                                           CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST,
-                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS, V_PAIRS)),
+                                          BATCH_IDX, V_REGS, DS_RING, SEQ_DS, V_PAIRS, SINKS)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -842,13 +854,13 @@ if _GLUON:
             q_smem = gl.allocate_shared_memory(dtype, [ROWS_N, HEAD_DIM], Q_LAYOUT)
             pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWS_N], PT_LAYOUT)
             gl.warp_specialize([
-                (_decode_consumer_t, (Q, OutPart, LsePart, Out, Lse, q_smem, pt_smem, k_bufs, v_bufs,
+                (_decode_consumer_t, (Q, OutPart, LsePart, Out, Lse, Sinks, q_smem, pt_smem, k_bufs, v_bufs,
                                       ready, empty, CacheSeqlens, capacity, seqlen_q, group_size,
                                       qk_scale, stride_qb, stride_qs, stride_qh, stride_os, stride_ob,
                                       stride_oq, stride_oh, stride_ls, stride_lb, stride_lh,
                                       stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
                                       BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE,
-                                      HEADS_FIRST)),
+                                      HEADS_FIRST, SINKS)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -857,12 +869,13 @@ if _GLUON:
         else:
             q_smem = gl.allocate_shared_memory(dtype, [_ROWS, HEAD_DIM], Q_LAYOUT)
             gl.warp_specialize([
-                (_decode_consumer, (Q, OutPart, LsePart, Out, Lse, q_smem, k_bufs, v_bufs, ready,
+                (_decode_consumer, (Q, OutPart, LsePart, Out, Lse, Sinks, q_smem, k_bufs, v_bufs, ready,
                                     empty, CacheSeqlens, capacity, seqlen_q, group_size, qk_scale,
                                     stride_qb, stride_qs, stride_qh, stride_os, stride_ob,
                                     stride_oq, stride_oh, stride_ls, stride_lb, stride_lh, stride_rb,
                                     stride_rq, stride_rh, stride_lrb, stride_lrh,
-                                    BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST)),
+                                    BLOCK_N, STAGES, CAUSAL, SPLIT, WRITE_LSE, EMPTY_LSE, HEADS_FIRST,
+                                    SINKS)),
                 (_decode_producer, (k_desc, v_desc, k_bufs, v_bufs, ready, empty, BlockTable,
                                     CacheSeqlens, CacheBatchIdx, stride_btb, table_width, capacity,
                                     page_size, page_shift, BLOCK_N, PAGE_ROWS, STAGES, PAGED,
@@ -900,8 +913,9 @@ def _pt_layout(block_n: int, rows_n: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
-    """Constexprs and launch shape (one dict per value: ``launch`` keys options by identity)."""
+def _options(variant: DecodeVariant, split: bool, write_lse: bool, sinks: bool = False) -> dict:
+    """Constexprs and launch shape (one dict per value: ``launch`` keys options by identity);
+    ``sinks``: the unsplit epilogue takes attention sinks."""
     tile, slab, q, _, v16, cols = _layouts(variant.block_n, variant.page_rows, variant.head_dim,
                                            variant.dtype, variant.fp8, variant.rows_n)
     return dict(BLOCK_N=variant.block_n, PAGE_ROWS=variant.page_rows, STAGES=variant.stages,
@@ -913,7 +927,7 @@ def _options(variant: DecodeVariant, split: bool, write_lse: bool) -> dict:
                 ROWS_N=variant.rows_n, PT_LAYOUT=_pt_layout(variant.block_n, variant.rows_n),
                 V_REGS=variant.v_regs, DS_RING=variant.ds_ring, Q_DESCALE=variant.q_descale,
                 SEQ_DS=variant.seq_ds,
-                V_PAIRS=variant.v_regs and V_PAIRS and variant.head_dim % 128 == 0,
+                V_PAIRS=variant.v_regs and V_PAIRS and variant.head_dim % 128 == 0, SINKS=sinks and not split,
                 **_launch_shape(variant), **({"launch_pdl": True} if variant.pdl else {}))
 
 
@@ -994,7 +1008,8 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
     a variant matching them (decode.py's plan picks it). Returns out (B, Sq, H, D) in q's dtype and
     lse (B, H, Sq) float32 (+inf where a row saw no key), or None when not needed and unsplit.
     ``combine_options``: the merge's, as the plan made them (default: a plain PDL merge);
-    ``sinks`` (H,): attention sinks, which only the merge takes (with SINKS in its options)."""
+    ``sinks`` (H,): attention sinks, taken by the kernel's epilogue unsplit, by the merge split
+    (where its options have SINKS)."""
     from .decode import _combine_options, _launch_combine
 
     batch, seqlen_q, heads, head_dim = q.shape
@@ -1021,8 +1036,9 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
     descriptors = (_Descriptor(k_rows, k_rows.shape, k_rows.stride(), (variant.page_rows, cols), box),
                    _Descriptor(v_rows, v_rows.shape, v_rows.stride(), (variant.page_rows, cols), box))
     lse_t = out if lse is None else lse
+    epilogue_sinks = sinks if sinks is not None and not split else None
     tensors = (q, out_partial, lse_partial, out, lse_t, cache_seqlens, cache_batch_idx, block_table,
-               k_descale, v_descale, q_descale)
+               k_descale, v_descale, q_descale, epilogue_sinks)
     part = out_partial.stride()[:4] if split else (0, 0, 0, 0)
     lpart = lse_partial.stride()[:3] if split else (0, 0, 0)
     ds = k_descale.stride() if k_descale is not None else (0, 0, 0)
@@ -1033,10 +1049,10 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
                page_size.bit_length() - 1 if paged else 0, block_table.shape[1] if paged else 0)
     grid = (heads_k, splits, batch) if variant.heads_first else (splits, batch, heads_k)
     launch(_attn_decode_gluon, grid, tensors, scalars,
-           _options(variant, split, need_lse), descriptors)
+           _options(variant, split, need_lse, epilogue_sinks is not None), descriptors)
     if split:
-        _launch_combine(out_partial, lse_partial, out, lse,
-                        combine_options or _combine_options(splits, head_dim, math.inf, True), sinks)
+        merge = combine_options or _combine_options(splits, head_dim, math.inf, True)
+        _launch_combine(out_partial, lse_partial, out, lse, merge, sinks if merge["SINKS"] else None)
     return out, lse
 
 
@@ -1044,8 +1060,9 @@ def gluon_decode(q, k_cache, v_cache, cache_seqlens, *, softmax_scale: float, ca
 # Ahead-of-time compilation (no GPU needed)
 # ----------------------------------------------------------------------------------------------
 
-def compile_for_sm90(variant: DecodeVariant, split: bool = True):
-    """Compile a variant to a cubin for sm_90 the way a launch would (see gluon_forward)."""
+def compile_for_sm90(variant: DecodeVariant, split: bool | str = True):
+    """Compile a variant to a cubin for sm_90 the way a launch would (see gluon_forward); ``split``
+    "sinks": unsplit, the epilogue taking attention sinks."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1055,15 +1072,19 @@ def compile_for_sm90(variant: DecodeVariant, split: bool = True):
                                      variant.fp8)
     desc = f"tensordesc<{'fp8e4nv' if variant.fp8 else dt}[{variant.page_rows}, {cols}],{box!r}>"
     fn = _attn_decode_gluon
-    constexprs = _options(variant, split, True)
+    sinks = split == "sinks"
+    split = split is True
+    constexprs = _options(variant, split, True, sinks)
     if not variant.q_descale:  # as a launch passes it: None, which the JIT makes a constexpr
         constexprs = {**constexprs, "QDescale": None}
+    if not sinks:
+        constexprs = {**constexprs, "Sinks": None}
     signature, attrs = {"k_desc": desc, "v_desc": desc,
                         "Q": "*fp8e4nv" if variant.q_fp8 else f"*{dt}", "OutPart": "*fp32",
                         "LsePart": "*fp32", "Out": f"*{dt}", "Lse": "*fp32",
                         "CacheSeqlens": "*i32", "CacheBatchIdx": "*i32", "BlockTable": "*i32",
                         "KDescale": "*fp32", "VDescale": "*fp32", "QDescale": "*fp32",
-                        "qk_scale": "fp32"}, {}
+                        "Sinks": "*fp32", "qk_scale": "fp32"}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
@@ -1077,7 +1098,7 @@ def compile_for_sm90(variant: DecodeVariant, split: bool = True):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_launch_shape(variant))
 
 
-def _checked() -> list[tuple[DecodeVariant, bool]]:
+def _checked() -> list[tuple[DecodeVariant, bool | str]]:
     """What the compile check builds: the plans (decode.GLUON_ONE_PER_SM, GLUON_TWO_PER_SM) at both
     head dims and dtypes, pages smaller than, equal to and larger than a tile, causal, batch_idx,
     unsplit, contiguous caches, and the e4m3-cache form (compiled, not dispatched)."""
@@ -1147,6 +1168,10 @@ def _checked() -> list[tuple[DecodeVariant, bool]]:
             (dataclasses.replace(rows32, causal=True, **seq), True),
             (dataclasses.replace(vregs, rows_n=16, causal=True, batch_idx=True, **seq), True),
             (dataclasses.replace(paged, head_dim=64, rows_n=16, **seq), True)]
+    # attention sinks in the unsplit epilogue ("sinks"): each consumer, gpt-oss's head dim 64 too
+    out += [(base, "sinks"), (dataclasses.replace(contiguous, head_dim=64), "sinks"), (t16, "sinks"),
+            (dataclasses.replace(vregs, regs=64), "sinks"),
+            (dataclasses.replace(paged, head_dim=64, rows_n=16), "sinks")]
     return out
 
 
@@ -1169,7 +1194,7 @@ def main(argv=None) -> int:
 
     bad = 0
     for variant, split in CHECKED:
-        name = variant.name + ("" if split else "-unsplit")
+        name = variant.name + {True: "", False: "-unsplit", "sinks": "-unsplit-sinks"}[split]
         try:
             compiled = compile_for_sm90(variant, split)
         except Exception as e:  # report every variant, then fail
