@@ -9,7 +9,8 @@ through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and 
 prefill through flash_attn_func (4k causal, batch 1), and a training step (forward and backward, 4k
 causal); plus, for decode, host microseconds per eager call and the GPU time of one call replayed
 from a CUDA graph (how serving engines run decode: eager decode calls this small are host-bound).
-``--smoke``: tiny shapes through the interpreter on the CPU (no timings worth reading).
+``--smoke``: tiny shapes through the interpreter on the CPU (no timings worth reading);
+``--check-only``: the decode points' float64 checks alone (for compute-sanitizer).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--check-only", action="store_true", help="the decode points' checks, no timing (compute-sanitizer)")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
@@ -131,6 +133,10 @@ def main(argv=None) -> int:
     for kind, batch, keys, page in points(args.smoke):
         call = make_call(kind, batch, keys, page, device)
         checked = call.check() if kind == "decode" else None  # (AssertionError: the run stops)
+        if args.check_only:
+            if checked:
+                print(f"check decode B{batch} {keys} page {page}: {checked}", flush=True)
+            continue
         times = {mode: [] for mode in MODES}
         for r in range(args.rounds):
             for i in range(len(MODES)):
