@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--check-only", action="store_true", help="the decode points' checks, no timing (compute-sanitizer)")
+    ap.add_argument("--check-only", action="store_true",
+                    help="the decode points' checks, no timing (compute-sanitizer)")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:

@@ -704,6 +704,24 @@ def test_chunked_prefill_route_runs_the_forward_on_the_cache_lengths(prefill_rou
     assert kw["seqused_k"].dtype == torch.int32 and kw["seqused_k"].tolist() == [700, 3]
 
 
+def test_chunked_prefill_route_applies_sinks_to_the_forwards_result(prefill_route, monkeypatch):
+    """The routed call's forward takes no sinks: run_decode applies them to the (out, lse) it returns,
+    as apply_sinks_ does anywhere (the formula checked in test_sinks)."""
+    from flashtile.kernels import gluon_forward, sinks as sinks_module
+    dec, _ = prefill_route
+    q = torch.randn(2, 512, 16, 64, dtype=F16)
+    k = torch.randn(2, 900, 4, 64, dtype=F16)
+    v = torch.randn_like(k)
+    out, lse = torch.randn(2, 512, 16, 64, dtype=F16), torch.randn(2, 16, 512)
+    monkeypatch.setattr(gluon_forward, "plain_forward", lambda *args, **kw: (out.clone(), lse.clone()))
+    sinks = torch.randn(16) * 3
+    got, got_lse = dec.decode_attention(q, k, v, torch.tensor([700, 3]), softmax_scale=0.3, window_left=-1,
+                                        window_right=0, sinks=sinks)
+    want, want_lse = out.clone(), lse.clone()
+    sinks_module.apply_sinks_(want, want_lse, sinks)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse) and not torch.equal(got, out)
+
+
 def _shuffled_pool(batch, pages, page_size, heads_k, head_dim, dtype=F16):
     """A pool of batch x pages pages in shuffled order plus two spare pages, NaN everywhere, and
     its (batch, pages) table."""
