@@ -1,16 +1,22 @@
 """What attention sinks (s_aux) cost on top of the same call without them, gpt-oss's shapes (64 query
 heads, 8 KV heads, head dim 64; 120b's, 20b has 64/8 too).
 
-    PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke]
+    PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke] [--check-only]
+        [--kinds decode,prefill,varlen,train]
 
-Medians of triton.testing.do_bench in rounds that rotate the order of three calls: with s_aux,
+Medians of triton.testing.do_bench in rounds that rotate the order of the calls: with s_aux,
 without, and without but returning the LSE (what the sinks need of the kernels), for: decode steps
 through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and pages of 16), a
-prefill through flash_attn_func (4k causal, batch 1), and a training step (forward and backward, 4k
-causal); plus, for decode, host microseconds per eager call and the GPU time of one call replayed
-from a CUDA graph (how serving engines run decode: eager decode calls this small are host-bound).
-``--smoke``: tiny shapes through the interpreter on the CPU (no timings worth reading);
-``--check-only``: the decode points' float64 checks alone (for compute-sanitizer).
+prefill through flash_attn_func (4k causal, batch 1), packed prefill through flash_attn_varlen_func
+(4 sequences of 1k, causal), and a training step (forward and backward, 4k causal); plus, for
+decode, host microseconds per eager call and the GPU time of one call replayed from a CUDA graph
+(how serving engines run decode: eager decode calls this small are host-bound). The prefill, packed
+and training points time the call with s_aux twice: the Gluon kernel's result with the sinks
+applied after it ("with") and with gluon_forward.SINKS_IN_EPILOGUE ("epilogue", the sinks inside
+the kernel), and check both against float64 (the last 256 query rows of each sequence; the
+allowance of a second rounding only for "with"). ``--smoke``: tiny shapes through the interpreter on
+the CPU (no timings worth reading); ``--check-only``: the points' float64 checks alone (for
+compute-sanitizer).
 """
 
 from __future__ import annotations
@@ -30,10 +36,42 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def points(smoke: bool):
     if smoke:
-        return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("train", 1, 32, 0)]
+        return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("varlen", 2, 24, 0),
+                ("train", 1, 32, 0)]
     decode = [("decode", b, n, page) for b in (1, 16, 64) for n in (8192, 32768) for page in (0, 16)
               if b * n <= 64 * 8192 or b == 16]
-    return decode + [("prefill", 1, 4096, 0), ("train", 1, 4096, 0)]
+    return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("train", 1, 4096, 0)]
+
+
+def modes(kind: str) -> tuple:
+    return ("with", "without", "lse") if kind == "decode" else ("with", "epilogue", "without", "lse")
+
+
+def epilogue_sinks(mode: str) -> None:
+    """The Gluon forward's setting for a call of this mode: the sinks in its epilogue for "epilogue"."""
+    from flashtile.kernels import gluon_forward
+    gluon_forward.SINKS_IN_EPILOGUE = mode == "epilogue"
+
+
+def check_rows(out, lse, q, k, v, sinks, cu=None, rows=256, rounded_twice=False) -> float:
+    """The last ``rows`` query rows of each sequence (bottom-right causal: the reference on those rows
+    alone is the same attention) against float64; the worst error as a share of the budget."""
+    from helpers import assert_matches_reference
+    worst = 0.0
+    spans = ([(0, q.shape[1], 0, k.shape[1], b) for b in range(q.shape[0])] if cu is None else
+             [(int(cu[b]), int(cu[b + 1]), int(cu[b]), int(cu[b + 1]), None) for b in range(cu.shape[0] - 1)])
+    for q0, q1, k0, k1, b in spans:
+        first = max(q0, q1 - rows)
+        if b is None:
+            got, got_lse = out[first:q1].unsqueeze(0), lse[:, first:q1].unsqueeze(0)
+            qs, ks, vs = q[first:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0)
+        else:
+            got, got_lse = out[b:b + 1, first:q1], lse[b:b + 1, :, first:q1]
+            qs, ks, vs = q[b:b + 1, first:q1], k[b:b + 1], v[b:b + 1]
+        err, budget = assert_matches_reference(got, got_lse, qs, ks, vs, causal=True, sinks=sinks,
+                                               rounded_twice=rounded_twice)
+        worst = max(worst, err / budget if budget else 0.0)
+    return worst
 
 
 def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
@@ -83,21 +121,51 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
     q = torch.randn(batch, keys, heads, d, device=device, dtype=dtype)
     k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
+    taking = ("with", "epilogue")
     if kind == "prefill":
-        return lambda mode: flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks if mode == "with" else None,
-                                                      return_attn_probs=mode == "lse")
-    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-    ss = sinks.clone().requires_grad_(True)
-    dout = torch.randn_like(q)
+        def call(mode):
+            epilogue_sinks(mode)
+            return flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks if mode in taking else None,
+                                             return_attn_probs=mode == "lse")
+    elif kind == "varlen":  # batch sequences of ``keys`` tokens each, packed
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.arange(0, (batch + 1) * keys, keys, device=device, dtype=torch.int32)
 
-    def step(mode):
-        out = flashtile.flash_attn_func(qq, kk, vv, causal=True, s_aux=ss if mode == "with" else None,
-                                        return_attn_probs=mode == "lse")
-        (out[0] if mode == "lse" else out).backward(dout)
-    return step
+        def call(mode):
+            epilogue_sinks(mode)
+            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, keys, keys, causal=True,
+                                                    s_aux=sinks if mode in taking else None,
+                                                    return_attn_probs=mode == "lse")
+    else:
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ss = sinks.clone().requires_grad_(True)
+        dout = torch.randn_like(q)
 
+        def call(mode):
+            epilogue_sinks(mode)
+            out = flashtile.flash_attn_func(qq, kk, vv, causal=True, s_aux=ss if mode in taking else None,
+                                            return_attn_probs=mode == "lse")
+            (out[0] if mode == "lse" else out).backward(dout)
 
-MODES = ("with", "without", "lse")
+    def check():
+        """The forward with sinks, after the kernel and in its epilogue, against float64."""
+        result = {}
+        for mode in taking:
+            epilogue_sinks(mode)
+            with torch.no_grad():
+                if kind == "varlen":
+                    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, keys, keys, causal=True,
+                                                                   s_aux=sinks, return_attn_probs=True)
+                else:
+                    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks,
+                                                            return_attn_probs=True)
+            result[f"{mode}_worst_of_budget"] = check_rows(out, lse, q, k, v, sinks, cu if kind == "varlen" else None,
+                                                           rounded_twice=mode == "with")
+        epilogue_sinks("with")
+        return result
+    call.check = check
+    return call
+
 
 
 def graph_ms(call, mode, bench) -> float:
@@ -119,8 +187,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--check-only", action="store_true",
-                    help="the decode points' checks, no timing (compute-sanitizer)")
+                    help="the points' checks, no timing (compute-sanitizer)")
+    ap.add_argument("--kinds", default="decode,prefill,varlen,train", help="which points (comma-separated)")
     args = ap.parse_args(argv)
+    kinds = set(args.kinds.split(","))
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         def bench(fn):
@@ -132,24 +202,28 @@ def main(argv=None) -> int:
         bench = do_bench
     rows = []
     for kind, batch, keys, page in points(args.smoke):
-        call = make_call(kind, batch, keys, page, device)
-        checked = call.check() if kind == "decode" else None  # (AssertionError: the run stops)
-        if args.check_only:
-            if checked:
-                print(f"check decode B{batch} {keys} page {page}: {checked}", flush=True)
+        if kind not in kinds:
             continue
-        times = {mode: [] for mode in MODES}
+        call = make_call(kind, batch, keys, page, device)
+        checked = call.check()  # (AssertionError: the run stops)
+        if args.check_only:
+            print(f"check {kind} B{batch} {keys} page {page}: {checked}", flush=True)
+            continue
+        kind_modes = modes(kind)
+        times = {mode: [] for mode in kind_modes}
         for r in range(args.rounds):
-            for i in range(len(MODES)):
-                mode = MODES[(r + i) % len(MODES)]
+            for i in range(len(kind_modes)):
+                mode = kind_modes[(r + i) % len(kind_modes)]
                 times[mode].append(bench(lambda: call(mode)))
-        row = dict(kind=kind, batch=batch, keys=keys, page=page, ms_with=median(times["with"]),
-                   ms_without=median(times["without"]), ms_lse=median(times["lse"]))
+        epilogue_sinks("with")
+        row = dict(kind=kind, batch=batch, keys=keys, page=page, **{f"ms_{m}": median(times[m]) for m in kind_modes})
         row["ratio"] = row["ms_with"] / row["ms_without"]
+        if "epilogue" in kind_modes:
+            row["epilogue_ratio"] = row["ms_epilogue"] / row["ms_without"]
         if checked:
             row["check"] = checked
         if kind == "decode" and device.type == "cuda":
-            for mode in MODES:
+            for mode in kind_modes:
                 row[f"graph_ms_{mode}"] = median([graph_ms(call, mode, bench) for _ in range(3)])
             row["graph_ratio"] = row["graph_ms_with"] / row["graph_ms_without"]
         if kind == "decode":  # host time of eager calls: enqueue 50, least of 3
@@ -175,16 +249,20 @@ def main(argv=None) -> int:
     print(f"{'kind':8} {'B':>3} {'keys':>6} {'page':>4} {'with ms':>9} {'without':>9} {'lse only':>9} {'ratio':>6}"
           f" {'graph with':>10} {'without':>9} {'lse only':>9} {'ratio':>6}")
     for r in rows:
-        if "check" in r:
-            c = r["check"]
+        c = r.get("check")
+        if c and "splits" in c:
             print(f"check {r['kind']} B{r['batch']} {r['keys']} page {r['page']}: splits {c['splits']}, "
                   f"{'Gluon' if c['gluon'] else 'Triton'}, sinks {'after' if c['sinks_after'] else 'inside'}, "
                   f"error {c['worst_of_budget']:.2f} of the budget")
+        elif c:
+            print(f"check {r['kind']} B{r['batch']} {r['keys']}: error after the kernel {c['with_worst_of_budget']:.2f}, "
+                  f"in the epilogue {c['epilogue_worst_of_budget']:.2f} of the budget")
     for r in rows:
         graph = (f" {r['graph_ms_with']:10.4f} {r['graph_ms_without']:9.4f} {r['graph_ms_lse']:9.4f} "
                  f"{r['graph_ratio']:6.3f}" if "graph_ratio" in r else "")
+        epilogue = (f" epilogue {r['ms_epilogue']:9.4f} ({r['epilogue_ratio']:.3f}x)" if "epilogue_ratio" in r else "")
         print(f"{r['kind']:8} {r['batch']:>3} {r['keys']:>6} {r['page']:>4} {r['ms_with']:9.4f} "
-              f"{r['ms_without']:9.4f} {r['ms_lse']:9.4f} {r['ratio']:6.3f}{graph}")
+              f"{r['ms_without']:9.4f} {r['ms_lse']:9.4f} {r['ratio']:6.3f}{graph}{epilogue}")
     return 0
 
 

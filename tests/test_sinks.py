@@ -39,13 +39,28 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
+def refuse_after_passes(monkeypatch):
+    """Fail the test if the sinks are applied to a finished output (in place or by the torch ops)."""
+    import flashtile.interface as interface  # (imported first: its import binds sinks.apply_sinks_)
+    import flashtile.kernels.sinks as sinks_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sinks were applied after the kernel")
+
+    for module, name in ((interface, "apply_sinks_"), (interface, "_with_sinks"), (sinks_module, "apply_sinks_")):
+        monkeypatch.setattr(module, name, refuse)
+
+
 @pytest.mark.parametrize("shape, kw, dtype", [
     ((2, 37, 53, 6, 2, 40), dict(causal=True), F16),
     ((1, 20, 8, 4, 4, 64), dict(causal=True), BF16),  # rows past the keys see none
     ((2, 64, 64, 8, 1, 111), dict(window_size=(16, 0), softcap=20.0), BF16),
     ((1, 33, 70, 4, 2, 96), dict(alibi_slopes="per-head"), F16),
 ], ids=["gqa-causal-d40", "empty-rows", "mqa-window-softcap-d111", "alibi-d96"])
-def test_forward_matches_reference(shape, kw, dtype):
+def test_forward_matches_reference(shape, kw, dtype, monkeypatch):
+    """The portable kernel takes the sink in its epilogue: the output rounded once (no extra half ulp
+    in the budget) and no pass after it."""
+    refuse_after_passes(monkeypatch)
     batch, sq, sk, heads, heads_k, d = shape
     q, k, v = make_qkv(batch, sq, sk, heads, heads_k, d, dtype)
     kw = dict(kw)
@@ -55,7 +70,7 @@ def test_forward_matches_reference(shape, kw, dtype):
     out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True, s_aux=sinks, **kw)
     alone = flashtile.flash_attn_func(q, k, v, s_aux=sinks, **kw)
     assert torch.equal(out, alone)
-    assert_matches_reference(out, lse, q, k, v, sinks=sinks, rounded_twice=True, **kw)
+    assert_matches_reference(out, lse, q, k, v, sinks=sinks, **kw)
     # the sink moved the output by more than the budget: the check can tell a call without it
     without = flashtile.flash_attn_func(q, k, v, **kw)
     ref, _ = attention(q.double(), k.double(), v.double(), sinks=sinks, **kw)
@@ -114,8 +129,10 @@ def test_backward_matches_reference(dtype, with_lse):
     assert err <= max(3 * low_err, 2 * stored_err), (err, low_err, stored_err)
 
 
-def test_dropout_keeps_the_sink_share():
-    """Dropout drops the normalized probabilities, the sink's share taken out first."""
+def test_dropout_keeps_the_sink_share(monkeypatch):
+    """Dropout drops the normalized probabilities, the sink's share taken out first (in the kernel's
+    epilogue, the S_dmask by the torch formula)."""
+    refuse_after_passes(monkeypatch)
     batch, heads, heads_k, sq, sk, p = 2, 4, 2, 45, 70, 0.3
     q, k, v = make_qkv(batch, sq, sk, heads, heads_k, 32, F16)
     sinks = sinks_for(heads)
@@ -128,7 +145,7 @@ def test_dropout_keeps_the_sink_share():
     dout = torch.randn_like(out)
     out.backward(dout)
     ref_kw = dict(causal=True, dropout_p=p, dropout_mask=keep, sinks=sinks)
-    assert_matches_reference(out.detach(), lse.detach(), q, k, v, rounded_twice=True, **ref_kw)
+    assert_matches_reference(out.detach(), lse.detach(), q, k, v, **ref_kw)
     assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, **ref_kw)
     # S_dmask: the probabilities with the sink's share taken, negated where dropped
     _, ref_lse = attention(q.double(), k.double(), v.double(), causal=True, sinks=sinks)
@@ -148,16 +165,17 @@ def packed(lengths_q, lengths_k, heads, heads_k, d, dtype):
     return q, k, v, cu_q, cu_k
 
 
-def assert_packed_matches(out, lse, q, k, v, cu_q, cu_k, sinks, **kw):
+def assert_packed_matches(out, lse, q, k, v, cu_q, cu_k, sinks, rounded_twice=False, **kw):
     for b in range(cu_q.shape[0] - 1):
         rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         rk = slice(int(cu_k[b]), int(cu_k[b + 1]))
         assert_matches_reference(out[rq].unsqueeze(0), None if lse is None else lse[:, rq].unsqueeze(0),
                                  q[rq].unsqueeze(0), k[rk].unsqueeze(0), v[rk].unsqueeze(0), sinks=sinks,
-                                 rounded_twice=True, **kw)
+                                 rounded_twice=rounded_twice, **kw)
 
 
-def test_varlen_forward_backward_and_vllm_keywords():
+def test_varlen_forward_backward_and_vllm_keywords(monkeypatch):
+    refuse_after_passes(monkeypatch)  # (the portable kernel's epilogue takes them)
     heads, heads_k, d = 6, 3, 64
     q, k, v, cu_q, cu_k = packed([5, 17, 1], [9, 17, 40], heads, heads_k, d, BF16)
     sinks = sinks_for(heads)
@@ -175,7 +193,7 @@ def test_varlen_forward_backward_and_vllm_keywords():
         grads = (qq.grad[rq].unsqueeze(0), kk.grad[rk].unsqueeze(0), vv.grad[rk].unsqueeze(0))
         assert_grads_match_reference(grads, q[rq].unsqueeze(0), k[rk].unsqueeze(0), v[rk].unsqueeze(0),
                                      dout[rq].unsqueeze(0), causal=True, sinks=sinks)
-    # vLLM's form: out= and return_softmax_lse, forward only (the sinks applied in place, one launch)
+    # vLLM's form: out= and return_softmax_lse, forward only
     with torch.no_grad():
         want, want_lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 17, 40, causal=True,
                                                           return_softmax_lse=True, s_aux=sinks)
@@ -345,6 +363,55 @@ def test_sink_gradient_kernel_is_the_formula(dtype, head_dim, with_lse):
     assert got[1] == 0
 
 
+@pytest.mark.parametrize("route, inside", [("plain", False), ("general", False), ("packed", False),
+                                           ("packed-general", False), ("plain", True), ("packed", True)])
+def test_gluon_routes_take_the_sinks_after_the_kernel_or_in_it(monkeypatch, route, inside):
+    """The Gluon forward routes (stood in for by the portable kernel's result without sinks, as a CPU
+    runs no Gluon): attention_forward applies the sinks to the route's result in place, or with
+    gluon_forward.SINKS_IN_EPILOGUE the plain and packed launches get them and nothing follows."""
+    from flashtile.kernels import forward, gluon_forward, sinks as sinks_module
+
+    sinks = sinks_for(4)
+    if route.startswith("packed"):
+        q, k, v, cu_q, cu_k = packed([30, 7], [41, 12], 4, 2, 64, BF16)
+        kw = dict(softmax_scale=0.125, window_left=-1, window_right=0, diag_offset=0, cu_seqlens_q=cu_q,
+                  cu_seqlens_k=cu_k, max_seqlen_q=30, max_seqlen_k=41)
+    else:
+        q, k, v = make_qkv(2, 30, 41, 4, 2, 64, BF16)
+        kw = dict(softmax_scale=0.125, window_left=-1, window_right=0, diag_offset=11)
+    plain = forward.attention_forward(q, k, v, **kw)
+    given = []
+
+    def stand_in(*args, **kwargs):
+        given.append(kwargs.get("sinks"))
+        return plain[0].clone(), plain[1].clone()
+    monkeypatch.setattr(gluon_forward, "SINKS_IN_EPILOGUE", inside)
+    if route == "plain":
+        monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+        monkeypatch.setattr(gluon_forward, "plain_forward", stand_in)
+    elif route == "general":
+        monkeypatch.setattr(forward, "gluon_applies", lambda *args, **kwargs: True)
+        monkeypatch.setattr(gluon_forward, "gluon_attention_forward", stand_in)
+    elif route == "packed":
+        monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+        monkeypatch.setattr(gluon_forward, "packed_forward", stand_in)
+    else:  # (the route is taken where no interpreter runs; the stand-in's result, and the rest, in one)
+        def packed_stand_in(*args, **kwargs):
+            monkeypatch.setattr(forward, "_INTERPRET", True)
+            return stand_in(*args, **kwargs)
+        monkeypatch.setattr(forward, "_INTERPRET", False)
+        monkeypatch.setattr(forward, "_gluon_varlen", packed_stand_in)
+    out, lse = forward.attention_forward(q, k, v, sinks=sinks, **kw)
+    want_out, want_lse = plain[0].clone(), plain[1].clone()
+    if inside:
+        assert given == [sinks]
+    else:
+        assert given == [None]
+        sinks_module.apply_sinks_(want_out, want_lse, sinks, packed=route.startswith("packed"))
+        assert not torch.equal(out, plain[0])
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 def test_training_calls_apply_the_sinks_inside_the_op(monkeypatch):
     """Calls that need gradients take the sinks in the attention op (applied in place, the backward
     reading the stored output), not the torch ops on the finished output: the same bits as the call
@@ -426,12 +493,7 @@ def test_kvcache_takes_the_sinks_inside_the_decode(monkeypatch, page_size, num_s
     from flashtile.kernels import decode
 
     monkeypatch.setattr(decode, "_PLANS", {})
-
-    def no_after_pass(*args, **kwargs):
-        raise AssertionError("the sinks were applied after the decode")
-
-    monkeypatch.setattr("flashtile.kernels.sinks.apply_sinks_", no_after_pass)
-    monkeypatch.setattr("flashtile.interface.apply_sinks_", no_after_pass)
+    refuse_after_passes(monkeypatch)
     batch, heads, heads_k, d, capacity = 3, 8, 2, 80, 64
     lengths = torch.tensor([41, 0, 64], dtype=torch.int32)
     k_full = torch.randn(batch, capacity, heads_k, d, dtype=dtype)
@@ -510,9 +572,6 @@ def test_kvcache_sinks_gradient_and_compile():
 def test_varlen_decode_route_takes_the_sinks_inside(monkeypatch, with_out):
     """vLLM's decode steps (flash_attn_varlen_func on page pools, seqused_k, s_aux, out=): the decode
     takes the sinks, no pass follows, and the rows are flash_attn_with_kvcache's own bits."""
-    def no_after_pass(*args, **kwargs):
-        raise AssertionError("the sinks were applied after the decode")
-
     heads, heads_k, d, page = 8, 2, 64, 16
     lengths = [37, 64, 5]
     k_full = torch.randn(3, 64, heads_k, d, dtype=BF16)
@@ -525,8 +584,7 @@ def test_varlen_decode_route_takes_the_sinks_inside(monkeypatch, with_out):
     want, want_lse = flashtile.flash_attn_with_kvcache(q.unsqueeze(1), k_pool, v_pool, cache_seqlens=seqused,
                                                        block_table=table, causal=True, return_softmax_lse=True,
                                                        s_aux=sinks)
-    monkeypatch.setattr("flashtile.kernels.sinks.apply_sinks_", no_after_pass)
-    monkeypatch.setattr("flashtile.interface.apply_sinks_", no_after_pass)
+    refuse_after_passes(monkeypatch)
     out = nan_like(q) if with_out else None
     got, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 1, 64, causal=True,
                                                    block_table=table, seqused_k=seqused, s_aux=sinks,
@@ -536,4 +594,33 @@ def test_varlen_decode_route_takes_the_sinks_inside(monkeypatch, with_out):
         assert torch.equal(out, want[:, 0])
     for b, n in enumerate(lengths):
         assert_matches_reference(got[b:b + 1].unsqueeze(0), lse[:, b:b + 1].unsqueeze(0), q[b:b + 1].unsqueeze(0),
+                                 k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal=True, sinks=sinks)
+
+
+def test_mixed_batch_takes_the_sinks_in_both_parts(monkeypatch):
+    """vLLM's chunked prefill (query chunks among decode steps on page pools): the prefill kernel and
+    the decode each take the sinks in their epilogues, no pass follows; every sequence against
+    float64 with no extra rounding in the budget."""
+    from flashtile import interface
+
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)  # the 40-query chunk to the prefill
+    mixed = []
+    real_mixed = interface._mixed_batch
+    monkeypatch.setattr(interface, "_mixed_batch", lambda *a, **k: mixed.append(k["sinks"]) or real_mixed(*a, **k))
+    heads, heads_k, d, capacity = 6, 2, 64, 96
+    lengths_q, lengths_k = [1, 40, 3, 1, 1], [30, 90, 5, 0, 64]
+    k_full = torch.randn(5, capacity, heads_k, d, dtype=BF16)
+    v_full = torch.randn(5, capacity, heads_k, d, dtype=BF16)
+    k_pool, v_pool, table = shuffled_pools(k_full, v_full, 16)
+    q = torch.randn(sum(lengths_q), heads, d, dtype=BF16)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    sinks = sinks_for(heads)
+    refuse_after_passes(monkeypatch)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, 40, capacity, block_table=table,
+                                                   seqused_k=torch.tensor(lengths_k, dtype=torch.int32),
+                                                   causal=True, s_aux=sinks, return_attn_probs=True)
+    assert len(mixed) == 1 and mixed[0] is sinks
+    for b, n in enumerate(lengths_k):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert_matches_reference(out[rq].unsqueeze(0), lse[:, rq].unsqueeze(0), q[rq].unsqueeze(0),
                                  k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal=True, sinks=sinks)

@@ -586,18 +586,20 @@ def _mixed_batch_wanted(q, max_seqlen_q: int, dropout_p: float, block_table, bat
 
 
 def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap, alibi, block_table, prefill,
-                 descales=None, num_splits=0):
-    """A mixed batch as above: ``prefill(key_offsets, keyed_sequences)`` runs the prefill kernels on
-    the whole batch with the given key offsets, of which at most ``keyed_sequences`` sequences have
-    keys, and returns (out, lse). ``num_splits``: the decode's (flash_attn_with_kvcache's). Returns
-    (out, lse)."""
+                 descales=None, num_splits=0, sinks=None):
+    """A mixed batch as above: ``prefill(key_offsets, keyed_sequences, sinks)`` runs the prefill kernels
+    on the whole batch with the given key offsets, of which at most ``keyed_sequences`` sequences have
+    keys, and returns (out, lse). ``num_splits``: the decode's (flash_attn_with_kvcache's). ``sinks``
+    (H,): attention sinks, taken by both parts (the prefill's rows of sequences without keys there
+    stay output 0 and LSE +inf under them, and the decode overwrites those). Returns (out, lse)."""
     queries = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     short = queries <= VARLEN_DECODE_MAX_QUERIES
     none = torch.zeros_like(key_counts)
     # the long sequences (the only ones with keys here) have more than VARLEN_DECODE_MAX_QUERIES
     # queries each: at most total_q // (VARLEN_DECODE_MAX_QUERIES + 1) of them
     out, lse = prefill(torch.nn.functional.pad(torch.where(short, none, key_counts).cumsum(0, dtype=torch.int32),
-                                               (1, 0)), max(q.shape[0] // (VARLEN_DECODE_MAX_QUERIES + 1), 1))
+                                               (1, 0)), max(q.shape[0] // (VARLEN_DECODE_MAX_QUERIES + 1), 1),
+                       **({"sinks": sinks} if sinks is not None else {}))
     group = max(q.shape[1] // k.shape[2], 1)
     first = max(MIXED_FIRST_ROWS // group, 1) if MIXED_FIRST_ROWS > 0 else 0
     if VARLEN_DECODE_MAX_QUERIES * group <= MIXED_PADDED_ROWS and q.dtype != torch.float8_e4m3fn:
@@ -607,9 +609,10 @@ def _mixed_batch(q, k, v, cu_seqlens_q, key_counts, scale, left, right, softcap,
         first = VARLEN_DECODE_MAX_QUERIES
     else:
         _varlen_decode(q, k, v, cu_seqlens_q, torch.where(short & (queries > first), key_counts, none),
-                       VARLEN_DECODE_MAX_QUERIES, *decode_args, into=(out, lse), num_splits=num_splits)
+                       VARLEN_DECODE_MAX_QUERIES, *decode_args, into=(out, lse), num_splits=num_splits,
+                       sinks=sinks)
     return _varlen_decode(q, k, v, cu_seqlens_q, torch.where(queries <= first, key_counts, none), first,
-                          *decode_args, into=(out, lse), num_splits=num_splits)
+                          *decode_args, into=(out, lse), num_splits=num_splits, sinks=sinks)
 
 
 def _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_k, block_table):
@@ -786,9 +789,14 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                            ops.new_dropout_seed(dropout_p, q.device) if dropout_p > 0 else None, block_table,
                            _check_deterministic(deterministic), keyed_sequences, sinks=sinks)
     if _mixed_batch_wanted(q, max_seqlen_q, dropout_p, block_table, batch):  # (no gradients: page pools)
+        # the sinks inside both parts' kernels (after them only for a gradient)
+        sinks_after = sinks is not None and torch.is_grad_enabled() and sinks.requires_grad
         out, lse = _mixed_batch(q, k, v, cu_seqlens_q, _key_counts(cu_seqlens_k, seqused_k), scale, left, right,
-                                softcap, alibi, block_table, prefill, num_splits=num_splits)
-        return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True) if want_lse else out
+                                softcap, alibi, block_table, prefill, num_splits=num_splits,
+                                sinks=None if sinks_after else sinks)
+        if sinks_after:
+            return _sinks_applied((out, lse, None), sinks, return_attn_probs, packed=True)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = prefill(_key_offsets(cu_seqlens_k, seqused_k), sinks=sinks)
     return (out, lse, None) if return_attn_probs else out
 

@@ -13,7 +13,7 @@ import torch
 from .kernels.backward import attention_backward
 from .kernels.decode import block_packed_rows, combine, decode_attention, out_dtype, unblock_rows
 from .kernels.forward import attention_forward
-from .kernels.sinks import apply_sinks_, sink_grad
+from .kernels.sinks import sink_grad
 
 
 def new_dropout_seed(dropout_p: float, device: torch.device):
@@ -30,8 +30,9 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
             deterministic: bool = False, keyed_sequences: int = 0, sinks=None):
     """The forward as the public functions call it. ``keyed_sequences`` > 0: at most that many packed
     sequences have keys (a mixed batch's prefill part on page pools, no autograd): it sizes the
-    pools' gathers (forward._gluon_varlen). ``sinks`` (H,): attention sinks (s_aux), applied to the
-    outputs in place (kernels/sinks.py), which the backward reads as they are; they get a gradient.
+    pools' gathers (forward._gluon_varlen). ``sinks`` (H,): attention sinks (s_aux), in the outputs
+    (the portable kernel's epilogue, or in place after a Gluon kernel: forward.attention_forward), which
+    the backward reads as they are; they get a gradient (kernels/sinks.py).
 
     Eager calls that autograd need not see go straight to the launcher: the custom-op dispatcher costs
     tens of microseconds a call, as much as a short prefill kernel. Eager calls with inputs that
@@ -60,9 +61,8 @@ def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_rig
                                  alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                  max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                 block_table=block_table, keyed_sequences=keyed_sequences)
-    if sinks is not None:
-        apply_sinks_(out, lse, sinks.detach(), packed=cu_seqlens_q is not None)
+                                 block_table=block_table, keyed_sequences=keyed_sequences,
+                                 sinks=sinks.detach() if sinks is not None else None)
     return out, lse
 
 

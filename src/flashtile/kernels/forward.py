@@ -553,7 +553,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
 
 @triton.jit
 def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, BlockTable,
-              QDescale, KDescale, VDescale, stride_sqb, stride_sqh, stride_skb, stride_skh,
+              QDescale, KDescale, VDescale, Sinks, stride_sqb, stride_sqh, stride_skb, stride_skh,
               stride_qb, stride_qs, stride_qh,
               stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, stride_vd,
@@ -567,12 +567,13 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
               ALIBI: tl.constexpr, LONGEST_FIRST: tl.constexpr, UPCAST: tl.constexpr,
               USE_TMA: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
               PAGED: tl.constexpr, FP8: tl.constexpr = 0, SCALE_BLOCK_Q: tl.constexpr = 1,
-              SCALE_BLOCK_K: tl.constexpr = 1):
+              SCALE_BLOCK_K: tl.constexpr = 1, SINKS: tl.constexpr = False):
     """FP8 == 1: e4m3 q, k, v with block descales, V stored transposed (see _attn_fwd_inner).
     FP8 == 2, 3 or 4 (packed sequences, contiguous or on page pools): e4m3 q, k, v with one descale
     per (sequence, KV head), the inner loop's e4m3-cache modes with key and page strides 0 for the
     descales; 2 and 3 widen the query to fp16 (exact), 4 keeps it e4m3 for e4m3 score dots (one
-    term)."""
+    term). SINKS: Sinks (H,) holds one more logit a head (attention sinks, gpt-oss's), a column with
+    no value that the normalizer and the LSE count."""
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -687,6 +688,13 @@ def _attn_fwd(Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, DropoutSeed, Blo
 
     # Rows that saw no key: output 0 and LSE +inf (flash_attn's convention).
     seen = l_i > 0.0
+    if SINKS:  # the sink's column joins the running sum here, so the output is rounded once
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        m_new = tl.where(seen, tl.maximum(m_i, sink), m_i)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = tl.where(seen, l_i * alpha + tl.exp2(tl.minimum(sink - m_new, 0.0)), l_i)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     l_safe = tl.where(seen, l_i, 1.0)
     inv_l = 1.0 / l_safe
     if DROPOUT:  # kept probabilities are scaled by 1 / (1 - p)
@@ -979,6 +987,16 @@ def forward_kernel_name(q, k, v, *, causal: bool, softmax_scale: float | None = 
     return "triton"
 
 
+def _sinks_after(result, sinks):
+    """A Gluon route's (out, lse) with the attention sinks applied in place (kernels/sinks.py): the
+    portable kernel and the decode route take them in their epilogues instead, and so do the Gluon
+    plain and packed launches with gluon_forward.SINKS_IN_EPILOGUE."""
+    if sinks is not None:
+        from .sinks import apply_sinks_  # (sinks imports this module)
+        apply_sinks_(*result, sinks, packed=result[0].dim() == 3)
+    return result
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                       window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -987,7 +1005,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
                       max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, descales=None,
-                      scale_blocks: tuple[int, int] = (0, 0), keyed_sequences: int = 0):
+                      scale_blocks: tuple[int, int] = (0, 0), keyed_sequences: int = 0, sinks=None):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -1023,10 +1041,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 from .decode import decode_attention
                 lengths = key_counts(q.shape[0], k.shape[1], q.device)
                 return decode_attention(q, k, v, lengths, softmax_scale=softmax_scale, window_left=-1,
-                                        window_right=0 if causal else -1)
-            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal)
+                                        window_right=0 if causal else -1, sinks=sinks)
+            inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
+            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal, sinks=inside)
             if result is not None:
-                return result
+                return result if inside is not None else _sinks_after(result, sinks)
     if (_PLAIN_GLUON and descales is not None and out is None and lse is None and config is None
             and cu_seqlens_q is None and dropout_seed is None and block_table is None and not softcap
             and alibi_slopes is None and window_left < 0 and q.is_cuda and q.dtype == torch.float8_e4m3fn):
@@ -1039,28 +1058,29 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 v = keys_contiguous(v)
             result = gluon_forward.fp8_forward(q, k, v, descales, scale_blocks, softmax_scale, causal)
             if result is not None:
-                return result
+                return _sinks_after(result, sinks)
     if (_PLAIN_GLUON and cu_seqlens_q is not None and out is None and lse is None and config is None
             and dropout_seed is None and block_table is None and descales is None and not softcap
-            and alibi_slopes is None and window_left < 0 and window_right <= 0 and q.is_cuda
+            and alibi_slopes is None and window_left < 0 and window_right <= 0
             and (q.dtype is torch.bfloat16 or q.dtype is torch.float16)):
         # flash_attn_varlen_func's plain call: _gluon_varlen's launch from a plan looked up by the
         # inputs' geometry (max_seqlen_k 0: not given, the packed keys bound every sequence)
         from . import gluon_forward
+        inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
         result = gluon_forward.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k if max_seqlen_k > 0 else k.shape[0],
-                                              softmax_scale, window_right == 0)
+                                              softmax_scale, window_right == 0, sinks=inside)
         if result is not None:
-            return result
+            return result if inside is not None else _sinks_after(result, sinks)
     if gluon_applies(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                      window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                      alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,
                      dropout_seed=dropout_seed, block_table=block_table, descales=descales):
         from .gluon_forward import _tma_ok, gluon_attention_forward
         if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
-            return gluon_attention_forward(q, k, v, softmax_scale=softmax_scale,
-                                           causal=window_right == 0, out=out, lse=lse,
-                                           window_size=(window_left, window_right))
+            result = gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
+                                             out=out, lse=lse, window_size=(window_left, window_right))
+            return _sinks_after(result, sinks)
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         result = _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=softmax_scale,
@@ -1069,7 +1089,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                                dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks,
                                block_table=block_table, keyed_sequences=keyed_sequences)
         if result is not None:
-            return result
+            return _sinks_after(result, sinks)
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     if varlen:
@@ -1132,7 +1152,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
                                         out=out, lse=lse, descales=descales,
                                         scale_blocks=scale_blocks)
-                return result
+                return _sinks_after(result, sinks)
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:
@@ -1161,7 +1181,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                             upcast, use_tma, cu_seqlens_q, cu_seqlens_k,
                             dropout_p if dropout_seed is not None else 0.0, dropout_seed,
                             block_table, k.shape[0] if paged else 1, k.shape[1] if paged else 1,
-                            descales if fp8 else None, scale_blocks, fp8_mode)
+                            descales if fp8 else None, scale_blocks, fp8_mode, sinks)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -1280,7 +1300,7 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
                     seqlen_q, seqlen_k, group_size, diag_offset, window_left, window_right,
                     qk_scale, softcap_in, head_dim, has_softcap, upcast, use_tma, cu_seqlens_q,
                     cu_seqlens_k, dropout_p, dropout_seed, block_table, num_pages, page_size,
-                    descales=None, scale_blocks=(0, 0), fp8_mode=1):
+                    descales=None, scale_blocks=(0, 0), fp8_mode=1, sinks=None):
     ((sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, svd), (sob, sos, soh, _),
      (slb, slh, _)) = strides
     q_descale, k_descale, v_descale = descales if descales is not None else (None, None, None)
@@ -1288,7 +1308,7 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
                                        "SCALE_BLOCK_K": scale_blocks[1]}
     _attn_fwd[grid](
         q, k, v, out_buf, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, dropout_seed, block_table,
-        q_descale, k_descale, v_descale,
+        q_descale, k_descale, v_descale, sinks,
         q_descale.stride(0) if descales is not None else 0,
         q_descale.stride(1) if descales is not None else 0,
         k_descale.stride(0) if descales is not None else 0,
@@ -1303,5 +1323,5 @@ def _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes, ali
         HAS_RIGHT=window_right >= 0, SOFTCAP=has_softcap, ALIBI=alibi_slopes is not None,
         LONGEST_FIRST=window_right >= 0, UPCAST=upcast, USE_TMA=use_tma,
         VARLEN=cu_seqlens_q is not None, DROPOUT=dropout_p > 0, PAGED=block_table is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
+        SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8,
     )

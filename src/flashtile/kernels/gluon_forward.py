@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -196,6 +197,9 @@ class GluonVariant:
     # makes as many empty tiles as the chunk has query blocks). Tiles of sequences without keys
     # store their zeros and +inf LSEs without loading anything.
     work_list: bool = False
+    # Attention sinks (gpt-oss's s_aux): one more logit a query head, Sinks[head], with no value,
+    # taken into each row's sum in the epilogue, so the output is rounded once and no pass follows.
+    sinks: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -269,6 +273,8 @@ class GluonVariant:
             sched += "-win"
         if self.work_list:
             sched += "-wl"
+        if self.sinks:
+            sched += "-sinks"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -609,6 +615,10 @@ FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False), (256, True)})
 # d64's 192-row blocks ran 0.51-0.90x the portable kernel at windows of 128-2048 keys).
 WINDOW_HEAD_DIMS = (128, 256)
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
+# Attention sinks in the 16-bit plain and packed launches' epilogue (plain_forward, packed_forward),
+# instead of a pass over the finished output (kernels/sinks.py): off until checked on an H200
+# (FLASHTILE_GLUON_SINKS=1 turns it on; written and compiled for sm_90 on a CPU, 2026-12-05).
+SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "0") not in ("", "0")
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
 # runs), then the alternates. The compile test covers all of them.
@@ -693,7 +703,17 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                          for page in (256, *PAGED_BOX_ROWS) if page == 256 or page < default_variant(d, "bf16", c).block_n]
                       + [with_window(with_varlen(dispatch_variant(d, "bf16", c, 1))) for d in WINDOW_HEAD_DIMS
                          for c in (False, True)])
-                     if v.persistent])
+                     if v.persistent]
+                  # attention sinks in the epilogue (SINKS_IN_EPILOGUE): the 16-bit plain and packed
+                  # schedules a call may dispatch, bf16 (fp16 is the same code but for the element type)
+                  + [dataclasses.replace(v, sinks=True) for v in (
+                      [dispatch_variant(d, "bf16", c, n) for d in HEAD_DIMS for c in (False, True)
+                       for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
+                      + [packed for d in HEAD_DIMS for c in (False, True)
+                         for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
+                         for packed in (with_varlen(dispatch_variant(d, "bf16", c, n)),
+                                        with_work_list(with_varlen(dispatch_variant(d, "bf16", c, n))))
+                         if not packed.work_list or packed.persistent])])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -1339,7 +1359,8 @@ if _GLUON:
                       P_PACK: gl.constexpr = True, Q_REGS: gl.constexpr = 0,
                       ZERO_TAIL: gl.constexpr = False, SeqlensK=None, CuSeqlensQ=None, Out=None,
                       num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0, first_tile=0, num_left=1,
-                      window_left=0, window_right=0, WINDOW: gl.constexpr = False):
+                      window_left=0, window_right=0, WINDOW: gl.constexpr = False, Sinks=None,
+                      SINKS: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         first_tile + j for j in [0, num_tiles), which sit at ring positions ring0 + j; writes their
         output and LSE. Tiles j in [num_left, num_full) need no mask (see _tile_span; WINDOW: the
@@ -1493,11 +1514,19 @@ if _GLUON:
 
         # Normalize once; rows that saw no key: output 0 (o is 0 there) and LSE +inf.
         seen = l_i > 0.0
+        if SINKS:  # the sink's column joins the sum (rows that saw no key keep output 0, LSE +inf)
+            sink = gl.load(Sinks + head).to(gl.float32) * 1.4426950408889634
+            m_new = gl.where(seen, gl.maximum(m_i, sink), m_i)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = gl.where(seen, l_i * alpha + gl.exp2(gl.minimum(sink - m_new, 0.0)), l_i)
+            m_i = m_new
         l_safe = gl.where(seen, l_i, 1.0)
         if FP8:  # P V summed V / V's largest descale
             inv_l = gl.load(v_scales + v_max_index) / l_safe
         else:
             inv_l = 1.0 / l_safe
+        if SINKS:
+            inv_l = inv_l * alpha
         o = o * gl.expand_dims(gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * _LN2, float("inf"))
 
@@ -1559,7 +1588,7 @@ if _GLUON:
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
                   Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
                   VARLEN: gl.constexpr = False, WINDOW: gl.constexpr = False,
-                  WORK_LIST: gl.constexpr = False):
+                  WORK_LIST: gl.constexpr = False, SINKS: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1571,7 +1600,7 @@ if _GLUON:
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
          scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out, window_left,
-         window_right, WorkList) = shared
+         window_right, WorkList, Sinks) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         total, entries = _work_total(WorkList, num_m_blocks, num_bh, num_heads, WORK_LIST)
@@ -1631,7 +1660,7 @@ if _GLUON:
                                   OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK,
                                   CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k, first_tile=first,
                                   num_left=num_left, window_left=window_left,
-                                  window_right=window_right, WINDOW=WINDOW)
+                                  window_right=window_right, WINDOW=WINDOW, Sinks=Sinks, SINKS=SINKS)
                     ring += num_tiles
                     event += num_tiles + 1
                     live += 1  # Q loads so far: the parity of this consumer's Q barrier
@@ -1645,7 +1674,7 @@ if _GLUON:
                               CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
                               EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK, first_tile=first,
                               num_left=num_left, window_left=window_left, window_right=window_right,
-                              WINDOW=WINDOW)
+                              WINDOW=WINDOW, Sinks=Sinks, SINKS=SINKS)
                 ring += num_tiles
                 event += num_tiles + 1
         if Q_BUFS == 2:
@@ -1659,7 +1688,7 @@ if _GLUON:
                                   "scale_shift_k", "v_max_index", "head_group", "page_size",
                                   "stride_bt", "window_left", "window_right"])
     def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, Lse, QScale, KScale, VScale, SeqlensK, BlockTable,
-                        CuSeqlensQ, Out, WorkList, stride_lb,
+                        CuSeqlensQ, Out, WorkList, Sinks, stride_lb,
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
                         scale_shift_q, scale_shift_k, v_max_index, head_group, page_size, stride_bt,
@@ -1672,7 +1701,8 @@ if _GLUON:
                         EXP2_POLY: gl.constexpr = 0, P_PACK_ASM: gl.constexpr = True,
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
                         PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False,
-                        WINDOW: gl.constexpr = False, WORK_LIST: gl.constexpr = False):
+                        WINDOW: gl.constexpr = False, WORK_LIST: gl.constexpr = False,
+                        SINKS: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1689,7 +1719,9 @@ if _GLUON:
         query block of each sequence stores through Out (contiguous (total_q, H, D)) and the LSE
         (H, total_q) takes stride_lb 0. WINDOW: query row i (key position i + seqlen_k - seqlen_q)
         sees keys [pos - window_left, pos + window_right] (see _tile_span). WORK_LIST (with VARLEN,
-        persistent): the work tiles are the entries WorkList lists (packed_work_list), times the heads."""
+        persistent): the work tiles are the entries WorkList lists (packed_work_list), times the heads.
+        SINKS: Sinks (H,) holds one more logit a query head (attention sinks), a column with no value
+        that each row's sum and LSE count."""
         dtype: gl.constexpr = q_desc.dtype
         if PAGE_ROWS > 0:  # the descriptors' boxes are page pieces; a slot holds a whole key tile
             k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -1736,7 +1768,7 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right, WorkList)
+                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right, WorkList, Sinks)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1749,15 +1781,15 @@ if _GLUON:
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST)),
+                             WINDOW, WORK_LIST, SINKS)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST)),
+                             WINDOW, WORK_LIST, SINKS)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST)),
+                             WINDOW, WORK_LIST, SINKS)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
@@ -1774,11 +1806,11 @@ if _GLUON:
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST)),
+                             WINDOW, WORK_LIST, SINKS)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST)),
+                             WINDOW, WORK_LIST, SINKS)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
@@ -1789,7 +1821,7 @@ if _GLUON:
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
                       False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
-                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K)
+                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, SINKS=SINKS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1835,7 +1867,8 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "LAZY_RESCALE": variant.lazy_rescale, "EXP2_POLY": variant.exp2_poly,
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
-            "VARLEN": variant.varlen, "WINDOW": variant.window, "WORK_LIST": variant.work_list}
+            "VARLEN": variant.varlen, "WINDOW": variant.window, "WORK_LIST": variant.work_list,
+            "SINKS": variant.sinks}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1997,18 +2030,20 @@ _MAX_PLAIN = 1024
 
 
 def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               seqused_k: bool = False, block_table: torch.Tensor | None = None) -> _PlainPlan | None:
+               seqused_k: bool = False, block_table: torch.Tensor | None = None,
+               sinks: bool = False) -> _PlainPlan | None:
     """The cached launch plan of a plain call on tensors of this geometry (shapes, strides, dtypes,
     devices), or None where the kernel does not take them; ``seqused_k``: keys per sequence from the
     device; ``block_table`` (with seqused_k): k and v are page pools read through it. Data pointers
-    are not looked at (callers check their alignment)."""
+    are not looked at (callers check their alignment). ``sinks``: the variant with the attention
+    sinks' epilogue."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), causal, seqused_k,
            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                             block_table.get_device()))
+                                             block_table.get_device()), sinks)
     plan = _PLAIN.get(key, False)
     if plan is False:
-        plan = _plain_plan(q, k, v, causal, seqused_k, block_table)
+        plan = _plain_plan(q, k, v, causal, seqused_k, block_table, sinks)
         if len(_PLAIN) >= _MAX_PLAIN:
             _PLAIN.clear()
         _PLAIN[key] = plan
@@ -2017,17 +2052,18 @@ def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                   causal: bool, seqused_k: torch.Tensor | None = None,
-                  block_table: torch.Tensor | None = None):
+                  block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
     seqused_k=seqused_k, block_table=block_table)`` (fresh out and LSE, the shipped variant) with
     everything that depends only on the tensors' shapes, strides, dtypes and device looked up rather
     than worked out again: ``supported``'s checks and the launch geometry cost ~20 us of host time a
     call, as much as the kernel itself at 1-2k tokens. Returns None, having launched nothing, where
     the kernel does not take the inputs or they sit on another than the current device: the caller
-    then takes the general path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee)."""
+    then takes the general path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee).
+    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's)."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
         return None
-    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table)
+    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table, sinks is not None)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -2042,7 +2078,8 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     # Unread pointers: lse; an unpaged seqused_k call's table, the (int32) lengths.
     lengths = lse if seqused_k is None else seqused_k
     launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lengths,
-                                       lengths if block_table is None else block_table, lse, out, lse),
+                                       lengths if block_table is None else block_table, lse, out, lse,
+                                       lse if sinks is None else sinks),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -2145,7 +2182,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tup
                    _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
                    _Descriptor(v, *plan.vt_view, (1, 1, q_shape[3], variant_block_n), v_layout),
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
-    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out, lse),
+    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out, lse, lse),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -2171,16 +2208,16 @@ _MAX_PACKED = 1024
 
 
 def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                causal: bool) -> _PackedPlan | None:
+                causal: bool, sinks: bool = False) -> _PackedPlan | None:
     """The cached launch plan of ``packed_forward``'s call on tensors of this geometry (data
-    pointers are not looked at: the caller checks their alignment)."""
+    pointers are not looked at: the caller checks their alignment); ``sinks`` as plain_plan's."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
            cu_seqlens_q.stride(), cu_seqlens_k.stride(), cu_seqlens_q.dtype, cu_seqlens_k.dtype,
-           cu_seqlens_q.get_device(), cu_seqlens_k.get_device(), max_seqlen_q, max_seqlen_k, causal)
+           cu_seqlens_q.get_device(), cu_seqlens_k.get_device(), max_seqlen_q, max_seqlen_k, causal, sinks)
     plan = _PACKED.get(key, False)
     if plan is False:
-        plan = _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+        plan = _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks)
         if len(_PACKED) >= _MAX_PACKED:
             _PACKED.clear()
         _PACKED[key] = plan
@@ -2188,7 +2225,7 @@ def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
 
 def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                 causal: bool) -> _PackedPlan | None:
+                 causal: bool, sinks: bool = False) -> _PackedPlan | None:
     if q.dtype not in (torch.bfloat16, torch.float16) or max_seqlen_q <= 0 or max_seqlen_k <= 0:
         return None
     if not varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
@@ -2202,6 +2239,8 @@ def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     head_group = packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
     if head_group == 0 and work_list_wanted(variant, batch, total_q, max_seqlen_q, heads, _sm_count(q.device)):
         variant = with_work_list(variant)
+    if sinks:
+        variant = dataclasses.replace(variant, sinks=True)
     geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     out4 = torch.empty((1, total_q, heads, head_dim), dtype=q.dtype, device="meta")
     views = tuple((t.shape, t.stride()) for t in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4))
@@ -2227,16 +2266,17 @@ def packed_head_group(batch: int, total_q: int, total_k: int, max_seqlen_q: int,
 
 def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                   softmax_scale: float, causal: bool):
+                   softmax_scale: float, causal: bool, sinks: torch.Tensor | None = None):
     """``gluon_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale=softmax_scale, causal=causal)`` (16-bit packed sequences, fresh out and LSE, the
     shipped variant) with what depends only on the tensors' geometry looked up: that call's checks
     and launch geometry took ~45 of a packed call's ~95 us of host time on the H200
     (varlen-host-h200-20261204-before.json). ``max_seqlen_k`` > 0. Returns None, having launched nothing,
-    where the kernel does not take the inputs or they sit on another than the current device."""
+    where the kernel does not take the inputs or they sit on another than the current device.
+    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's)."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
         return None
-    plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks is not None)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -2250,7 +2290,8 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    _Descriptor(out, o_shape, o_strides, geo.q_block, o_layout))
     work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, geo.options["BLOCK_M"], causal)
             if plan.work_list else lse)
-    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, cu_seqlens_k, lse, cu_seqlens_q, out, work),
+    launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, cu_seqlens_k, lse, cu_seqlens_q, out, work,
+                                       lse if sinks is None else sinks),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -2437,7 +2478,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, variant.block_m, causal)
                 if variant.work_list else lse)
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, block_table if paged else lse,
-                                           cu_seqlens_q, out, work),
+                                           cu_seqlens_q, out, work, lse),
                scalars, geo.options, descriptors)
     return out, lse
 
@@ -2469,7 +2510,7 @@ def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | Non
 
 
 def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
-                block_table: torch.Tensor | None = None) -> _PlainPlan | None:
+                block_table: torch.Tensor | None = None, sinks: bool = False) -> _PlainPlan | None:
     batch, seqlen_q, heads, head_dim = q.shape
     if block_table is not None:
         if not seqused_k or not paged_supported(q, k, v, block_table, causal):
@@ -2489,6 +2530,8 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
         variant = paged_variant(variant, page_size)
     elif seqused_k:
         variant = with_seqused_k(variant)
+    if sinks:
+        variant = dataclasses.replace(variant, sinks=True)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
@@ -2618,7 +2661,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         lengths = lse if seqused_k is None else seqused_k  # also an unpaged call's (unread) table
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lengths,
-                                           lengths if block_table is None else block_table, lse, out, lse),
+                                           lengths if block_table is None else block_table, lse, out, lse, lse),
                scalars, geo.options, descriptors)
     return out, lse
 
@@ -2735,14 +2778,14 @@ def compile_for_sm90(variant: GluonVariant):
                  "BlockTable": "*i32" if variant.seqused_k else "*fp32",
                  "CuSeqlensQ": "*i32" if variant.varlen else "*fp32", "Out": f"*{out_dt}",
                  "WorkList": "*i32" if variant.work_list else "*fp32",
-                 "qk_scale": "fp32"}
+                 "Sinks": "*fp32", "qk_scale": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in ("Lse", "QScale", "KScale", "VScale", "SeqlensK", "BlockTable", "CuSeqlensQ", "Out",
-                      "WorkList"):
+                      "WorkList", "Sinks"):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name not in signature:
             signature[name] = "i32"

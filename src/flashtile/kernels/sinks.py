@@ -1,12 +1,14 @@
 """Attention sinks on a finished call, in place and in one launch.
 
 A sink s (one logit per query head, gpt-oss's) takes its share of each row's softmax and adds no
-value: the output becomes out * sigmoid(lse - s) and the LSE logaddexp(lse, s). The prefill op
-(ops.attn_fwd) applies it to its own outputs, which its backward then reads as they are: the
-backward kernels, given the output and LSE of the softmax with the sink's column, give that
-softmax's dq, dk, dv unchanged (the column carries no value, so it adds nothing to D = rowsum(dO * O)
-and no dP), and the sink's own gradient is sink_grad's one pass. Eager inference calls (decode, the
-KV-cache call) take apply_sinks_ on their finished outputs; compiled graphs of those, the torch ops.
+value: the output becomes out * sigmoid(lse - s) and the LSE logaddexp(lse, s). The portable forward
+and the decode kernels take the sink's column in their epilogues (SINKS); the Gluon forward routes
+get apply_sinks_ on their outputs (forward.attention_forward), as do the decode plans that end
+without an epilogue of their own (stream-K). The prefill op's backward reads the output and LSE as
+they are: the backward kernels, given those of the softmax with the sink's column, give that
+softmax's dq, dk, dv unchanged (the column carries no value, so it adds nothing to
+D = rowsum(dO * O) and no dP), and the sink's own gradient is sink_grad's one pass. Compiled graphs
+of the inference calls take the torch ops instead (interface._with_sinks).
 """
 
 from __future__ import annotations

@@ -196,14 +196,15 @@ def _flags(variant: Variant) -> dict:
             "VARLEN": variant.varlen, "DROPOUT": variant.dropout, "PAGED": variant.paged}
 
 
-def compile_forward(variant: Variant, arch: int):
-    """Compile one forward variant for sm_<arch>; returns the compiled kernel (with .metadata)."""
+def compile_forward(variant: Variant, arch: int, sinks: bool = False):
+    """Compile one forward variant for sm_<arch>; returns the compiled kernel (with .metadata).
+    ``sinks``: with the attention sinks' epilogue."""
     from .forward import _attn_fwd
 
     cfg = config_for_arch(variant.head_dim, arch)
     values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
               "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90,
-              "FP8": False, "SCALE_BLOCK_Q": 1, "SCALE_BLOCK_K": 1}
+              "FP8": False, "SCALE_BLOCK_Q": 1, "SCALE_BLOCK_K": 1, "SINKS": sinks}
     return _compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages)
 
 
@@ -440,7 +441,7 @@ def compile_fp8(variant: Variant, arch: int) -> list:
             cfg, mode = config_for_arch(d, arch, fp8=True), 1
         values = {**_flags(variant), "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "LONGEST_FIRST": variant.has_right, "USE_TMA": variant.tma and arch >= 90,
-                  "FP8": mode, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n}
+                  "FP8": mode, "SCALE_BLOCK_Q": cfg.block_m, "SCALE_BLOCK_K": cfg.block_n, "SINKS": False}
         return [_compile(_attn_fwd, values, variant, arch, cfg.num_warps, cfg.num_stages,
                          pointer_types={"Out": "*bf16"})]
     if variant.dtype == "bf16":  # e4m3 bytes copied keys-contiguous / gathered from page pools
@@ -477,8 +478,8 @@ def compile_copy_keys(head_dim: int, arch: int) -> list:
 
 
 def sinks_variants() -> list[Variant]:
-    """The in-place attention-sinks epilogue and the sinks' gradient (kind "sinks") on 16-bit outputs,
-    odd head dims too."""
+    """The in-place attention-sinks pass, the sinks' gradient and the portable forward with the sinks in
+    its epilogue (kind "sinks") on 16-bit outputs, odd head dims too."""
     return [Variant(64, "bf16", kind="sinks"), Variant(128, "fp16", kind="sinks"),
             Variant(111, "bf16", kind="sinks")]
 
@@ -490,7 +491,9 @@ def compile_sinks(variant: Variant, arch: int) -> list:
               "HEAD_DIM_PAD": head_dim_padded(variant.head_dim)}
     return [_compile(_apply_sinks, values, variant, arch, 4, 1),
             _compile(_sink_grad, {**values, "HAS_DLSE": True}, variant, arch, 4, 1,
-                     pointer_types={"DLse": "*fp32", "Partial": "*fp32"})]
+                     pointer_types={"DLse": "*fp32", "Partial": "*fp32"}),
+            compile_forward(Variant(variant.head_dim, variant.dtype, has_right=True, tma=arch >= 90), arch,
+                            sinks=True)]
 
 
 def all_variants() -> list[Variant]:
