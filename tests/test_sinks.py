@@ -624,3 +624,34 @@ def test_mixed_batch_takes_the_sinks_in_both_parts(monkeypatch):
         rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
         assert_matches_reference(out[rq].unsqueeze(0), lse[:, rq].unsqueeze(0), q[rq].unsqueeze(0),
                                  k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal=True, sinks=sinks)
+
+
+@pytest.mark.parametrize("lens_q", [[1, 3, 1, 2], [1, 40, 3, 1]], ids=["decode-steps", "mixed-batch"])
+def test_e4m3_varlen_on_pools_takes_the_sinks_in_the_decode(monkeypatch, lens_q):
+    """vLLM's FP8 KV cache on FlashAttention-3's call (e4m3 q, k, v page pools, per-sequence
+    descales, seqused_k): the decode launches take the sinks (no pass after a batch of decode steps;
+    a mixed batch's prefill part gets the pass), and the result is the call without sinks times
+    sigmoid(lse - sink) within an ulp, its LSE logaddexp(lse, sink)."""
+    from flashtile import interface
+    from test_fp8 import _packed_e4m3
+    from test_varlen import paged_copy
+
+    monkeypatch.setattr(interface, "VARLEN_DECODE_WIDE_QUERIES", 0)  # the 40-query chunk to the prefill
+    heads, heads_k, d = 6, 2, 32
+    lens_k = [70, 50, 9, 33]
+    cu_q, cu_k, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, heads, heads_k, d)
+    k_pool, v_pool, table = paged_copy(tensors[1].float(), tensors[2].float(), cu_k, 16, fill=float("nan"))
+    sinks = sinks_for(heads)
+
+    def call(s_aux):
+        return flashtile.flash_attn_varlen_func(
+            tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, None, max(lens_q),
+            max(lens_k), block_table=table, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+            seqused_k=cu_k[1:] - cu_k[:-1], causal=True, return_attn_probs=True, s_aux=s_aux)
+    base, base_lse, _ = call(None)
+    if max(lens_q) <= interface.VARLEN_DECODE_MAX_QUERIES:
+        refuse_after_passes(monkeypatch)
+    out, lse, _ = call(sinks)
+    factor = torch.sigmoid(base_lse - sinks.view(heads, 1)).t().unsqueeze(-1)
+    assert_within_an_ulp(out, base.float() * factor)
+    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(heads, 1)), rtol=0, atol=1e-5)

@@ -210,9 +210,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                s_aux=None):
     sinks = _check_sinks(s_aux, q, 4)
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
-        return _sinks_applied(_fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                             alibi_slopes, return_attn_probs or sinks is not None, descales,
-                                             names), sinks, return_attn_probs, packed=False)
+        return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                              return_attn_probs, descales, names, sinks=sinks)
     if descales[0] is not None or descales[1] is not None or descales[2] is not None:
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_attention_inputs(q, k, v, names)
@@ -237,12 +236,14 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                    return_attn_probs, descales, names, packed=None, block_table=None, seqused_k=None,
-                   num_splits=0, out=None):
+                   num_splits=0, out=None, sinks=None):
     """FlashAttention-3's FP8 forward: e4m3 q, k, v with descales (B, Hk) (None: 1.0); bf16 out.
     ``packed`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed sequences, q
     (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
     page_size, Hk, D); descales per sequence. For per-block scales (and the Hadamard rotation) use
-    flashtile.fp8.quantize_qkv and flashtile.fp8.attention."""
+    flashtile.fp8.quantize_qkv and flashtile.fp8.attention. ``sinks`` (H,), checked: attention sinks,
+    in the result (the decode launches take them; the prefill kernels' output gets them after, in
+    place where eager)."""
     if packed is None:
         _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
     elif block_table is None:
@@ -299,7 +300,7 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
         out, lse = _varlen_decode(q, k, v, packed[0], _key_counts(packed[1], seqused_k), seqlen_q, scale, left,
                                   right, _check_softcap(softcap), alibi, block_table, per_head,
                                   need_lse=return_attn_probs, num_splits=num_splits,
-                                  into=_decode_into(out, q, return_attn_probs))
+                                  into=_decode_into(out, q, return_attn_probs), sinks=sinks)
         return (out, lse, None) if return_attn_probs else out
     group = heads // heads_k
     # One scale block spanning the whole (longest) sequence: a power of two of at least 256, so a
@@ -311,19 +312,23 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     q_d = per_head[0][:, :, None].expand(batch, heads_k, group).reshape(batch, heads, 1).contiguous()
     k_d, v_d = (d.unsqueeze(-1).contiguous() for d in per_head[1:])
 
-    def prefill(key_offsets=None, keyed_sequences=0):
+    def prefill(key_offsets=None, keyed_sequences=0, sinks=None):
         if key_offsets is not None:
             varlen["cu_seqlens_k"] = key_offsets
-        return ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
-                               _check_softcap(softcap), alibi, block_q, block_k, **varlen,
-                               keyed_sequences=keyed_sequences)
+        out, lse = ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
+                                   _check_softcap(softcap), alibi, block_q, block_k, **varlen,
+                                   keyed_sequences=keyed_sequences)
+        if sinks is not None:
+            out, lse, _ = _with_sinks(out, lse, sinks, packed=packed is not None)
+        return out, lse
     if packed is None:
-        out, lse = prefill()
+        out, lse = prefill(sinks=sinks)
     elif _mixed_batch_wanted(q, seqlen_q, 0.0, block_table, batch):
         out, lse = _mixed_batch(q, k, v, cu_q, _key_counts(cu_k, seqused_k), scale, left, right,
-                                _check_softcap(softcap), alibi, block_table, prefill, per_head, num_splits)
+                                _check_softcap(softcap), alibi, block_table, prefill, per_head, num_splits,
+                                sinks=sinks)
     else:
-        out, lse = prefill(_key_offsets(cu_k, seqused_k))
+        out, lse = prefill(_key_offsets(cu_k, seqused_k), sinks=sinks)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -728,7 +733,6 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     None) with ``return_attn_probs``. ``out`` (checked): where the decode route writes its rows; the
     other routes leave it to the caller (who copies)."""
     sinks = _check_sinks(s_aux, q, 3)
-    want_lse = return_attn_probs or sinks is not None
     if seqused_k is not None:
         k, v, max_seqlen_k, block_table = _check_seqused_k(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                            max_seqlen_k, block_table)
@@ -737,11 +741,11 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         else:
             cu_seqlens_k = None
     if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
-        result = _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                alibi_slopes, want_lse, descales, names,
-                                packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                                block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, out=out)
-        return _sinks_applied(result, sinks, return_attn_probs, packed=True)
+        return _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, descales, names,
+                              packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                              block_table=block_table, seqused_k=seqused_k, num_splits=num_splits, out=out,
+                              sinks=sinks)
     if any(d is not None for d in descales):
         raise ValueError("q_descale, k_descale and v_descale apply to float8_e4m3fn inputs only")
     _check_tensor(q, names[0], 3)
