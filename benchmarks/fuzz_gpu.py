@@ -749,7 +749,10 @@ def sinks_case(rng):
     """Attention sinks (s_aux) on the routes gpt-oss's calls take: flash_attn_func (forward, or forward
     and backward with ds_aux checked as test_sinks checks it), packed decode steps on page pools
     through flash_attn_varlen_func with seqused_k, and flash_attn_with_kvcache decode steps (splits,
-    paged or not). Outputs by the accuracy rule with half an ulp for the second rounding."""
+    paged or not). Outputs by the accuracy rule with half an ulp for the second rounding. The
+    flash_attn_func routes run with the Gluon forward's sinks epilogue (gluon_forward.SINKS_IN_EPILOGUE)
+    in half the cases (``epilogue`` in the record), held to the rule without that half ulp where no
+    window sends the call to a route that applies them after the kernel."""
     route = rng.choice(["func", "func-backward", "varlen-pages", "kvcache"])
     hk = rng.choice([1, 2, 8])
     h = hk * rng.choice([1, 4, 8])
@@ -763,41 +766,54 @@ def sinks_case(rng):
         kw["causal"], kw["window_size"] = True, (_n(127), 0)
     params = dict(family="sinks", route=route, h=h, hk=hk, d=d, dtype=str(dtype), **kw)
 
+    def func_routes(epilogue):
+        twice = not epilogue or "window_size" in kw
+        b, sq = rng.randint(1, 2), rng.randint(1, _n(2000))
+        sk = sq if rng.random() < 0.5 else rng.randint(1, _n(2000))
+        params.update(b=b, sq=sq, sk=sk)
+        q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
+        k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
+        v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
+        if route == "func":
+            out, lse, _ = flashtile.flash_attn_func(q, k, v, s_aux=sinks, return_attn_probs=True, **kw)
+            assert_matches_reference(out, lse, q, k, v, sinks=sinks, rounded_twice=twice, **kw)
+            return
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ss = sinks.clone().requires_grad_(True)
+        out = flashtile.flash_attn_func(qq, kk, vv, s_aux=ss, **kw)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        assert_matches_reference(out.detach(), None, q, k, v, sinks=sinks, rounded_twice=twice, **kw)
+        assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, sinks=sinks, **kw)
+        from flashtile.reference import attention
+        exact_s = sinks.double().clone().requires_grad_(True)
+        low_s = sinks.clone().requires_grad_(True)
+        for s_, t in ((exact_s, torch.float64), (low_s, dtype)):
+            o, _ = attention(q.to(t), k.to(t), v.to(t), sinks=s_, **kw)
+            (o.double() * dout.double()).sum().backward()
+        # D's rounding: the backward reads the output as the forward stored it, the sinks applied
+        ref, ref_lse = attention(q.double(), k.double(), v.double(), sinks=sinks, **kw)
+        share = torch.exp(sinks.double().view(1, h, 1) - ref_lse)
+        stored = out.detach().double()
+        rounding = ((stored - ref) * dout.double()).sum(-1).transpose(1, 2)
+        stored_err = (share * rounding).nan_to_num().sum((0, 2)).abs().max().item()
+        err = (ss.grad.double() - exact_s.grad).abs().max().item()
+        low_err = (low_s.grad.double() - exact_s.grad).abs().max().item()
+        assert err <= max(3 * low_err, 2 * stored_err, 1e-6), f"ds_aux: {err:.3g} ({low_err:.3g}, {stored_err:.3g})"
+        return
+
     def run():
         if route.startswith("func"):
-            b, sq = rng.randint(1, 2), rng.randint(1, _n(2000))
-            sk = sq if rng.random() < 0.5 else rng.randint(1, _n(2000))
-            params.update(b=b, sq=sq, sk=sk)
-            q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
-            k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
-            v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
-            if route == "func":
-                out, lse, _ = flashtile.flash_attn_func(q, k, v, s_aux=sinks, return_attn_probs=True, **kw)
-                assert_matches_reference(out, lse, q, k, v, sinks=sinks, rounded_twice=True, **kw)
-                return
-            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-            ss = sinks.clone().requires_grad_(True)
-            out = flashtile.flash_attn_func(qq, kk, vv, s_aux=ss, **kw)
-            dout = torch.randn_like(out)
-            out.backward(dout)
-            assert_matches_reference(out.detach(), None, q, k, v, sinks=sinks, rounded_twice=True, **kw)
-            assert_grads_match_reference((qq.grad, kk.grad, vv.grad), q, k, v, dout, sinks=sinks, **kw)
-            from flashtile.reference import attention
-            exact_s = sinks.double().clone().requires_grad_(True)
-            low_s = sinks.clone().requires_grad_(True)
-            for s_, t in ((exact_s, torch.float64), (low_s, dtype)):
-                o, _ = attention(q.to(t), k.to(t), v.to(t), sinks=s_, **kw)
-                (o.double() * dout.double()).sum().backward()
-            # D's rounding: the backward reads the output as the forward stored it, the sinks applied
-            ref, ref_lse = attention(q.double(), k.double(), v.double(), sinks=sinks, **kw)
-            share = torch.exp(sinks.double().view(1, h, 1) - ref_lse)
-            stored = out.detach().double()
-            rounding = ((stored - ref) * dout.double()).sum(-1).transpose(1, 2)
-            stored_err = (share * rounding).nan_to_num().sum((0, 2)).abs().max().item()
-            err = (ss.grad.double() - exact_s.grad).abs().max().item()
-            low_err = (low_s.grad.double() - exact_s.grad).abs().max().item()
-            assert err <= max(3 * low_err, 2 * stored_err, 1e-6), f"ds_aux: {err:.3g} ({low_err:.3g}, {stored_err:.3g})"
+            from flashtile.kernels import gluon_forward
+            epilogue = rng.random() < 0.5
+            params.update(epilogue=epilogue)
+            gluon_forward.SINKS_IN_EPILOGUE = epilogue
+            try:
+                func_routes(epilogue)
+            finally:
+                gluon_forward.SINKS_IN_EPILOGUE = False
             return
+
         long_cache = route == "kvcache" and rng.random() < 0.4  # split plans of the Gluon kernel: the merge
         n = rng.randint(1, 2) if long_cache else rng.randint(1, 8)  # takes the sinks
         lens_k = [rng.randint(1, _n(40000 if long_cache else 5000)) for _ in range(n)]
