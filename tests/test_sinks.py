@@ -364,11 +364,13 @@ def test_sink_gradient_kernel_is_the_formula(dtype, head_dim, with_lse):
 
 
 @pytest.mark.parametrize("route, inside", [("plain", False), ("general", False), ("packed", False),
-                                           ("packed-general", False), ("plain", True), ("packed", True)])
+                                           ("packed-general", False), ("plain", True), ("packed", True),
+                                           ("packed-general", True)])
 def test_gluon_routes_take_the_sinks_after_the_kernel_or_in_it(monkeypatch, route, inside):
     """The Gluon forward routes (stood in for by the portable kernel's result without sinks, as a CPU
     runs no Gluon): attention_forward applies the sinks to the route's result in place, or with
-    gluon_forward.SINKS_IN_EPILOGUE the plain and packed launches get them and nothing follows."""
+    gluon_forward.SINKS_IN_EPILOGUE the plain and packed launches (page pools and windows included:
+    _gluon_varlen) get them and nothing follows."""
     from flashtile.kernels import forward, gluon_forward, sinks as sinks_module
 
     sinks = sinks_for(4)

@@ -990,7 +990,8 @@ def forward_kernel_name(q, k, v, *, causal: bool, softmax_scale: float | None = 
 def _sinks_after(result, sinks):
     """A Gluon route's (out, lse) with the attention sinks applied in place (kernels/sinks.py): the
     portable kernel and the decode route take them in their epilogues instead, and so do the Gluon
-    plain and packed launches with gluon_forward.SINKS_IN_EPILOGUE."""
+    16-bit plain and packed launches (page pools and windows included) with
+    gluon_forward.SINKS_IN_EPILOGUE."""
     if sinks is not None:
         from .sinks import apply_sinks_  # (sinks imports this module)
         apply_sinks_(*result, sinks, packed=result[0].dim() == 3)
@@ -1082,14 +1083,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                                              out=out, lse=lse, window_size=(window_left, window_right))
             return _sinks_after(result, sinks)
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
+        from . import gluon_forward
+        inside = sinks if gluon_forward.SINKS_IN_EPILOGUE and descales is None else None
         result = _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=softmax_scale,
                                window_left=window_left, window_right=window_right, softcap=softcap,
                                alibi_slopes=alibi_slopes, out=out, lse=lse, config=config,
                                dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks,
-                               block_table=block_table, keyed_sequences=keyed_sequences)
+                               block_table=block_table, keyed_sequences=keyed_sequences, sinks=inside)
         if result is not None:
-            return _sinks_after(result, sinks)
+            return result if inside is not None else _sinks_after(result, sinks)
     varlen = cu_seqlens_q is not None
     paged = block_table is not None
     if varlen:
@@ -1199,9 +1202,10 @@ VARLEN_FP8_GLUON = os.environ.get("FLASHTILE_VARLEN_FP8_GLUON", "1") not in ("",
 
 def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale,
                   window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
-                  descales, scale_blocks, block_table=None, keyed_sequences=0):
+                  descales, scale_blocks, block_table=None, keyed_sequences=0, sinks=None):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
-    that kernel does not take it (the caller then runs the portable kernel). ``block_table``: page
+    that kernel does not take it (the caller then runs the portable kernel). ``sinks`` (16-bit
+    inputs): attention sinks for the kernel's epilogue. ``block_table``: page
     pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
     GLUON_WINDOW_MIN_KEYS's rule, 16-bit and contiguous: H200, 16k tokens in 8 sequences
     (window-varlen-h200-20261204.json), 1.41/1.51/2.10x the portable kernel at d128 windows of
@@ -1245,7 +1249,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
         scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right),
-        keyed_sequences=keyed_sequences)
+        keyed_sequences=keyed_sequences, sinks=sinks)
 
 
 # 16-bit page pools whose pages no TMA box fits are gathered (K and V copies of B x max_seqlen_k keys

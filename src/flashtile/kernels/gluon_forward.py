@@ -713,7 +713,17 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                          for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
                          for packed in (with_varlen(dispatch_variant(d, "bf16", c, n)),
                                         with_work_list(with_varlen(dispatch_variant(d, "bf16", c, n))))
-                         if not packed.work_list or packed.persistent])])
+                         if not packed.work_list or packed.persistent]
+                      # ... on page pools (gluon_varlen_forward: vLLM's prefill) and windowed
+                      + [listed for d in HEAD_DIMS for c in (False, True) for page in (256, *PAGED_BOX_ROWS)
+                         if page == 256 or page < default_variant(d, "bf16", c).block_n
+                         for listed in (varlen_paged_variant(d, "bf16", c, page),
+                                        with_work_list(varlen_paged_variant(d, "bf16", c, page)))
+                         if not listed.work_list or listed.persistent]
+                      + [listed for d in WINDOW_HEAD_DIMS for c in (False, True)
+                         for listed in (with_window(with_varlen(dispatch_variant(d, "bf16", c, 1))),
+                                        with_work_list(with_window(with_varlen(dispatch_variant(d, "bf16", c, 1)))))
+                         if not listed.work_list or listed.persistent])])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -2375,7 +2385,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          lse: torch.Tensor | None = None, descales=None,
                          scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None,
                          block_table: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-                         keyed_sequences: int = 0):
+                         keyed_sequences: int = 0, sinks: torch.Tensor | None = None):
     """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
     and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
@@ -2399,7 +2409,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     ``window_size`` (left, right), -1 for an unbounded side: flash_attn's sliding window on each
     sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it.
     The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
-    says so (with_work_list); a given ``variant`` runs as it is."""
+    says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device, 16-bit
+    inputs: attention sinks, taken in the epilogue (the variant's with ``sinks``)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2449,11 +2460,15 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         raise ValueError(f"variant {variant.name}: a block table is {'needed' if variant.seqused_k else 'not taken'}")
     if fp8 and descales is None:
         raise ValueError("gluon_varlen_forward: e4m3 inputs need descales")
+    if sinks is not None and fp8:
+        raise ValueError("gluon_varlen_forward: attention sinks take 16-bit inputs")
     # Every sequence's keys fit a key range of max_seqlen_k; the grid's query blocks, max_seqlen_q.
     head_group = 0 if paged else packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
     if (dispatched and head_group == 0
             and work_list_wanted(variant, batch, total_q, max_seqlen_q, heads, _sm_count(q.device))):
         variant = with_work_list(variant)
+    if sinks is not None:
+        variant = dataclasses.replace(variant, sinks=True)
     geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device),
                     head_group, q.dtype)
     seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
@@ -2478,7 +2493,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, variant.block_m, causal)
                 if variant.work_list else lse)
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, cu_seqlens_k, block_table if paged else lse,
-                                           cu_seqlens_q, out, work, lse),
+                                           cu_seqlens_q, out, work, lse if sinks is None else sinks),
                scalars, geo.options, descriptors)
     return out, lse
 
