@@ -8,7 +8,8 @@ Medians of triton.testing.do_bench in rounds that rotate the order of the calls:
 without, and without but returning the LSE (what the sinks need of the kernels), for: decode steps
 through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and pages of 16), a
 prefill through flash_attn_func (4k causal, batch 1), packed prefill through flash_attn_varlen_func
-(4 sequences of 1k, causal), and a training step (forward and backward, 4k causal); plus, for
+(4 sequences of 1k, causal; packed keys, and on shuffled pools of 16-key pages with seqused_k as
+vLLM calls it), and a training step (forward and backward, 4k causal); plus, for
 decode, host microseconds per eager call and the GPU time of one call replayed from a CUDA graph
 (how serving engines run decode: eager decode calls this small are host-bound). The prefill, packed
 and training points time the call with s_aux twice: the Gluon kernel's result with the sinks
@@ -37,10 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def points(smoke: bool):
     if smoke:
         return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("varlen", 2, 24, 0),
-                ("train", 1, 32, 0)]
+                ("varlen", 2, 32, 16), ("train", 1, 32, 0)]
     decode = [("decode", b, n, page) for b in (1, 16, 64) for n in (8192, 32768) for page in (0, 16)
               if b * n <= 64 * 8192 or b == 16]
-    return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("train", 1, 4096, 0)]
+    return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("varlen", 4, 1024, 16), ("train", 1, 4096, 0)]
 
 
 def modes(kind: str) -> tuple:
@@ -127,15 +128,27 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             epilogue_sinks(mode)
             return flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks if mode in taking else None,
                                              return_attn_probs=mode == "lse")
-    elif kind == "varlen":  # batch sequences of ``keys`` tokens each, packed
+    elif kind == "varlen":  # batch sequences of ``keys`` tokens each, packed; on pools of ``page`` keys
+        pools = {}
+        if page:  # vLLM's prefill: the keys on shuffled page pools, their counts as seqused_k
+            pages = keys // page
+            table = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
+            pool_k, pool_v = (torch.empty(batch * pages, page, heads_k, d, device=device, dtype=dtype)
+                              for _ in range(2))
+            pool_k[table.long().flatten()] = k.reshape(batch * pages, page, heads_k, d)
+            pool_v[table.long().flatten()] = v.reshape(batch * pages, page, heads_k, d)
+            pools = dict(block_table=table, seqused_k=torch.full((batch,), keys, device=device, dtype=torch.int32))
         q, k, v = (t.flatten(0, 1) for t in (q, k, v))
         cu = torch.arange(0, (batch + 1) * keys, keys, device=device, dtype=torch.int32)
+        k_in, v_in, cu_k = (pool_k, pool_v, None) if page else (k, v, cu)
+
+        def varlen(s_aux, **kw):
+            return flashtile.flash_attn_varlen_func(q, k_in, v_in, cu, cu_k, keys, keys, causal=True, s_aux=s_aux,
+                                                    **pools, **kw)
 
         def call(mode):
             epilogue_sinks(mode)
-            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, keys, keys, causal=True,
-                                                    s_aux=sinks if mode in taking else None,
-                                                    return_attn_probs=mode == "lse")
+            return varlen(sinks if mode in taking else None, return_attn_probs=mode == "lse")
     else:
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
         ss = sinks.clone().requires_grad_(True)
@@ -154,8 +167,7 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             epilogue_sinks(mode)
             with torch.no_grad():
                 if kind == "varlen":
-                    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, keys, keys, causal=True,
-                                                                   s_aux=sinks, return_attn_probs=True)
+                    out, lse, _ = varlen(sinks, return_attn_probs=True)
                 else:
                     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks,
                                                             return_attn_probs=True)
@@ -255,7 +267,8 @@ def main(argv=None) -> int:
                   f"{'Gluon' if c['gluon'] else 'Triton'}, sinks {'after' if c['sinks_after'] else 'inside'}, "
                   f"error {c['worst_of_budget']:.2f} of the budget")
         elif c:
-            print(f"check {r['kind']} B{r['batch']} {r['keys']}: error after the kernel {c['with_worst_of_budget']:.2f}, "
+            print(f"check {r['kind']} B{r['batch']} {r['keys']} page {r['page']}: error after the kernel "
+                  f"{c['with_worst_of_budget']:.2f}, "
                   f"in the epilogue {c['epilogue_worst_of_budget']:.2f} of the budget")
     for r in rows:
         graph = (f" {r['graph_ms_with']:10.4f} {r['graph_ms_without']:9.4f} {r['graph_ms_lse']:9.4f} "
