@@ -359,8 +359,9 @@ def test_plain_forward_launches_what_gluon_attention_forward_launches(monkeypatc
         _assert_same_launch(got, general)
         tensors, descriptors = got[2], got[5]
         # the lse stands in for every pointer a plain call does not read; Out (read by packed
-        # sequences' last blocks only) is the output; the work list (packed sequences') the lse again
-        assert len(tensors) == 9 and all(t.shape == ref_lse.shape for i, t in enumerate(tensors) if i != 7)
+        # sequences' last blocks only) is the output; the work list (packed sequences') and the
+        # sinks (read with SINKS only) the lse again
+        assert len(tensors) == 10 and all(t.shape == ref_lse.shape for i, t in enumerate(tensors) if i != 7)
         assert tensors[7].shape == ref_out.shape
         assert [x.base is y for x, y in zip(descriptors[:3], (q, k, v))] == [True] * 3
     assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and out.dtype == dtype
@@ -652,7 +653,7 @@ def test_attention_forward_sends_plain_packed_calls_to_the_cached_plan(monkeypat
     from flashtile.kernels import forward as fwd
     asked = []
     monkeypatch.setattr(fwd, "_PLAIN_GLUON", True)
-    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a: asked.append(a) or ("out", "lse"))
+    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a, **k: asked.append(a) or ("out", "lse"))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
     q = torch.randn(30, 4, 64, dtype=torch.bfloat16)
@@ -672,7 +673,7 @@ def test_attention_forward_sends_plain_packed_calls_to_the_cached_plan(monkeypat
                   dict(window_right=0, dropout_seed=cu), dict(window_right=0, alibi_slopes=cu)):
         assert fwd.attention_forward(q, k, k, max_seqlen_k=25, **extra, **kw) == ("general", None)
     assert len(asked) == 2 and len(general) == 5
-    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a: None)
+    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a, **k: None)
     assert fwd.attention_forward(q, k, k, window_right=0, max_seqlen_k=25, **kw) == ("general", None)
 
 

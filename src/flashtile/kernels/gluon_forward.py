@@ -714,9 +714,9 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                          for packed in (with_varlen(dispatch_variant(d, "bf16", c, n)),
                                         with_work_list(with_varlen(dispatch_variant(d, "bf16", c, n))))
                          if not packed.work_list or packed.persistent]
-                      # ... on page pools (gluon_varlen_forward: vLLM's prefill) and windowed
-                      + [listed for d in HEAD_DIMS for c in (False, True) for page in (256, *PAGED_BOX_ROWS)
-                         if page == 256 or page < default_variant(d, "bf16", c).block_n
+                      # ... on page pools (gluon_varlen_forward: vLLM's prefill; whole key tiles and
+                      # the smallest box: the epilogue is the same code at every box size) and windowed
+                      + [listed for d in HEAD_DIMS for c in (False, True) for page in (256, min(PAGED_BOX_ROWS))
                          for listed in (varlen_paged_variant(d, "bf16", c, page),
                                         with_work_list(varlen_paged_variant(d, "bf16", c, page)))
                          if not listed.work_list or listed.persistent]
