@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="decode,prefill,varlen,train", help="which points (comma-separated)")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
+    from flashtile.kernels import gluon_forward
+    switch = gluon_forward.SINKS_IN_EPILOGUE  # (the calls set it per mode; restored at the end)
     device = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:
         def bench(fn):
@@ -253,6 +255,7 @@ def main(argv=None) -> int:
             row.update(host_us_with=host[True], host_us_without=host[False])
         rows.append(row)
         print(json.dumps(row), flush=True)
+    gluon_forward.SINKS_IN_EPILOGUE = switch
     os.makedirs(args.out, exist_ok=True)
     name = "sinks-cost-smoke.json" if args.smoke else "sinks-cost.json"
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"

@@ -657,3 +657,20 @@ def test_e4m3_varlen_on_pools_takes_the_sinks_in_the_decode(monkeypatch, lens_q)
     factor = torch.sigmoid(base_lse - sinks.view(heads, 1)).t().unsqueeze(-1)
     assert_within_an_ulp(out, base.float() * factor)
     torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(heads, 1)), rtol=0, atol=1e-5)
+
+
+def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
+    """benchmarks/sinks_cost.py (the H200's check and timing of the sinks, after the kernel and in its
+    epilogue) runs its float64 checks through the interpreter: every point within the rule."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sinks_cost.py"
+    spec = importlib.util.spec_from_file_location("sinks_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode", "--out", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check ")]
+    assert len(lines) == 5  # two decode points, a prefill, packed keys and 16-key page pools
+    from flashtile.kernels import gluon_forward
+    assert not gluon_forward.SINKS_IN_EPILOGUE  # (the script restores the switch: off here)
