@@ -41,7 +41,7 @@ for case in range(n):
         for b in range(B):
             L = int(lens[b]) + new
             assert_matches_reference(out[b:b+1], lse[b:b+1], q[b:b+1], kc[b:b+1, :L], vc[b:b+1, :L],
-                                     rounded_twice=sinks is not None, **(dict(kw, sinks=sinks) if sinks is not None else kw))
+                                     **(dict(kw, sinks=sinks) if sinks is not None else kw))  # (sinks: inside)
     except Exception as e:
         fails += 1; print("FAIL", dict(B=B,H=H,Hk=Hk,Sq=Sq,cap=cap,d=d,dtype=dtype,new=new,splits=splits,page=page,sinks=sinks is not None,**kw), str(e)[:200], flush=True)
 print(f"seed {seed}: {n} cases, {fails} failures")
