@@ -750,10 +750,11 @@ def sinks_case(rng):
     and backward with ds_aux checked as test_sinks checks it), packed decode steps on page pools
     through flash_attn_varlen_func with seqused_k, and flash_attn_with_kvcache decode steps (splits,
     paged or not). Outputs by the accuracy rule with half an ulp for the second rounding. The
-    flash_attn_func routes run with the Gluon forward's sinks epilogue (gluon_forward.SINKS_IN_EPILOGUE)
-    in half the cases (``epilogue`` in the record), held to the rule without that half ulp where no
-    window sends the call to a route that applies them after the kernel."""
-    route = rng.choice(["func", "func-backward", "varlen-pages", "kvcache"])
+    flash_attn_func routes and packed prefill through flash_attn_varlen_func (packed keys or page pools,
+    chunks and decode steps mixed: vLLM's prefill) run with the Gluon forward's sinks epilogue
+    (gluon_forward.SINKS_IN_EPILOGUE) in half the cases (``epilogue`` in the record), held to the rule
+    without that half ulp where no route applies them after the kernel."""
+    route = rng.choice(["func", "func-backward", "varlen-pages", "varlen-prefill", "kvcache"])
     hk = rng.choice([1, 2, 8])
     h = hk * rng.choice([1, 4, 8])
     d = rng.choice([64, 64, 128, 80])
@@ -802,14 +803,36 @@ def sinks_case(rng):
         assert err <= max(3 * low_err, 2 * stored_err, 1e-6), f"ds_aux: {err:.3g} ({low_err:.3g}, {stored_err:.3g})"
         return
 
+    def varlen_prefill(epilogue):
+        n = rng.randint(1, 4)
+        lens_k = [rng.randint(1, _n(2000)) for _ in range(n)]
+        lens_q = [lk if rng.random() < 0.5 else min(lk, rng.choice([1, rng.randint(1, _n(600))])) for lk in lens_k]
+        page = rng.choice([None, 16, 16, 256, 1])
+        q, k, v, cu_q, cu_k = _packed_inputs(lens_q, lens_k, h, hk, d, dtype)
+        params.update(lens_q=lens_q, lens_k=lens_k, page=page)
+        if page is None:
+            out, lse = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), s_aux=sinks,
+                                                        return_softmax_lse=True, **kw)
+        else:
+            k_pool, v_pool, table = _varlen_pools(k, v, lens_k, page)
+            seqused = torch.tensor(lens_k, device=DEV, dtype=torch.int32)
+            out, lse = flashtile.flash_attn_varlen_func(q, k_pool, v_pool, cu_q, None, max(lens_q), max(lens_k),
+                                                        block_table=table, seqused_k=seqused, s_aux=sinks,
+                                                        return_softmax_lse=True, **kw)
+        for i in range(n):
+            qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+            assert_matches_reference(out[qs].unsqueeze(0), lse[:, qs].unsqueeze(0), q[qs].unsqueeze(0),
+                                     k[ks].unsqueeze(0), v[ks].unsqueeze(0), sinks=sinks,
+                                     rounded_twice=not epilogue, **kw)
+
     def run():
-        if route.startswith("func"):
+        if route.startswith("func") or route == "varlen-prefill":
             from flashtile.kernels import gluon_forward
             epilogue = rng.random() < 0.5
             params.update(epilogue=epilogue)
             gluon_forward.SINKS_IN_EPILOGUE = epilogue
             try:
-                func_routes(epilogue)
+                (varlen_prefill if route == "varlen-prefill" else func_routes)(epilogue)
             finally:
                 gluon_forward.SINKS_IN_EPILOGUE = False
             return
