@@ -394,9 +394,13 @@ def test_gluon_routes_take_the_sinks_after_the_kernel_or_in_it(monkeypatch, rout
     elif route == "general":
         monkeypatch.setattr(forward, "gluon_applies", lambda *args, **kwargs: True)
         monkeypatch.setattr(gluon_forward, "gluon_attention_forward", stand_in)
-    elif route == "packed":
+    elif route == "packed":  # (the route is taken for CUDA tensors: q says it is one until then)
+        def packed_stand_in(*args, **kwargs):
+            monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "cuda"))
+            return stand_in(*args, **kwargs)
         monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
-        monkeypatch.setattr(gluon_forward, "packed_forward", stand_in)
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        monkeypatch.setattr(gluon_forward, "packed_forward", packed_stand_in)
     else:  # (the route is taken where no interpreter runs; the stand-in's result, and the rest, in one)
         def packed_stand_in(*args, **kwargs):
             monkeypatch.setattr(forward, "_INTERPRET", True)

@@ -1062,7 +1062,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 return _sinks_after(result, sinks)
     if (_PLAIN_GLUON and cu_seqlens_q is not None and out is None and lse is None and config is None
             and dropout_seed is None and block_table is None and descales is None and not softcap
-            and alibi_slopes is None and window_left < 0 and window_right <= 0
+            and alibi_slopes is None and window_left < 0 and window_right <= 0 and q.is_cuda
             and (q.dtype is torch.bfloat16 or q.dtype is torch.float16)):
         # flash_attn_varlen_func's plain call: _gluon_varlen's launch from a plan looked up by the
         # inputs' geometry (max_seqlen_k 0: not given, the packed keys bound every sequence)
