@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -536,21 +537,27 @@ def _portable(call):
         forward.GLUON_ENABLED = saved
 
 
-def _e4m3_p_emulation(dq, dk, dv, **kw):
+def _e4m3_p_emulation(dq, dk, dv, sinks=None, **kw):
     """Float64 attention of the dequantized tensors with each row's probabilities relative to its
     largest (what the kernels hold, up to the running max) rounded to e4m3 before P V: the size of
-    the error that rounding alone brings."""
-    from flashtile.reference import probabilities
+    the error that rounding alone brings. ``sinks`` (H,): the rows then keep sigmoid(lse - sink)."""
+    from flashtile.reference import attention, probabilities
     p = probabilities(dq.float(), dk.float(), **kw).double()
     u = p / p.amax(-1, keepdim=True).clamp_min(1e-300)
     u8 = u.to(torch.float8_e4m3fn).double()
     vt = dv.transpose(1, 2).repeat_interleave(dq.shape[2] // dv.shape[2], dim=1)
-    return (u8 @ vt / u.sum(-1, keepdim=True).clamp_min(1e-300)).transpose(1, 2)
+    out = (u8 @ vt / u.sum(-1, keepdim=True).clamp_min(1e-300)).transpose(1, 2)
+    if sinks is None:
+        return out
+    _, lse = attention(dq, dk, dv, **kw)
+    kept = torch.sigmoid(lse - sinks.double().view(1, -1, 1)).nan_to_num(0.0)
+    return out * kept.transpose(1, 2).unsqueeze(-1)
 
 
 def _check_e4m3(out, lse, portable_out, portable_lse, dq, dk, dv, ref_kw):
     """An e4m3 forward's output (1 or B, Sq, H, D) and LSE (B, H, Sq) against float64 attention of
-    the dequantized tensors dq, dk, dv, with prefill_fp8_case's budget."""
+    the dequantized tensors dq, dk, dv (``ref_kw``: its masks, and sinks), with prefill_fp8_case's
+    budget."""
     from flashtile.reference import attention as textbook
     assert torch.isfinite(out).all(), "non-finite output"
     ref, ref_lse = textbook(dq, dk, dv, **ref_kw)
@@ -581,8 +588,11 @@ def prefill_fp8_case(rng):
     Hadamard rotation through fp8.attention. Reference: float64 attention of the dequantized tensors;
     budget gluon_check's: 2x the larger of the portable Triton e4m3 kernel's error on the same tensors
     (P rounds to e4m3 in both) and the textbook attention's in bf16; the LSE within 2x the portable
-    kernel's LSE error (at least 1e-3); output finite, rows without keys 0."""
+    kernel's LSE error (at least 1e-3); output finite, rows without keys 0. A third of the cases
+    have attention sinks (s_aux), taken in the Gluon kernel's epilogue in half of those (``epilogue``:
+    gluon_forward.SINKS_IN_EPILOGUE), else applied after it; the portable kernel takes them inside."""
     from flashtile import fp8
+    from flashtile.kernels import gluon_forward
     b, hk = rng.randint(1, 3), rng.choice([1, 2, 4])
     h = hk * rng.choice([1, 2, 4])
     sq, sk = rng.randint(1, _n(2500)), rng.randint(1, _n(2500))
@@ -593,8 +603,10 @@ def prefill_fp8_case(rng):
     hadamard = style == "blocks" and rng.random() < 0.6
     kw = _mask_options(rng) if style == "descales" else ({"causal": True} if rng.random() < 0.5 else {})
     outliers = rng.random() < 0.3
+    with_sinks = rng.random() < 1 / 3
+    epilogue = with_sinks and rng.random() < 0.5
     params = dict(family="prefill-fp8", style=style, b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, hadamard=hadamard,
-                  outliers=outliers, **kw)
+                  outliers=outliers, sinks=with_sinks, epilogue=epilogue, **kw)
 
     def run():
         q, k, v = (torch.randn(b, s, n, d, device=DEV, dtype=torch.bfloat16)
@@ -602,14 +614,16 @@ def prefill_fp8_case(rng):
         if outliers:  # FlashAttention-3's study: N(0, 100) added to 0.1% of the entries
             for x in (q, k, v):
                 x += torch.randn_like(x) * 10 * (torch.rand_like(x, dtype=torch.float32) < 1e-3)
+        # (near the rows' LSE, so that each takes a share that shows in bf16)
+        sinks = torch.randn(h, device=DEV) * 3 + math.log(sk) if with_sinks else None
         if style == "descales":
             (q8, qd, dq), (k8, kd, dk), (v8, vd, dv) = (_e4m3_per_head(x, hk) for x in (q, k, v))
 
             def call():
                 out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                                return_attn_probs=True, **kw)
+                                                return_attn_probs=True, s_aux=sinks, **kw)
                 return out[0], out[1]
-            ref_kw = kw
+            ref_kw = dict(kw)
         else:
             z = fp8.quantize_qkv(q, k, v, block=fp8.kernel_blocks(d, q.device), hadamard=hadamard,
                                  seed=rng.randrange(1 << 30))
@@ -618,9 +632,15 @@ def prefill_fp8_case(rng):
                            (z.v, z.v_descale, z.block_k)))
 
             def call():
-                return fp8.attention(z, causal=bool(kw.get("causal")), return_lse=True)
+                return fp8.attention(z, causal=bool(kw.get("causal")), return_lse=True, s_aux=sinks)
             ref_kw = {"causal": bool(kw.get("causal"))}
-        out, lse = call()
+        if with_sinks:
+            ref_kw["sinks"] = sinks
+        saved, gluon_forward.SINKS_IN_EPILOGUE = gluon_forward.SINKS_IN_EPILOGUE, epilogue
+        try:
+            out, lse = call()
+        finally:
+            gluon_forward.SINKS_IN_EPILOGUE = saved
         portable_out, portable_lse = _portable(call)
         _check_e4m3(out, lse, portable_out, portable_lse, dq, dk, dv, ref_kw)
     return params, run
@@ -748,12 +768,13 @@ def varlen_fp8_case(rng):
 def sinks_case(rng):
     """Attention sinks (s_aux) on the routes gpt-oss's calls take: flash_attn_func (forward, or forward
     and backward with ds_aux checked as test_sinks checks it), packed decode steps on page pools
-    through flash_attn_varlen_func with seqused_k, and flash_attn_with_kvcache decode steps (splits,
-    paged or not). Outputs by the accuracy rule with half an ulp for the second rounding. The
-    flash_attn_func routes and packed prefill through flash_attn_varlen_func (packed keys or page pools,
-    chunks and decode steps mixed: vLLM's prefill) run with the Gluon forward's sinks epilogue
-    (gluon_forward.SINKS_IN_EPILOGUE) in half the cases (``epilogue`` in the record), held to the rule
-    without that half ulp where no route applies them after the kernel."""
+    through flash_attn_varlen_func with seqused_k, and flash_attn_with_kvcache (decode steps with
+    splits, paged or not, and chunked prefill of 128+ queries). Outputs by the accuracy rule with half
+    an ulp for the second rounding. The flash_attn_func routes, packed prefill through
+    flash_attn_varlen_func (packed keys or page pools, chunks and decode steps mixed: vLLM's prefill)
+    and the KV-cache call run with the Gluon forward's sinks epilogue (gluon_forward.SINKS_IN_EPILOGUE)
+    in half the cases (``epilogue`` in the record), held to the rule without that half ulp where no
+    route applies them after the kernel (the KV-cache call: its chunked prefill)."""
     route = rng.choice(["func", "func-backward", "varlen-pages", "varlen-prefill", "kvcache"])
     hk = rng.choice([1, 2, 8])
     h = hk * rng.choice([1, 4, 8])
@@ -830,24 +851,27 @@ def sinks_case(rng):
         packed_call(lens_q, lens_k, rng.choice([None, 16, 16, 256, 1]), not epilogue)
 
     def run():
-        if route.startswith("func") or route == "varlen-prefill":
+        if route.startswith("func") or route == "varlen-prefill" or route == "kvcache":
             from flashtile.kernels import gluon_forward
             epilogue = rng.random() < 0.5
             params.update(epilogue=epilogue)
             gluon_forward.SINKS_IN_EPILOGUE = epilogue
             try:
-                (varlen_prefill if route == "varlen-prefill" else func_routes)(epilogue)
+                {"varlen-prefill": varlen_prefill, "kvcache": kvcache}.get(route, func_routes)(epilogue)
             finally:
                 gluon_forward.SINKS_IN_EPILOGUE = False
             return
+        # decode steps on page pools (the decode takes the sinks; half an ulp as before)
+        lens_k = [rng.randint(1, _n(5000)) for _ in range(rng.randint(1, 8))]
+        packed_call([min(rng.randint(1, 4), lk) for lk in lens_k], lens_k, rng.choice([16, 16, 1, 32]), True)
 
-        long_cache = route == "kvcache" and rng.random() < 0.4  # split plans of the Gluon kernel: the merge
-        n = rng.randint(1, 2) if long_cache else rng.randint(1, 8)  # takes the sinks
+    def kvcache(epilogue):
+        """Decode steps, or (a quarter of the calls) chunked prefill of 128-600 queries, which the Gluon
+        forward runs with seqused_k: the sinks in its epilogue where ``epilogue``, else after it."""
+        long_cache = rng.random() < 0.4  # split plans of the Gluon kernel: the merge takes the sinks
+        n = rng.randint(1, 2) if long_cache else rng.randint(1, 8)
         lens_k = [rng.randint(1, _n(40000 if long_cache else 5000)) for _ in range(n)]
-        if route == "varlen-pages":  # decode steps (the decode takes the sinks; half an ulp as before)
-            packed_call([min(rng.randint(1, 4), lk) for lk in lens_k], lens_k, rng.choice([16, 16, 1, 32]), True)
-            return
-        sq = rng.randint(1, 4)
+        sq = rng.randint(128, max(128, _n(600))) if rng.random() < 0.25 else rng.randint(1, 4)
         capacity = max(lens_k) + sq
         k_cache = torch.randn(n, capacity, hk, d, device=DEV, dtype=dtype)
         v_cache = torch.randn_like(k_cache)
@@ -863,11 +887,13 @@ def sinks_case(rng):
         left, right = flashtile.interface._check_window(kw.get("window_size", (-1, -1)), kw.get("causal", False))
         plan = decode.prepare_decode(q, k_in, v_in, softmax_scale=d ** -0.5, window_left=left, window_right=right,
                                      block_table=table, num_splits=splits, sinks=True)
-        params.update(plan_splits=plan.splits, gluon=plan.gluon is not None, sinks_after=plan.sinks_after)
+        params.update(plan_splits=plan.splits, gluon=plan.gluon is not None, sinks_after=plan.sinks_after,
+                      prefill=plan.prefill is not None)
         for i in range(n):
             m = lens_k[i]
             assert_matches_reference(out[i:i + 1], lse[i:i + 1], q[i:i + 1], k_cache[i:i + 1, :m],
-                                     v_cache[i:i + 1, :m], sinks=sinks, rounded_twice=True, **kw)
+                                     v_cache[i:i + 1, :m], sinks=sinks,
+                                     rounded_twice=plan.prefill is None or plan.sinks_after, **kw)
     return params, run
 
 

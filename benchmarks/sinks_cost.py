@@ -2,14 +2,16 @@
 heads, 8 KV heads, head dim 64; 120b's, 20b has 64/8 too).
 
     PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke] [--check-only]
-        [--kinds decode,prefill,varlen,train]
+        [--kinds decode,prefill,varlen,train,prefill-e4m3]
 
 Medians of triton.testing.do_bench in rounds that rotate the order of the calls: with s_aux,
 without, and without but returning the LSE (what the sinks need of the kernels), for: decode steps
 through flash_attn_with_kvcache (batch 1/16/64, 8k and 32k keys, contiguous and pages of 16), a
 prefill through flash_attn_func (4k causal, batch 1), packed prefill through flash_attn_varlen_func
 (4 sequences of 1k, causal; packed keys, and on shuffled pools of 16-key pages with seqused_k as
-vLLM calls it), and a training step (forward and backward, 4k causal); plus, for
+vLLM calls it), a training step (forward and backward, 4k causal), and an e4m3 prefill through
+flash_attn_func with FlashAttention-3's (B, Hk) descales (4k causal at head dim 128, the e4m3 Gluon
+kernel's; its check compares the epilogue's output with the pass's: one rounding apart); plus, for
 decode, host microseconds per eager call and the GPU time of one call replayed from a CUDA graph
 (how serving engines run decode: eager decode calls this small are host-bound). The prefill, packed
 and training points time the call with s_aux twice: the Gluon kernel's result with the sinks
@@ -38,10 +40,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def points(smoke: bool):
     if smoke:
         return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("varlen", 2, 24, 0),
-                ("varlen", 2, 32, 16), ("train", 1, 32, 0)]
+                ("varlen", 2, 32, 16), ("train", 1, 32, 0), ("prefill-e4m3", 1, 32, 0)]
     decode = [("decode", b, n, page) for b in (1, 16, 64) for n in (8192, 32768) for page in (0, 16)
               if b * n <= 64 * 8192 or b == 16]
-    return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("varlen", 4, 1024, 16), ("train", 1, 4096, 0)]
+    return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("varlen", 4, 1024, 16), ("train", 1, 4096, 0),
+                     ("prefill-e4m3", 1, 4096, 0)]
 
 
 def modes(kind: str) -> tuple:
@@ -75,9 +78,43 @@ def check_rows(out, lse, q, k, v, sinks, cu=None, rows=256, rounded_twice=False)
     return worst
 
 
+def per_head_e4m3(x, heads_k):
+    """x (B, S, H, D) in e4m3 with one descale per (batch, KV head), FlashAttention-3's: (x8, descale)."""
+    grouped = x.float().unflatten(2, (heads_k, -1))
+    descale = grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-6) / 448.0
+    return (grouped / descale[:, None, :, None, None]).flatten(2, 3).to(torch.float8_e4m3fn), descale
+
+
+def e4m3_call(batch, keys, device, heads, heads_k, d, sinks):
+    """make_call's e4m3 prefill: call(mode) and its check (the epilogue's output and LSE against the
+    pass's, which the GPU fuzzer holds to float64: the same kernel, so one rounding apart)."""
+    tensors, descales = zip(*(per_head_e4m3(torch.randn(batch, keys, n, d, device=device), heads_k)
+                              for n in (heads, heads_k, heads_k)))
+    scales = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+
+    def call(mode, lse=False):
+        epilogue_sinks(mode)
+        return flashtile.flash_attn_func(*tensors, causal=True, s_aux=sinks if mode in ("with", "epilogue") else None,
+                                         return_attn_probs=lse or mode == "lse", **scales)
+
+    def check():
+        (after, after_lse, _), (inside, inside_lse, _) = (call(mode, lse=True) for mode in ("with", "epilogue"))
+        epilogue_sinks("with")
+        scale = torch.maximum(inside.float().abs(), after.float().abs()).clamp_min(torch.finfo(torch.bfloat16).tiny)
+        ulps = ((inside.float() - after.float()).abs() / (torch.finfo(torch.bfloat16).eps * scale)).max().item()
+        lse_err = (inside_lse - after_lse).abs().max().item()
+        assert torch.isfinite(inside).all() and ulps <= 2 and lse_err <= 1e-5 * after_lse.abs().max().item() + 1e-5, \
+            f"epilogue against the pass: {ulps:.3g} ulps, LSE {lse_err:.3g}"
+        return dict(epilogue_ulps_from_pass=ulps, epilogue_lse_from_pass=lse_err)
+    call.check = check
+    return call
+
+
 def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
     dtype = torch.bfloat16
     sinks = torch.randn(heads, device=device) * 2
+    if kind == "prefill-e4m3":  # (head dim 128: the e4m3 Gluon kernel's)
+        return e4m3_call(batch, keys, device, heads, heads_k, 128, sinks)
     if kind == "decode":
         q = torch.randn(batch, 1, heads, d, device=device, dtype=dtype)
         k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
@@ -200,7 +237,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--check-only", action="store_true",
                     help="the points' checks, no timing (compute-sanitizer)")
-    ap.add_argument("--kinds", default="decode,prefill,varlen,train", help="which points (comma-separated)")
+    ap.add_argument("--kinds", default="decode,prefill,varlen,train,prefill-e4m3", help="which points (comma-separated)")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
     from flashtile.kernels import gluon_forward
@@ -269,6 +306,9 @@ def main(argv=None) -> int:
             print(f"check {r['kind']} B{r['batch']} {r['keys']} page {r['page']}: splits {c['splits']}, "
                   f"{'Gluon' if c['gluon'] else 'Triton'}, sinks {'after' if c['sinks_after'] else 'inside'}, "
                   f"error {c['worst_of_budget']:.2f} of the budget")
+        elif c and "epilogue_ulps_from_pass" in c:
+            print(f"check {r['kind']} B{r['batch']} {r['keys']} page {r['page']}: the epilogue's output "
+                  f"{c['epilogue_ulps_from_pass']:.2f} ulps, LSE {c['epilogue_lse_from_pass']:.2g} from the pass's")
         elif c:
             print(f"check {r['kind']} B{r['batch']} {r['keys']} page {r['page']}: error after the kernel "
                   f"{c['with_worst_of_budget']:.2f}, "

@@ -1151,10 +1151,15 @@ def test_fp8_calls_compile_with_fullgraph():
                                          v_descale=vd, return_attn_probs=True)[:2]
 
     _compiled_equals_eager(fa3, q8, k8, v8, *d)
+    sinks = torch.randn(4) + 2.0  # attention sinks, taken by the registered op too
+    _compiled_equals_eager(lambda q8, k8, v8, s: flashtile.flash_attn_func(q8, k8, v8, causal=True, s_aux=s,
+                                                                           return_attn_probs=True)[:2],
+                           q8, k8, v8, sinks)
     _compiled_equals_eager(lambda q8, k8, v8: flashtile.flash_attn_func(q8, k8, v8, window_size=(7, 3)),
                            q8, k8, v8)
     z = fp8.quantize_qkv(q, k, v, block=(32, 32), hadamard=False)
     _compiled_equals_eager(lambda z: fp8.attention(z, causal=True, return_lse=True), z)
+    _compiled_equals_eager(lambda z, s: fp8.attention(z, causal=True, return_lse=True, s_aux=s), z, sinks)
 
     def quantized(q, k, v):  # quantize_qkv inside the compiled region too (its own registered op)
         z = fp8.quantize_qkv(q, k, v, block=(32, 64), hadamard=True, seed=5)
@@ -1193,6 +1198,9 @@ def test_fp8_ops_pass_opcheck():
     torch.library.opcheck(ops.attn_fwd_fp8, (x.q, x.k, x.v, x.q_descale, x.k_descale, x.v_descale, 0.2, -1, 0,
                                              0, 0.0, None, 64, 64),
                           # (test_schema multiplies the inputs, which e4m3 tensors do not support on the CPU)
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(ops.attn_fwd_fp8, (x.q, x.k, x.v, x.q_descale, x.k_descale, x.v_descale, 0.2, -1, 0,
+                                             0, 0.0, None, 64, 64), {"sinks": torch.randn(4)},
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -438,8 +438,8 @@ def test_seqused_k_variants():
             for c in (False, True):
                 for n in (1, 1 << 20):
                     assert gluon_forward.with_seqused_k(gluon_forward.dispatch_variant(d, dt, c, n)) in seqk
-    assert all(v.name.endswith(("-seqk", "-seqk-pr16", "-seqk-pr32", "-seqk-pr64")) and v.consumers == 2
-               for v in seqk)
+    assert all(v.name.removesuffix("-sinks").endswith(("-seqk", "-seqk-pr16", "-seqk-pr32", "-seqk-pr64"))
+               and v.consumers == 2 for v in seqk)
     with pytest.raises(ValueError, match="seqused_k"):
         gluon_forward.GluonVariant(128, "fp8", seqused_k=True)
     assert not any(v.seqused_k for v in gluon_forward.variants_named(["d128", "pq"]))
@@ -1040,7 +1040,7 @@ def test_attention_forward_sends_plain_e4m3_calls_to_the_cached_plan(monkeypatch
     v = fwd.keys_contiguous(k)
     asked, copied = [], []
     monkeypatch.setattr(fwd, "_PLAIN_GLUON", True)
-    monkeypatch.setattr(gluon_forward, "fp8_forward", lambda *a: asked.append(a) or ("out", "lse"))
+    monkeypatch.setattr(gluon_forward, "fp8_forward", lambda *a, sinks=None: asked.append(a) or ("out", "lse"))
     monkeypatch.setattr(fwd, "keys_contiguous", lambda x: copied.append(x) or v)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     descales = (torch.ones(1, 4, 1), torch.ones(1, 2, 1), torch.ones(1, 2, 1))
@@ -1050,7 +1050,7 @@ def test_attention_forward_sends_plain_e4m3_calls_to_the_cached_plan(monkeypatch
     assert fwd.attention_forward(q, k, k, window_right=-1, diag_offset=32, **kw) == ("out", "lse")
     assert asked[-1][2] is v and asked[-1][6] is False and copied == [k]
     general = []
-    monkeypatch.setattr(gluon_forward, "fp8_forward", lambda *a: asked.append(a))  # (declines: None)
+    monkeypatch.setattr(gluon_forward, "fp8_forward", lambda *a, sinks=None: asked.append(a))  # (declines: None)
     monkeypatch.setattr(fwd, "_launch_forward", lambda *a, **k: general.append(a))
     monkeypatch.setattr(fwd, "gluon_fp8_applies", lambda *a, **k: False)
     monkeypatch.setattr(fwd, "pick_config", lambda *a, **k: fwd.TileConfig(64, 64, 4, 2))
@@ -1201,3 +1201,56 @@ def test_mixed_batches_launch_with_a_work_list(monkeypatch, paged):
     gluon_forward.packed_forward(q, k, k, cu_q, cu_q, 300, 300, 0.1, True)
     (kernel,) = launches
     assert not kernel[4]["WORK_LIST"] and kernel[2][8] is kernel[2][0]
+
+
+@pytest.mark.parametrize("route", ["plain-bf16", "plain-e4m3", "packed-e4m3"])
+def test_sinks_launch_the_sinks_variant_with_their_pointer(monkeypatch, route):
+    """With attention sinks (SINKS_IN_EPILOGUE's routes) the Gluon launches run the dispatched
+    variant with ``sinks``, one of the compile-checked GLUON_VARIANTS, with the sinks as the last
+    pointer; without them, the variant without (the LSE in that slot) from a plan of its own."""
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    for cache in ("_PLAIN", "_FP8"):
+        monkeypatch.setattr(gluon_forward, cache, {})
+    launches = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(gluon_forward, "supported", lambda *a, **kw: gluon_forward.shapes_supported(*a[:3]))
+    monkeypatch.setattr(gluon_forward, "_on_one_sm90", lambda *tensors: True)
+    e4m3 = torch.float8_e4m3fn
+    sinks = torch.randn(8)
+    if route == "plain-bf16":
+        q, k, v = (torch.randn(2, n, h, 128, dtype=torch.bfloat16) for n, h in ((300, 8), (500, 2), (500, 2)))
+        variant = gluon_forward.dispatch_variant(128, "bf16", True, 500)
+
+        def call(s):
+            return gluon_forward.plain_forward(q, k, v, 0.1, True, sinks=s)
+    elif route == "plain-e4m3":
+        q = torch.randn(2, 300, 8, 128).to(e4m3)
+        k = torch.randn(2, 500, 2, 128).to(e4m3)
+        v = forward.keys_contiguous(torch.randn(2, 500, 2, 128).to(e4m3))
+        descales = (torch.rand(2, 8, 3) + 0.5, torch.rand(2, 2, 2) + 0.5, torch.ones(2, 2, 2))
+        variant = gluon_forward.dispatch_variant(128, "fp8", False, 500)
+
+        def call(s):
+            return gluon_forward.fp8_forward(q, k, v, descales, (128, 256), 0.1, False, sinks=s)
+    else:
+        cu_q = torch.tensor([0, 5, 305], dtype=torch.int32)
+        cu_k = torch.tensor([0, 7, 307], dtype=torch.int32)
+        q = torch.randn(305, 8, 128).to(e4m3)
+        k, v = torch.randn(307, 2, 128).to(e4m3), torch.randn(307, 2, 128).to(e4m3)
+        ones = torch.ones(2, 2, 1)
+        descales = forward.fp8_kernel_descales(torch.ones(2, 8, 1), ones, ones)
+        variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(128, "fp8", True, 300))
+
+        def call(s):
+            return gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.1, causal=True,
+                                                      descales=descales, scale_blocks=(512, 512), sinks=s)
+    with_sinks = dataclasses.replace(variant, sinks=True)
+    assert with_sinks in gluon_forward.GLUON_VARIANTS and with_sinks.name == variant.name + "-sinks"
+    out, lse = call(sinks)
+    call(None)
+    (_, _, tensors, _, options, _), (_, _, plain_tensors, _, plain_options, _) = launches
+    assert options is gluon_forward._launch_options(with_sinks) and options["SINKS"]
+    assert tensors[9] is sinks and plain_tensors[9] is not sinks and plain_tensors[9].shape == lse.shape
+    assert plain_options is gluon_forward._launch_options(variant) and not plain_options["SINKS"]

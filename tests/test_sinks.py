@@ -264,36 +264,47 @@ def test_kvcache_packed_form_equals_varlen():
                                  keys[b:b + 1, :n], values[b:b + 1, :n], causal=True, sinks=sinks, rounded_twice=True)
 
 
-def test_fp8_calls_apply_the_sink_to_their_own_result():
-    """e4m3 inputs and caches: the sink changes the finished call's output and LSE only, exactly as
-    out * sigmoid(lse - sink) and logaddexp(lse, sink) of the same call without it."""
+def assert_e4m3_matches_reference(out, lse, q, k, v, sinks, **kw):
+    """out (bfloat16) of e4m3 inputs against float64 attention with the sinks on their dequantized
+    values (q, k, v, float): within 2x the error of the same textbook attention in bfloat16 (the
+    interpreter keeps P in fp32, so no e4m3 rounding of P is allowed for); LSE within 1e-4."""
+    ref, ref_lse = attention(q.double(), k.double(), v.double(), sinks=sinks.double(), **kw)
+    low, _ = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks=sinks, **kw)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    err = (out.double() - ref).abs().max().item()
+    budget = 2 * (low.double() - ref).abs().max().item()
+    assert err <= budget, f"max error {err:.3g} > 2x textbook bf16 error ({budget:.3g})"
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_calls_take_the_sinks_in_the_kernel(monkeypatch):
+    """e4m3 inputs and caches: the prefill forward (flash_attn_func's FlashAttention-3 call,
+    flashtile.fp8's per-block call) and the decode take the sinks in their epilogues, no pass follows;
+    each against float64 attention with the sinks on the dequantized inputs."""
     heads, heads_k, d = 4, 2, 64
-    sinks = sinks_for(heads)
+    sinks = 2.5 + torch.randn(heads)  # near the rows' LSE: each takes a share that shows in bf16
     q, k, v = (t.to(torch.float8_e4m3fn) for t in make_qkv(2, 24, 40, heads, heads_k, d, F16))
-    base, base_lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    refuse_after_passes(monkeypatch)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=sinks)
-    factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
-    assert_within_an_ulp(out, base.float() * factor)
-    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+    assert_e4m3_matches_reference(out, lse, q.float(), k.float(), v.float(), sinks, causal=True)
     # an e4m3 KV cache read by a bf16 query, (B, Hk) descales
     qb = torch.randn(2, 1, heads, d, dtype=BF16)
-    k_cache, v_cache = k.clone(), v.clone()
     k_descale, v_descale = torch.rand(2, heads_k) + 0.5, torch.rand(2, heads_k) + 0.5
-    kw = dict(cache_seqlens=torch.tensor([40, 11], dtype=torch.int32), k_descale=k_descale, v_descale=v_descale,
-              return_softmax_lse=True)
-    base, base_lse = flashtile.flash_attn_with_kvcache(qb, k_cache, v_cache, **kw)
-    out, lse = flashtile.flash_attn_with_kvcache(qb, k_cache, v_cache, s_aux=sinks, **kw)
-    factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
-    assert_within_an_ulp(out, base.float() * factor)
-    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+    lengths = [40, 11]
+    out, lse = flashtile.flash_attn_with_kvcache(qb, k.clone(), v.clone(), k_descale=k_descale, v_descale=v_descale,
+                                                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                                 return_softmax_lse=True, s_aux=sinks)
+    for b, n in enumerate(lengths):
+        assert_e4m3_matches_reference(out[b:b + 1], lse[b:b + 1], qb[b:b + 1].float(),
+                                      k[b:b + 1, :n].float() * k_descale[b].view(1, 1, heads_k, 1),
+                                      v[b:b + 1, :n].float() * v_descale[b].view(1, 1, heads_k, 1), sinks)
     # flashtile.fp8's per-block call (Hadamard-rotated Q and K)
     from flashtile import fp8
-    x = fp8.quantize_qkv(*make_qkv(2, 24, 40, heads, heads_k, d, BF16), hadamard=True)
-    base, base_lse = fp8.attention(x, causal=True, return_lse=True)
+    x = fp8.quantize_qkv(*make_qkv(2, 24, 40, heads, heads_k, d, BF16), block=(32, 64), hadamard=True)
     out, lse = fp8.attention(x, causal=True, return_lse=True, s_aux=sinks)
-    factor = torch.sigmoid(base_lse - sinks.view(1, heads, 1)).transpose(1, 2).unsqueeze(-1)
-    assert_within_an_ulp(out, base.float() * factor)
-    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(1, heads, 1)), rtol=0, atol=1e-5)
+    dq, dk, dv = (fp8.dequantize(t, scale, block) for t, scale, block in
+                  ((x.q, x.q_descale, 32), (x.k, x.k_descale, 64), (x.v, x.v_descale, 64)))
+    assert_e4m3_matches_reference(out, lse, dq, dk, dv, sinks, causal=True)
     with pytest.raises(ValueError, match=r"s_aux must have shape \(4,\)"):
         fp8.attention(x, s_aux=torch.zeros(3))
 
@@ -363,18 +374,38 @@ def test_sink_gradient_kernel_is_the_formula(dtype, head_dim, with_lse):
     assert got[1] == 0
 
 
+def e4m3_route_inputs(packed_sequences: bool):
+    """e4m3 inputs of attention_forward's e4m3 routes: (q, k, v, keywords), descales as the callers
+    make them (flashtile.fp8's blocks; for packed sequences, FlashAttention-3's per sequence)."""
+    from flashtile import fp8
+    if packed_sequences:
+        from test_fp8 import _packed_e4m3
+        cu_q, cu_k, (q, k, v), (q_d, k_d, v_d), _ = _packed_e4m3([30, 7], [41, 12], 4, 2, 64)
+        q_d = q_d[:, :, None].expand(2, 2, 2).reshape(2, 4, 1).contiguous()
+        return q, k, v, dict(softmax_scale=0.125, window_left=-1, window_right=0, diag_offset=0, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, max_seqlen_q=30, max_seqlen_k=41, scale_blocks=(256, 256),
+                             descales=(q_d, k_d.unsqueeze(-1), v_d.unsqueeze(-1)))
+    x = fp8.quantize_qkv(*make_qkv(2, 30, 41, 4, 2, 64, BF16), hadamard=False)
+    return x.q, x.k, x.v, dict(softmax_scale=0.125, window_left=-1, window_right=0, diag_offset=11,
+                               descales=(x.q_descale, x.k_descale, x.v_descale), scale_blocks=(x.block_q, x.block_k))
+
+
 @pytest.mark.parametrize("route, inside", [("plain", False), ("general", False), ("packed", False),
                                            ("packed-general", False), ("plain", True), ("packed", True),
-                                           ("packed-general", True)])
+                                           ("packed-general", True), ("e4m3-plain", False), ("e4m3-plain", True),
+                                           ("e4m3-packed-general", False), ("e4m3-packed-general", True)])
 def test_gluon_routes_take_the_sinks_after_the_kernel_or_in_it(monkeypatch, route, inside):
     """The Gluon forward routes (stood in for by the portable kernel's result without sinks, as a CPU
     runs no Gluon): attention_forward applies the sinks to the route's result in place, or with
-    gluon_forward.SINKS_IN_EPILOGUE the plain and packed launches (page pools and windows included:
-    _gluon_varlen) get them and nothing follows."""
+    gluon_forward.SINKS_IN_EPILOGUE the plain and packed launches, 16-bit and e4m3 (page pools and
+    windows included: _gluon_varlen), get them and nothing follows."""
     from flashtile.kernels import forward, gluon_forward, sinks as sinks_module
 
     sinks = 3.0 + torch.randn(4)  # near the rows' LSE (log of 12-41 keys, + ~0.5): each takes a share
-    if route.startswith("packed"):
+    if route.startswith("e4m3"):
+        q, k, v, kw = e4m3_route_inputs(route == "e4m3-packed-general")
+        route = route[len("e4m3-"):]
+    elif route.startswith("packed"):
         q, k, v, cu_q, cu_k = packed([30, 7], [41, 12], 4, 2, 64, BF16)
         kw = dict(softmax_scale=0.125, window_left=-1, window_right=0, diag_offset=0, cu_seqlens_q=cu_q,
                   cu_seqlens_k=cu_k, max_seqlen_q=30, max_seqlen_k=41)
@@ -387,20 +418,25 @@ def test_gluon_routes_take_the_sinks_after_the_kernel_or_in_it(monkeypatch, rout
     def stand_in(*args, **kwargs):
         given.append(kwargs.get("sinks"))
         return plain[0].clone(), plain[1].clone()
+    def stand_in_as_cuda(name):
+        """gluon_forward.<name> on a route taken for CUDA tensors: q says it is one until the call."""
+        def first_call(*args, **kwargs):
+            monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "cuda"))
+            return stand_in(*args, **kwargs)
+        monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        monkeypatch.setattr(gluon_forward, name, first_call)
     monkeypatch.setattr(gluon_forward, "SINKS_IN_EPILOGUE", inside)
-    if route == "plain":
+    if route == "plain" and q.dtype == torch.float8_e4m3fn:
+        stand_in_as_cuda("fp8_forward")
+    elif route == "plain":
         monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
         monkeypatch.setattr(gluon_forward, "plain_forward", stand_in)
     elif route == "general":
         monkeypatch.setattr(forward, "gluon_applies", lambda *args, **kwargs: True)
         monkeypatch.setattr(gluon_forward, "gluon_attention_forward", stand_in)
-    elif route == "packed":  # (the route is taken for CUDA tensors: q says it is one until then)
-        def packed_stand_in(*args, **kwargs):
-            monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "cuda"))
-            return stand_in(*args, **kwargs)
-        monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-        monkeypatch.setattr(gluon_forward, "packed_forward", packed_stand_in)
+    elif route == "packed":
+        stand_in_as_cuda("packed_forward")
     else:  # (the route is taken where no interpreter runs; the stand-in's result, and the rest, in one)
         def packed_stand_in(*args, **kwargs):
             monkeypatch.setattr(forward, "_INTERPRET", True)
@@ -544,6 +580,55 @@ def test_kvcache_sinks_after_the_plans_that_do_not_take_them(monkeypatch):
                                  v_cache[b:b + 1, :n], causal=True, sinks=sinks, rounded_twice=True)
 
 
+@pytest.mark.parametrize("inside, general", [(False, False), (True, False), (True, True)],
+                         ids=["after", "epilogue", "general-path"])
+def test_kvcache_chunked_prefill_takes_the_sinks_in_the_gluon_epilogue(monkeypatch, inside, general):
+    """flash_attn_with_kvcache's chunked prefill runs the Gluon forward with seqused_k (stood in for
+    by float64 attention rounded to bf16, as a CPU runs no Gluon): with SINKS_IN_EPILOGUE its launch
+    gets the sinks and nothing follows; without it, or on the general path (inputs on another than
+    the current device), the sinks are applied to the route's result after it."""
+    from flashtile.kernels import decode, gluon_forward, sinks as sinks_module
+
+    heads, heads_k, d = 4, 2, 64
+    lengths = torch.tensor([180, 140], dtype=torch.int32)
+    q = torch.randn(2, decode.PREFILL_MIN_QUERIES + 2, heads, d, dtype=BF16)
+    k_cache, v_cache = torch.randn(2, 200, heads_k, d, dtype=BF16), torch.randn(2, 200, heads_k, d, dtype=BF16)
+    sinks = 3.0 + torch.randn(heads)  # near the rows' LSE: each takes a share that shows in bf16
+    given = []
+
+    def route_result(s):
+        parts = [attention(q[b:b + 1].double(), k_cache[b:b + 1, :n].double(), v_cache[b:b + 1, :n].double(),
+                           causal=True, sinks=None if s is None else s.double())
+                 for b, n in enumerate(lengths.tolist())]
+        return torch.cat([o for o, _ in parts]).to(BF16), torch.cat([lse for _, lse in parts]).float()
+
+    def plain_stand_in(q_, k_, v_, scale, causal, seqused_k=None, block_table=None, sinks=None):
+        assert causal and torch.equal(seqused_k, lengths)
+        given.append(("plain", sinks))
+        return None if general else route_result(sinks)
+
+    def general_stand_in(*args, **kwargs):
+        given.append(("general", kwargs.get("sinks")))
+        return route_result(None)
+    monkeypatch.setattr(decode, "prefill_wanted", lambda *args, **kwargs: True)
+    monkeypatch.setattr(decode, "prefill_gathers", lambda *args: False)
+    monkeypatch.setattr(gluon_forward, "plain_forward", plain_stand_in)
+    monkeypatch.setattr(gluon_forward, "gluon_attention_forward", general_stand_in)
+    monkeypatch.setattr(gluon_forward, "SINKS_IN_EPILOGUE", inside)
+    want, want_lse = route_result(sinks if inside and not general else None)
+    if inside and not general:
+        refuse_after_passes(monkeypatch)
+    else:
+        sinks_module.apply_sinks_(want, want_lse, sinks)
+    out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                 return_softmax_lse=True, s_aux=sinks)
+    assert given == ([("plain", sinks if inside else None)] + ([("general", None)] if general else []))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    for b, n in enumerate(lengths.tolist()):
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
+                                 causal=True, sinks=sinks, rounded_twice=not inside or general)
+
+
 def test_kvcache_sinks_gradient_and_compile():
     """Sinks that require grad take the torch formula on the decode's result (a gradient); under
     torch.compile(fullgraph=True) the registered decode op takes them: eager's output."""
@@ -633,11 +718,10 @@ def test_mixed_batch_takes_the_sinks_in_both_parts(monkeypatch):
 
 
 @pytest.mark.parametrize("lens_q", [[1, 3, 1, 2], [1, 40, 3, 1]], ids=["decode-steps", "mixed-batch"])
-def test_e4m3_varlen_on_pools_takes_the_sinks_in_the_decode(monkeypatch, lens_q):
+def test_e4m3_varlen_on_pools_takes_the_sinks_in_the_kernels(monkeypatch, lens_q):
     """vLLM's FP8 KV cache on FlashAttention-3's call (e4m3 q, k, v page pools, per-sequence
-    descales, seqused_k): the decode launches take the sinks (no pass after a batch of decode steps;
-    a mixed batch's prefill part gets the pass), and the result is the call without sinks times
-    sigmoid(lse - sink) within an ulp, its LSE logaddexp(lse, sink)."""
+    descales, seqused_k): the decode launches and a mixed batch's prefill part take the sinks, no pass
+    follows; each sequence against float64 attention with the sinks on its dequantized inputs."""
     from flashtile import interface
     from test_fp8 import _packed_e4m3
     from test_varlen import paged_copy
@@ -648,19 +732,17 @@ def test_e4m3_varlen_on_pools_takes_the_sinks_in_the_decode(monkeypatch, lens_q)
     cu_q, cu_k, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, heads, heads_k, d)
     k_pool, v_pool, table = paged_copy(tensors[1].float(), tensors[2].float(), cu_k, 16, fill=float("nan"))
     sinks = 4.0 + torch.randn(heads)  # near the rows' LSE: each takes a share that shows in bf16
-
-    def call(s_aux):
-        return flashtile.flash_attn_varlen_func(
-            tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, None, max(lens_q),
-            max(lens_k), block_table=table, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-            seqused_k=cu_k[1:] - cu_k[:-1], causal=True, return_attn_probs=True, s_aux=s_aux)
-    base, base_lse, _ = call(None)
-    if max(lens_q) <= interface.VARLEN_DECODE_MAX_QUERIES:
-        refuse_after_passes(monkeypatch)
-    out, lse, _ = call(sinks)
-    factor = torch.sigmoid(base_lse - sinks.view(heads, 1)).t().unsqueeze(-1)
-    assert_within_an_ulp(out, base.float() * factor)
-    torch.testing.assert_close(lse, torch.logaddexp(base_lse, sinks.view(heads, 1)), rtol=0, atol=1e-5)
+    refuse_after_passes(monkeypatch)
+    out, lse, _ = flashtile.flash_attn_varlen_func(
+        tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, None, max(lens_q),
+        max(lens_k), block_table=table, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+        seqused_k=cu_k[1:] - cu_k[:-1], causal=True, return_attn_probs=True, s_aux=sinks)
+    for b in range(len(lens_q)):
+        rows = [slice(int(cu[b]), int(cu[b + 1])) for cu in (cu_q, cu_k, cu_k)]
+        deq = [(t[r].float().unflatten(1, (heads_k, -1)) * dd[b].view(1, heads_k, 1, 1)).flatten(1, 2).unsqueeze(0)
+               for t, r, dd in zip(tensors, rows, descales)]
+        assert_e4m3_matches_reference(out[rows[0]].unsqueeze(0), lse[:, rows[0]].unsqueeze(0), *deq, sinks,
+                                      causal=True)
 
 
 def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
@@ -673,8 +755,9 @@ def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("sinks_cost", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode", "--out", str(tmp_path)]) == 0
+    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode,prefill-e4m3",
+                        "--out", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check ")]
-    assert len(lines) == 5  # two decode points, a prefill, packed keys and 16-key page pools
+    assert len(lines) == 6  # two decode points, a prefill, packed keys, 16-key page pools, an e4m3 prefill
     from flashtile.kernels import gluon_forward
     assert not gluon_forward.SINKS_IN_EPILOGUE  # (the script restores the switch: off here)

@@ -244,7 +244,7 @@ def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = Non
     descales applied in fp32, P and V in e4m3 for the second product; bfloat16 output (B, Sq, H, D)
     and, with ``return_lse``, the LSE (B, H, Sq). Causal and windows align bottom-right as in
     flash_attn_func; GQA/MQA as there. The rotation needs no undoing: it leaves the scores as they were.
-    ``s_aux`` (H,): attention sinks as in flash_attn_func (applied to the finished output and LSE)."""
+    ``s_aux`` (H,): attention sinks as in flash_attn_func (in the output and LSE; no gradient)."""
     from . import interface, ops
     q, k, v = x.q, x.k, x.v
     sinks = interface._check_sinks(s_aux, q, 4)
@@ -271,7 +271,6 @@ def attention(x: FP8QKV, causal: bool = False, softmax_scale: float | None = Non
         right = 0
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     out, lse = ops.fp8_forward(q, k, v, x.q_descale, x.k_descale, x.v_descale, scale, int(left), int(right),
-                               k.shape[1] - q.shape[1], float(softcap), None, x.block_q, x.block_k)
-    if sinks is not None:
-        out, lse, _ = interface._with_sinks(out, lse, sinks, packed=False)
+                               k.shape[1] - q.shape[1], float(softcap), None, x.block_q, x.block_k,
+                               sinks=sinks)
     return (out, lse) if return_lse else out

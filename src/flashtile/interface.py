@@ -242,8 +242,8 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     (total_q, H, D) and k/v (total_k, Hk, D), or with ``block_table`` page pools (num_pages,
     page_size, Hk, D); descales per sequence. For per-block scales (and the Hadamard rotation) use
     flashtile.fp8.quantize_qkv and flashtile.fp8.attention. ``sinks`` (H,), checked: attention sinks,
-    in the result (the decode launches take them; the prefill kernels' output gets them after, in
-    place where eager)."""
+    in the result (taken by the decode launches and the prefill forward, which applies them after the
+    Gluon kernels)."""
     if packed is None:
         _check_attention_inputs(q, k, v, names, dtypes=(torch.float8_e4m3fn,))
     elif block_table is None:
@@ -315,12 +315,9 @@ def _fp8_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     def prefill(key_offsets=None, keyed_sequences=0, sinks=None):
         if key_offsets is not None:
             varlen["cu_seqlens_k"] = key_offsets
-        out, lse = ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
-                                   _check_softcap(softcap), alibi, block_q, block_k, **varlen,
-                                   keyed_sequences=keyed_sequences)
-        if sinks is not None:
-            out, lse, _ = _with_sinks(out, lse, sinks, packed=packed is not None)
-        return out, lse
+        return ops.fp8_forward(q, k, v, q_d, k_d, v_d, scale, left, right, seqlen_k - seqlen_q,
+                               _check_softcap(softcap), alibi, block_q, block_k, **varlen,
+                               keyed_sequences=keyed_sequences, sinks=sinks)
     if packed is None:
         out, lse = prefill(sinks=sinks)
     elif _mixed_batch_wanted(q, seqlen_q, 0.0, block_table, batch):

@@ -198,14 +198,15 @@ class _EagerAttention(torch.autograd.Function):
 def fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale: float, window_left: int,
                 window_right: int, diag_offset: int, softcap: float, alibi_slopes, block_q: int,
                 block_k: int, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
-                max_seqlen_k: int = 0, block_table=None, keyed_sequences: int = 0):
+                max_seqlen_k: int = 0, block_table=None, keyed_sequences: int = 0, sinks=None):
     """The e4m3 forward as flash_attn_func / flash_attn_varlen_func (on float8_e4m3fn inputs) and
     flashtile.fp8.attention call it: (out bfloat16, lse). As ``forward``: eager calls go straight to
     the launcher; under torch.compile the registered op runs (its Python, the launch plans and the
-    kernels' pointer checks, is not something Dynamo can trace)."""
+    kernels' pointer checks, is not something Dynamo can trace). ``sinks`` (H,): attention sinks, in
+    the output and LSE (no gradient: the caller applies sinks that want one to the result)."""
     args = (q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left, window_right,
             diag_offset, softcap, alibi_slopes, block_q, block_k, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, block_table, keyed_sequences)
+            max_seqlen_q, max_seqlen_k, block_table, keyed_sequences, sinks)
     if torch.compiler.is_compiling():
         return attn_fwd_fp8(*args)
     return _attn_fwd_fp8_impl(*args)
@@ -213,14 +214,14 @@ def fp8_forward(q, k, v, q_descale, k_descale, v_descale, softmax_scale: float, 
 
 def _attn_fwd_fp8_impl(q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left,
                        window_right, diag_offset, softcap, alibi_slopes, block_q, block_k, cu_seqlens_q,
-                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, keyed_sequences=0):
+                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, keyed_sequences=0, sinks=None):
     packed = {} if cu_seqlens_q is None else dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, block_table=block_table, keyed_sequences=keyed_sequences)
     return attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                              window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                              alibi_slopes=alibi_slopes, descales=(q_descale, k_descale, v_descale),
-                             scale_blocks=(block_q, block_k), **packed)
+                             scale_blocks=(block_q, block_k), sinks=sinks, **packed)
 
 
 @torch.library.custom_op("flashtile::attn_fwd_fp8", mutates_args=(), device_types=("cuda", "cpu"))
@@ -231,21 +232,23 @@ def attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: t
                  cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
                  max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                  block_table: Optional[torch.Tensor] = None,
-                 keyed_sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 keyed_sequences: int = 0,
+                 sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 attention forward on validated tensors and kernel-layout descales (one per block_q
     queries / block_k keys of each batch row and head, or per sequence when packed); returns (out
     bfloat16, lse float32). Forward only. ``keyed_sequences`` > 0: at most that many packed
-    sequences have keys (a mixed batch's prefill part; sizes page pools' gathers)."""
+    sequences have keys (a mixed batch's prefill part; sizes page pools' gathers). ``sinks`` (H,):
+    attention sinks, in the output and LSE."""
     return _attn_fwd_fp8_impl(q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left,
                               window_right, diag_offset, softcap, alibi_slopes, block_q, block_k,
                               cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                              keyed_sequences)
+                              keyed_sequences, sinks)
 
 
 @attn_fwd_fp8.register_fake
 def _(q, k, v, q_descale, k_descale, v_descale, softmax_scale, window_left, window_right, diag_offset,
       softcap, alibi_slopes, block_q, block_k, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-      max_seqlen_k=0, block_table=None, keyed_sequences=0):
+      max_seqlen_k=0, block_table=None, keyed_sequences=0, sinks=None):
     out = q.new_empty(q.shape, dtype=torch.bfloat16)
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape

@@ -1393,8 +1393,8 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     # stream-K (_attn_decode's STREAM): _combine_stream's scalars (its tensors are the call's),
     # else None; ``splits`` counts the programs then, partials (programs + B x Hk, Sq, H, D)
     stream: tuple | None = None
-    # attention sinks that the plan's kernels do not take (stream-K, the prefill forward): run_decode
-    # applies them to the finished output and LSE
+    # attention sinks that the plan's kernels do not take (stream-K; the prefill forward unless
+    # gluon_forward.SINKS_IN_EPILOGUE): run_decode applies them to the finished output and LSE
     sinks_after: bool = False
 
 
@@ -1439,10 +1439,11 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, num_splits=num_splits,
             config=config):
+        from . import gluon_forward
         return PreparedDecode(1, False, None, None, (), (batch, seqlen_q, heads, head_dim),
                               (batch, heads, seqlen_q), (1,), q.dtype, device, None,
                               (softmax_scale, causal, prefill_gathers(q, k_cache, v_cache, block_table)),
-                              sinks_after=sinks)
+                              sinks_after=sinks and not gluon_forward.SINKS_IN_EPILOGUE)
     fp8_cache = k_cache.dtype == torch.float8_e4m3fn
     gluon_ok = (config is None and not interpreting() and device.type == "cuda"
                 and gluon_wanted(paged, batch * heads_k, _sm_count(device), capacity, fp8_cache,
@@ -1548,11 +1549,15 @@ def _run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_bat
             k_cache = gathered_cache(k_cache, block_table, cache_seqlens)
             v_cache = gathered_cache(v_cache, block_table, cache_seqlens)
             table = None
+        inside = None if p.sinks_after else sinks  # (the sinks variant's epilogue)
         result = plain_forward(q, k_cache, v_cache, softmax_scale, causal, seqused_k=cache_seqlens,
-                               block_table=table)
+                               block_table=table, sinks=inside)
         if result is None:  # inputs on another than the current device: the general path
             result = gluon_attention_forward(q, k_cache, v_cache, softmax_scale=softmax_scale,
                                              causal=causal, seqused_k=cache_seqlens, block_table=table)
+            if inside is not None:
+                from .sinks import apply_sinks_
+                apply_sinks_(*result, inside)
         return result
     if q_descale is not None:
         q_descale = descale_rows(q_descale)

@@ -990,7 +990,7 @@ def forward_kernel_name(q, k, v, *, causal: bool, softmax_scale: float | None = 
 def _sinks_after(result, sinks):
     """A Gluon route's (out, lse) with the attention sinks applied in place (kernels/sinks.py): the
     portable kernel and the decode route take them in their epilogues instead, and so do the Gluon
-    16-bit plain and packed launches (page pools and windows included) with
+    plain and packed launches (16-bit and e4m3; page pools and windows included) with
     gluon_forward.SINKS_IN_EPILOGUE."""
     if sinks is not None:
         from .sinks import apply_sinks_  # (sinks imports this module)
@@ -1057,9 +1057,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             from . import gluon_forward
             if v.stride(1) != 1 or v.stride(3) % 16:  # V^T, as the general path below reads it too
                 v = keys_contiguous(v)
-            result = gluon_forward.fp8_forward(q, k, v, descales, scale_blocks, softmax_scale, causal)
+            inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
+            result = gluon_forward.fp8_forward(q, k, v, descales, scale_blocks, softmax_scale, causal,
+                                               sinks=inside)
             if result is not None:
-                return _sinks_after(result, sinks)
+                return result if inside is not None else _sinks_after(result, sinks)
     if (_PLAIN_GLUON and cu_seqlens_q is not None and out is None and lse is None and config is None
             and dropout_seed is None and block_table is None and descales is None and not softcap
             and alibi_slopes is None and window_left < 0 and window_right <= 0 and q.is_cuda
@@ -1084,7 +1086,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             return _sinks_after(result, sinks)
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         from . import gluon_forward
-        inside = sinks if gluon_forward.SINKS_IN_EPILOGUE and descales is None else None
+        inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
         result = _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=softmax_scale,
                                window_left=window_left, window_right=window_right, softcap=softcap,
@@ -1204,8 +1206,8 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
                   descales, scale_blocks, block_table=None, keyed_sequences=0, sinks=None):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
-    that kernel does not take it (the caller then runs the portable kernel). ``sinks`` (16-bit
-    inputs): attention sinks for the kernel's epilogue. ``block_table``: page
+    that kernel does not take it (the caller then runs the portable kernel). ``sinks``:
+    attention sinks for the kernel's epilogue. ``block_table``: page
     pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
     GLUON_WINDOW_MIN_KEYS's rule, 16-bit and contiguous: H200, 16k tokens in 8 sequences
     (window-varlen-h200-20261204.json), 1.41/1.51/2.10x the portable kernel at d128 windows of

@@ -615,9 +615,10 @@ FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False), (256, True)})
 # d64's 192-row blocks ran 0.51-0.90x the portable kernel at windows of 128-2048 keys).
 WINDOW_HEAD_DIMS = (128, 256)
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
-# Attention sinks in the 16-bit plain and packed launches' epilogue (plain_forward, packed_forward),
-# instead of a pass over the finished output (kernels/sinks.py): off until checked on an H200
-# (FLASHTILE_GLUON_SINKS=1 turns it on; written and compiled for sm_90 on a CPU, 2026-12-05).
+# Attention sinks in the plain and packed launches' epilogue (plain_forward, packed_forward,
+# gluon_varlen_forward, and fp8_forward for e4m3), instead of a pass over the finished output
+# (kernels/sinks.py): off until checked on an H200 (FLASHTILE_GLUON_SINKS=1 turns it on; written and
+# compiled for sm_90 on a CPU, 2026-12-05).
 SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "0") not in ("", "0")
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
@@ -704,11 +705,22 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                       + [with_window(with_varlen(dispatch_variant(d, "bf16", c, 1))) for d in WINDOW_HEAD_DIMS
                          for c in (False, True)])
                      if v.persistent]
-                  # attention sinks in the epilogue (SINKS_IN_EPILOGUE): the 16-bit plain and packed
-                  # schedules a call may dispatch, bf16 (fp16 is the same code but for the element type)
+                  # attention sinks in the epilogue (SINKS_IN_EPILOGUE): the plain and packed
+                  # schedules a call may dispatch, bf16 (fp16 is the same code but for the element
+                  # type) and e4m3
                   + [dataclasses.replace(v, sinks=True) for v in (
                       [dispatch_variant(d, "bf16", c, n) for d in HEAD_DIMS for c in (False, True)
                        for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
+                      + [default_variant(d, "fp8", c) for d, c in sorted(FP8_DISPATCH)]
+                      # ... chunked prefill against a KV cache (seqused_k), on page pools: whole key
+                      # tiles and the smallest box
+                      + [paged for d in HEAD_DIMS for c in (False, True)
+                         for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
+                         for paged in (with_seqused_k(dispatch_variant(d, "bf16", c, n)),
+                                       with_page_boxes(dispatch_variant(d, "bf16", c, n), min(PAGED_BOX_ROWS)))]
+                      + [listed for d, c in sorted(FP8_DISPATCH)
+                         for packed in [with_varlen(default_variant(d, "fp8", c))]
+                         for listed in ((packed, with_work_list(packed)) if packed.persistent else (packed,))]
                       + [packed for d in HEAD_DIMS for c in (False, True)
                          for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
                          for packed in (with_varlen(dispatch_variant(d, "bf16", c, n)),
@@ -2111,15 +2123,17 @@ class _FP8Plan(NamedTuple):
 _FP8: dict = {}
 
 
-def fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: bool) -> _FP8Plan | None:
+def fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: bool,
+             sinks: bool = False) -> _FP8Plan | None:
     """The cached launch plan of an e4m3 call on tensors of this geometry (as ``plain_plan``);
-    ``kv_blocks``: K's and V's descales per row, which must be those ``scale_blocks`` give."""
+    ``kv_blocks``: K's and V's descales per row, which must be those ``scale_blocks`` give;
+    ``sinks``: the variant with the attention sinks' epilogue."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), q_descale.shape, q_descale.stride(),
-           q_descale.dtype, q_descale.get_device(), kv_blocks, tuple(scale_blocks), causal)
+           q_descale.dtype, q_descale.get_device(), kv_blocks, tuple(scale_blocks), causal, sinks)
     plan = _FP8.get(key, False)
     if plan is False:
-        plan = _fp8_plan(q, k, v, q_descale, kv_blocks, tuple(scale_blocks), causal)
+        plan = _fp8_plan(q, k, v, q_descale, kv_blocks, tuple(scale_blocks), causal, sinks)
         if len(_FP8) >= _MAX_PLAIN:
             _FP8.clear()
         _FP8[key] = plan
@@ -2133,7 +2147,8 @@ def _on_one_sm90(*tensors) -> bool:
     return len({t.device for t in tensors}) == 1 and _arch(tensors[0].device.index) == 90
 
 
-def _fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: bool) -> _FP8Plan | None:
+def _fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: bool,
+              sinks: bool = False) -> _FP8Plan | None:
     if not _on_one_sm90(q, k, v, q_descale):
         return None
     if not fp8_shapes_supported(q, k, v, scale_blocks, causal):
@@ -2148,6 +2163,8 @@ def _fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: b
             or q_descale.stride(-1) != 1 or kv_blocks != k_blocks):
         return None
     variant = dispatch_variant(head_dim, "fp8", causal, seqlen_k)
+    if sinks:
+        variant = dataclasses.replace(variant, sinks=True)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     vt = v.permute(0, 2, 3, 1)
     # descales as kernels.forward.fp8_kernel_descales makes them: K's and V's (B, Hk, blocks + 1)
@@ -2162,13 +2179,14 @@ def _fp8_plan(q, k, v, q_descale, kv_blocks: int, scale_blocks: tuple, causal: b
 
 
 def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tuple, scale_blocks: tuple,
-                softmax_scale: float, causal: bool):
+                softmax_scale: float, causal: bool, sinks: torch.Tensor | None = None):
     """``gluon_attention_forward`` of an e4m3 call (``descales`` (q, k, v) as flashtile.fp8.FP8QKV
     holds them, before kernels.forward.fp8_kernel_descales) with the checks and the launch geometry
     looked up (as ``plain_forward``): ~200 us of host time a call had made short e4m3 prefills slower
     than bf16. Returns None, having launched nothing, where the kernel does not take the call (v not
     stored keys-contiguous, other scale blocks, another device): the caller's general path then
-    does. out (B, Sq, H, D) bfloat16 and lse (B, H, Sq)."""
+    does. out (B, Sq, H, D) bfloat16 and lse (B, H, Sq). ``sinks`` (H,) on q's device: attention
+    sinks, in the output and LSE (the epilogue's)."""
     q_d, k_d, v_d = descales
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
         return None
@@ -2176,7 +2194,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tup
         return None
     if k_d.dtype != torch.float32 or v_d.dtype != torch.float32:
         return None
-    plan = fp8_plan(q, k, v, q_d, k_d.shape[2], scale_blocks, causal)
+    plan = fp8_plan(q, k, v, q_d, k_d.shape[2], scale_blocks, causal, sinks is not None)
     if (plan is None or plan.device_index != torch._C._cuda_getDevice()
             or k_d.get_device() != plan.device_index or v_d.get_device() != plan.device_index):
         return None
@@ -2192,7 +2210,8 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tup
                    _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
                    _Descriptor(v, *plan.vt_view, (1, 1, q_shape[3], variant_block_n), v_layout),
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
-    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out, lse, lse),
+    launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out, lse,
+                                       lse if sinks is None else sinks),
            (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
     return out, lse
 
@@ -2409,8 +2428,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     ``window_size`` (left, right), -1 for an unbounded side: flash_attn's sliding window on each
     sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it.
     The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
-    says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device, 16-bit
-    inputs: attention sinks, taken in the epilogue (the variant's with ``sinks``)."""
+    says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device:
+    attention sinks, taken in the epilogue (the variant's with ``sinks``)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2460,8 +2479,6 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         raise ValueError(f"variant {variant.name}: a block table is {'needed' if variant.seqused_k else 'not taken'}")
     if fp8 and descales is None:
         raise ValueError("gluon_varlen_forward: e4m3 inputs need descales")
-    if sinks is not None and fp8:
-        raise ValueError("gluon_varlen_forward: attention sinks take 16-bit inputs")
     # Every sequence's keys fit a key range of max_seqlen_k; the grid's query blocks, max_seqlen_q.
     head_group = 0 if paged else packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
     if (dispatched and head_group == 0
