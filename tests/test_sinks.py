@@ -557,27 +557,32 @@ def test_kvcache_takes_the_sinks_inside_the_decode(monkeypatch, page_size, num_s
     assert not torch.equal(out[[0, 2]], plain[[0, 2]])  # (the sinks took their share)
 
 
-def test_kvcache_sinks_after_the_plans_that_do_not_take_them(monkeypatch):
-    """Stream-K plans leave the sinks to one pass over the finished result: the same answer."""
+@pytest.mark.parametrize("sms", [1, 64], ids=["3-tile-shares", "1-tile-shares"])
+def test_kvcache_stream_plans_take_the_sinks_inside(monkeypatch, sms):
+    """Stream-K plans (sequences of different lengths; 4 programs an SM): the segments that are a
+    whole pair (the 9-key sequence's) fold the sinks into the output they write, the merge into the
+    pairs it merges (the 150-key sequence's 5 tiles); no pass follows."""
     from flashtile.kernels import decode
 
     monkeypatch.setattr(decode, "_PLANS", {})
     monkeypatch.setattr(decode, "STREAM_PLANS", True)
-    batch, heads, heads_k, d = 2, 4, 1, 64
-    lengths = torch.tensor([50, 9], dtype=torch.int32)
-    k_cache = torch.randn(batch, 64, heads_k, d, dtype=F16)
-    v_cache = torch.randn(batch, 64, heads_k, d, dtype=F16)
+    monkeypatch.setattr(decode, "_sm_count", lambda device: sms)  # (the programs' count sets the shares)
+    batch, heads, heads_k, d = 3, 4, 2, 64
+    lengths = torch.tensor([150, 9, 0], dtype=torch.int32)
+    k_cache = torch.randn(batch, 160, heads_k, d, dtype=F16)
+    v_cache = torch.randn(batch, 160, heads_k, d, dtype=F16)
     q = torch.randn(batch, 1, heads, d, dtype=F16)
-    sinks = sinks_for(heads)
+    sinks = 3.0 + torch.randn(heads)  # near the rows' LSE: each takes a share that shows in fp16
     prepared = decode.prepare_decode(q, k_cache, v_cache, softmax_scale=d ** -0.5, window_left=-1,
                                      window_right=-1, sinks=True)
-    assert prepared.stream is not None and prepared.sinks_after
+    assert prepared.stream is not None and not prepared.sinks_after
+    refuse_after_passes(monkeypatch)
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                  return_softmax_lse=True, s_aux=sinks)
     for b in range(batch):
         n = int(lengths[b])
         assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n],
-                                 v_cache[b:b + 1, :n], causal=True, sinks=sinks, rounded_twice=True)
+                                 v_cache[b:b + 1, :n], causal=True, sinks=sinks)
 
 
 @pytest.mark.parametrize("inside, general", [(False, False), (True, False), (True, True)],

@@ -118,7 +118,7 @@ def _attn_decode(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
                          program + batch * heads_k + kv_head, 1, batch, kv_head, 0, first, count,
                          ROWS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
                          PAGED, BATCH_IDX, LEFTPAD, UPCAST, True, EMPTY_LSE, FP8, WRITE_LSE,
-                         Q_FP16, PAGE_SHIFT, False, Q_DESCALE, SEQ_DS, True)
+                         Q_FP16, PAGE_SHIFT, False, Q_DESCALE, SEQ_DS, True, 0, SINKS)
             pos += count
     else:
         # ROW_BLOCKS: a KV head's group x Sq query rows in blocks of ROWS (chunked prefill has
@@ -238,8 +238,9 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
     """Rows ``row_block`` of (sequence ``batch``, KV head ``kv_head``) against split ``split`` of
     ``num_splits`` of the key tiles they see, or (STREAM) against tiles [first, first + count) of
     them, writing partials at index ``split`` or, when that is all of them, the output. SINKS (an
-    unsplit plan only: a split one's merge takes them): attention sinks, sinks[head] one more logit
-    of each row's softmax with no value, folded in before the output's one rounding."""
+    unsplit or stream-K plan: a split one's merge takes them, and stream-K's merge those of the pairs
+    it merges): attention sinks, sinks[head] one more logit of each row's softmax with no value,
+    folded in before the output's one rounding."""
     seqlen_k = tl.minimum(tl.maximum(tl.load(CacheSeqlens + batch), 0), seqlen_k_max)
     key_start = seqlen_k * 0
     if LEFTPAD:  # the sequence occupies cache slots [leftpad, cache_seqlens)
@@ -386,10 +387,13 @@ def _decode_part(Q, K, V, OutPart, LsePart, Out, Lse, CacheSeqlens, CacheBatchId
 
     seen = l_i > 0.0
     if SINKS:  # (rows that saw no key keep output 0 and EMPTY_LSE, as apply_sinks_ leaves them)
+        take = seen
+        if STREAM:  # only a segment that is its whole pair writes the output; _combine_stream the rest
+            take = take & (s_hi - s_lo == blk_hi - blk_lo)
         sink = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_new = tl.where(seen, tl.maximum(m_i, sink), m_i)
+        m_new = tl.where(take, tl.maximum(m_i, sink), m_i)
         alpha = tl.exp2(m_i - m_new)
-        l_i = tl.where(seen, l_i * alpha + tl.exp2(tl.minimum(sink - m_new, 0.0)), l_i)
+        l_i = tl.where(take, l_i * alpha + tl.exp2(tl.minimum(sink - m_new, 0.0)), l_i)
         acc = acc * alpha[:, None]
         m_i = m_new
     l_safe = tl.where(seen, l_i, 1.0)
@@ -479,17 +483,19 @@ def _combine(OutPart, LsePart, Out, Lse, Sinks, num_splits,
 
 
 @triton.jit
-def _combine_stream(OutPart, LsePart, Out, Lse, CacheSeqlens, CacheLeftpad, batch_size, heads_k,
+def _combine_stream(OutPart, LsePart, Out, Lse, CacheSeqlens, CacheLeftpad, Sinks, batch_size, heads_k,
                     seqlen_q, seqlen_k_max, window_left, window_right, group_size, programs,
                     stride_os, stride_oq, stride_oh, stride_ls, stride_lh,
                     stride_rb, stride_rq, stride_rh, stride_lrb, stride_lrh,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, LEFTPAD: tl.constexpr, BLOCK_B: tl.constexpr,
                     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                    EMPTY_LSE: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False):
+                    EMPTY_LSE: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
+                    SINKS: tl.constexpr = False):
     """The merge of a stream-K decode (_attn_decode's STREAM): row (qi, head) of sequence batch
     from the partials of the programs whose shares cut its pair, at index program + pair; a pair
-    inside one program's share has its output written already, one without keys gets 0."""
+    inside one program's share has its output written already, one without keys gets 0. SINKS:
+    Sinks[head] joins the merged rows' softmax as one more logit with no value (as in _combine)."""
     if PDL:
         gdc_wait()
     qi = tl.program_id(0)
@@ -536,6 +542,13 @@ def _combine_stream(OutPart, LsePart, Out, Lse, CacheSeqlens, CacheLeftpad, batc
             acc = acc * rescale + tl.sum(w[:, None] * o, 0)
             m = m_new
         seen = l_sum > 0
+        if SINKS:
+            sink = tl.load(Sinks + head).to(tl.float32)
+            m_new = tl.where(seen, tl.maximum(m, sink), m)
+            rescale = tl.where(seen, tl.exp(m - m_new), 1.0)
+            l_sum = tl.where(seen, l_sum * rescale + tl.exp(sink - m_new), l_sum)
+            acc = acc * rescale
+            m = m_new
         out = acc / tl.where(seen, l_sum, 1.0)
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
         if WRITE_LSE:
@@ -583,7 +596,7 @@ def _stream_combine_options_cached(items: tuple, head_dim: int, pdl: bool) -> di
     return dict(ROWS=kernel["ROWS"], BLOCK_N=kernel["BLOCK_N"], HAS_LEFT=kernel["HAS_LEFT"],
                 HAS_RIGHT=kernel["HAS_RIGHT"], LEFTPAD=kernel["LEFTPAD"], BLOCK_B=kernel["BLOCK_B"],
                 SPLITS_PAD=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim),
-                EMPTY_LSE=math.inf, WRITE_LSE=True, PDL=pdl, num_warps=1,
+                EMPTY_LSE=math.inf, WRITE_LSE=True, PDL=pdl, SINKS=kernel["SINKS"], num_warps=1,
                 **({"launch_pdl": True} if pdl else {}))
 
 
@@ -594,12 +607,12 @@ def _stream_combine_options(kernel: dict, head_dim: int, pdl: bool) -> dict:
 
 
 def _launch_combine_stream(out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad,
-                           scalars: tuple, options: dict) -> None:
+                           scalars: tuple, options: dict, sinks=None) -> None:
     """``scalars``: (batch, heads_k, seqlen_q, capacity, window_left, window_right, group,
-    programs)."""
+    programs); ``sinks``: the (H,) logits of a merge whose options have SINKS."""
     batch, seqlen_q, heads, _ = out.shape
     launch(_combine_stream, (seqlen_q, heads, batch),
-           (out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad),
+           (out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad, sinks),
            (*scalars, out_partial.stride(0), out_partial.stride(1), out_partial.stride(2),
             lse_partial.stride(0), lse_partial.stride(1), *out.stride()[:3], *lse.stride()[:2]),
            options)
@@ -1017,7 +1030,7 @@ def _plan(batch, seqlen_q, heads, heads_k, head_dim, dtype, device, paged, capac
         Q_FP16=fp8_cache and dtype in (torch.bfloat16, torch.float8_e4m3fn),
         Q_DESCALE=q_descale, SEQ_DS=fp8_cache and seq_descales,
         STREAM=stream, BLOCK_B=_next_power_of_2(batch) if stream else 1, WARPS=warps,
-        SINKS=sinks and splits == 1 and not stream, num_warps=cfg.num_warps, num_stages=num_stages, **launch)
+        SINKS=sinks and (splits == 1 or stream), num_warps=cfg.num_warps, num_stages=num_stages, **launch)
     # One dict object per distinct content: ``launch`` keys options by identity, and plans of
     # different capacities (a growing cache) with equal options must share its compiled kernels.
     kernel = _OPTIONS.setdefault(tuple(sorted(kernel.items())), kernel)
@@ -1393,7 +1406,7 @@ class PreparedDecode(NamedTuple):  # a NamedTuple: built on every decode_attenti
     # stream-K (_attn_decode's STREAM): _combine_stream's scalars (its tensors are the call's),
     # else None; ``splits`` counts the programs then, partials (programs + B x Hk, Sq, H, D)
     stream: tuple | None = None
-    # attention sinks that the plan's kernels do not take (stream-K; the prefill forward unless
+    # attention sinks that the plan's kernels do not take (the prefill forward unless
     # gluon_forward.SINKS_IN_EPILOGUE): run_decode applies them to the finished output and LSE
     sinks_after: bool = False
 
@@ -1505,8 +1518,7 @@ def prepare_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          max(window_right, 0), heads // heads_k, splits)
         return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                               (batch, seqlen_q, heads, head_dim), (batch, heads, seqlen_q),
-                              (splits, 1, 1), out_dtype(q.dtype), device, stream=merge_scalars,
-                              sinks_after=sinks)
+                              (splits, 1, 1), out_dtype(q.dtype), device, stream=merge_scalars)
     return PreparedDecode(splits, upcast, kernel_options, combine_options, scalars,
                           (batch, seqlen_q, heads, head_dim),
                           (batch, heads, seqlen_q) if write_lse else None,
@@ -1591,7 +1603,7 @@ def _run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_bat
     launch(_attn_decode, p.grid, tensors, p.scalars, p.kernel_options)
     if p.stream is not None:
         _launch_combine_stream(out_partial, lse_partial, out, lse, cache_seqlens, cache_leftpad,
-                               p.stream, p.combine_options)
+                               p.stream, p.combine_options, sinks if p.combine_options["SINKS"] else None)
     elif p.splits > 1:
         _launch_combine(out_partial, lse_partial, out, lse, p.combine_options,
                         sinks if p.combine_options["SINKS"] else None)

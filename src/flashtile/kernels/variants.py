@@ -319,7 +319,16 @@ def compile_decode(variant: Variant, arch: int) -> list:
             _compile(_combine_stream, {k: decode[k] for k in ("HAS_LEFT", "HAS_RIGHT", "LEFTPAD")}
                      | {"ROWS": 16, "BLOCK_N": 64, "BLOCK_B": 64, "SPLITS_PAD": 16,
                         "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
-                        "EMPTY_LSE": float("inf"), "WRITE_LSE": True, "PDL": arch >= 90},
+                        "EMPTY_LSE": float("inf"), "WRITE_LSE": True, "PDL": arch >= 90, "SINKS": False},
+                     variant, arch, 1, 1),
+            # ... with attention sinks: the segments that are a whole pair, and the merge
+            _compile(_attn_decode, {**decode, **split_pages, "BLOCK_N": STREAM_CONFIG.block_n, "SPLIT": True,
+                                    "WRITE_LSE": True, "STREAM": True, "BLOCK_B": 64, "SINKS": True},
+                     variant, arch, STREAM_CONFIG.num_warps, STREAM_CONFIG.num_stages, cache),
+            _compile(_combine_stream, {k: decode[k] for k in ("HAS_LEFT", "HAS_RIGHT", "LEFTPAD")}
+                     | {"ROWS": 16, "BLOCK_N": 64, "BLOCK_B": 64, "SPLITS_PAD": 16,
+                        "HEAD_DIM": flags["HEAD_DIM"], "HEAD_DIM_PAD": flags["HEAD_DIM_PAD"],
+                        "EMPTY_LSE": float("inf"), "WRITE_LSE": True, "PDL": arch >= 90, "SINKS": True},
                      variant, arch, 1, 1),
             # more than 64 query rows a KV head (decode._wide_rows_config's plan): 128-row tiles, 8
             # warps, blocks of them (chunked prefill)
