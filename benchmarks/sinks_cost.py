@@ -2,7 +2,7 @@
 heads, 8 KV heads, head dim 64; 120b's, 20b has 64/8 too).
 
     PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke] [--check-only]
-        [--kinds decode,prefill,varlen,train,prefill-e4m3]
+        [--kinds decode,prefill,varlen,train,prefill-e4m3,chunked]
 
 Medians of triton.testing.do_bench in rounds that rotate the order of the calls: with s_aux,
 without, and without but returning the LSE (what the sinks need of the kernels), for: decode steps
@@ -11,10 +11,12 @@ prefill through flash_attn_func (4k causal, batch 1), packed prefill through fla
 (4 sequences of 1k, causal; packed keys, and on shuffled pools of 16-key pages with seqused_k as
 vLLM calls it), a training step (forward and backward, 4k causal), and an e4m3 prefill through
 flash_attn_func with FlashAttention-3's (B, Hk) descales (4k causal at head dim 128, the e4m3 Gluon
-kernel's; its check compares the epilogue's output with the pass's: one rounding apart); plus, for
+kernel's; its check compares the epilogue's output with the pass's: one rounding apart), and
+flash_attn_with_kvcache's chunked prefill (512 queries on an 8k cache, contiguous and on 16-key
+pages: the Gluon forward with seqused_k); plus, for
 decode, host microseconds per eager call and the GPU time of one call replayed from a CUDA graph
-(how serving engines run decode: eager decode calls this small are host-bound). The prefill, packed
-and training points time the call with s_aux twice: the Gluon kernel's result with the sinks
+(how serving engines run decode: eager decode calls this small are host-bound). The prefill, packed,
+chunked and training points time the call with s_aux twice: the Gluon kernel's result with the sinks
 applied after it ("with") and with gluon_forward.SINKS_IN_EPILOGUE ("epilogue", the sinks inside
 the kernel), and check both against float64 (the last 256 query rows of each sequence; the
 allowance of a second rounding only for "with"). ``--smoke``: tiny shapes through the interpreter on
@@ -40,11 +42,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def points(smoke: bool):
     if smoke:
         return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("varlen", 2, 24, 0),
-                ("varlen", 2, 32, 16), ("train", 1, 32, 0), ("prefill-e4m3", 1, 32, 0)]
+                ("varlen", 2, 32, 16), ("train", 1, 32, 0), ("prefill-e4m3", 1, 32, 0), ("chunked", 1, 48, 16)]
     decode = [("decode", b, n, page) for b in (1, 16, 64) for n in (8192, 32768) for page in (0, 16)
               if b * n <= 64 * 8192 or b == 16]
     return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("varlen", 4, 1024, 16), ("train", 1, 4096, 0),
-                     ("prefill-e4m3", 1, 4096, 0)]
+                     ("prefill-e4m3", 1, 4096, 0), ("chunked", 1, 8192, 0), ("chunked", 1, 8192, 16)]
 
 
 def modes(kind: str) -> tuple:
@@ -165,6 +167,25 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             epilogue_sinks(mode)
             return flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks if mode in taking else None,
                                              return_attn_probs=mode == "lse")
+    elif kind == "chunked":  # the cache's last 512 positions as one chunk, contiguous or on ``page``-key pages
+        q = q[:, -min(512, keys):].contiguous()
+        lengths = torch.full((batch,), keys, device=device, dtype=torch.int32)
+        k_in, v_in, cache = k, v, {}
+        if page:
+            pages = keys // page
+            table = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
+            k_in, v_in = (torch.empty(batch * pages, page, heads_k, d, device=device, dtype=dtype) for _ in range(2))
+            k_in[table.long().flatten()] = k.reshape(batch * pages, page, heads_k, d)
+            v_in[table.long().flatten()] = v.reshape(batch * pages, page, heads_k, d)
+            cache = dict(block_table=table)
+
+        def chunk(s_aux, lse=False):
+            return flashtile.flash_attn_with_kvcache(q, k_in, v_in, cache_seqlens=lengths, causal=True, s_aux=s_aux,
+                                                     return_softmax_lse=lse, **cache)
+
+        def call(mode):
+            epilogue_sinks(mode)
+            return chunk(sinks if mode in taking else None, lse=mode == "lse")
     elif kind == "varlen":  # batch sequences of ``keys`` tokens each, packed; on pools of ``page`` keys
         pools = {}
         if page:  # vLLM's prefill: the keys on shuffled page pools, their counts as seqused_k
@@ -205,6 +226,8 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             with torch.no_grad():
                 if kind == "varlen":
                     out, lse, _ = varlen(sinks, return_attn_probs=True)
+                elif kind == "chunked":
+                    out, lse = chunk(sinks, lse=True)
                 else:
                     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks,
                                                             return_attn_probs=True)
@@ -237,7 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--check-only", action="store_true",
                     help="the points' checks, no timing (compute-sanitizer)")
-    ap.add_argument("--kinds", default="decode,prefill,varlen,train,prefill-e4m3", help="which points (comma-separated)")
+    ap.add_argument("--kinds", default="decode,prefill,varlen,train,prefill-e4m3,chunked",
+                    help="which points (comma-separated)")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))
     from flashtile.kernels import gluon_forward

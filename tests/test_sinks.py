@@ -760,9 +760,9 @@ def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("sinks_cost", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode,prefill-e4m3",
+    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode,prefill-e4m3,chunked",
                         "--out", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check ")]
-    assert len(lines) == 6  # two decode points, a prefill, packed keys, 16-key page pools, an e4m3 prefill
+    assert len(lines) == 7  # two decode points, a prefill, packed keys, 16-key pools, e4m3, a chunk on a cache
     from flashtile.kernels import gluon_forward
     assert not gluon_forward.SINKS_IN_EPILOGUE  # (the script restores the switch: off here)
