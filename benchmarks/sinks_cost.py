@@ -80,18 +80,13 @@ def check_rows(out, lse, q, k, v, sinks, cu=None, rows=256, rounded_twice=False)
     return worst
 
 
-def per_head_e4m3(x, heads_k):
-    """x (B, S, H, D) in e4m3 with one descale per (batch, KV head), FlashAttention-3's: (x8, descale)."""
-    grouped = x.float().unflatten(2, (heads_k, -1))
-    descale = grouped.abs().amax(dim=(1, 3, 4)).clamp_min(1e-6) / 448.0
-    return (grouped / descale[:, None, :, None, None]).flatten(2, 3).to(torch.float8_e4m3fn), descale
-
-
 def e4m3_call(batch, keys, device, heads, heads_k, d, sinks):
     """make_call's e4m3 prefill: call(mode) and its check (the epilogue's output and LSE against the
     pass's, which the GPU fuzzer holds to float64: the same kernel, so one rounding apart)."""
-    tensors, descales = zip(*(per_head_e4m3(torch.randn(batch, keys, n, d, device=device), heads_k)
-                              for n in (heads, heads_k, heads_k)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fuzz_gpu import _e4m3_per_head  # (FlashAttention-3's descales: one per batch row and KV head)
+    tensors, descales, _ = zip(*(_e4m3_per_head(torch.randn(batch, keys, n, d, device=device), heads_k)
+                                 for n in (heads, heads_k, heads_k)))
     scales = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
 
     def call(mode, lse=False):
