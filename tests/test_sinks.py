@@ -277,6 +277,18 @@ def assert_e4m3_matches_reference(out, lse, q, k, v, sinks, **kw):
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def assert_packed_e4m3_matches(out, lse, tensors, descales, cu_q, cu_k, sinks):
+    """Packed e4m3 sequences (q, k, v (total, heads, D) with per-sequence (B, Hk) descales), each
+    against float64 causal attention with the sinks on its own dequantized inputs."""
+    heads_k = descales[1].shape[1]
+    for b in range(cu_q.shape[0] - 1):
+        rows = [slice(int(cu[b]), int(cu[b + 1])) for cu in (cu_q, cu_k, cu_k)]
+        deq = [(t[r].float().unflatten(1, (heads_k, -1)) * dd[b].view(1, heads_k, 1, 1)).flatten(1, 2).unsqueeze(0)
+               for t, r, dd in zip(tensors, rows, descales)]
+        assert_e4m3_matches_reference(out[rows[0]].unsqueeze(0), lse[:, rows[0]].unsqueeze(0), *deq, sinks,
+                                      causal=True)
+
+
 def test_fp8_calls_take_the_sinks_in_the_kernel(monkeypatch):
     """e4m3 inputs and caches: the prefill forward (flash_attn_func's FlashAttention-3 call,
     flashtile.fp8's per-block call) and the decode take the sinks in their epilogues, no pass follows;
@@ -742,12 +754,27 @@ def test_e4m3_varlen_on_pools_takes_the_sinks_in_the_kernels(monkeypatch, lens_q
         tensors[0], k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn), cu_q, None, max(lens_q),
         max(lens_k), block_table=table, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
         seqused_k=cu_k[1:] - cu_k[:-1], causal=True, return_attn_probs=True, s_aux=sinks)
-    for b in range(len(lens_q)):
-        rows = [slice(int(cu[b]), int(cu[b + 1])) for cu in (cu_q, cu_k, cu_k)]
-        deq = [(t[r].float().unflatten(1, (heads_k, -1)) * dd[b].view(1, heads_k, 1, 1)).flatten(1, 2).unsqueeze(0)
-               for t, r, dd in zip(tensors, rows, descales)]
-        assert_e4m3_matches_reference(out[rows[0]].unsqueeze(0), lse[:, rows[0]].unsqueeze(0), *deq, sinks,
-                                      causal=True)
+    assert_packed_e4m3_matches(out, lse, tensors, descales, cu_q, cu_k, sinks)
+
+
+@pytest.mark.parametrize("by_sequence", [True, False], ids=["per-sequence", "block-descale"])
+def test_e4m3_packed_sequences_take_the_sinks_in_the_kernel(monkeypatch, by_sequence):
+    """FlashAttention-3's e4m3 call on packed keys (flash_attn_varlen_func, per-sequence descales),
+    through both portable e4m3 modes: the prefill kernel takes the sinks, no pass follows; each
+    sequence against float64 attention with the sinks on its dequantized inputs."""
+    from flashtile.kernels import forward
+    from test_fp8 import _packed_e4m3
+
+    monkeypatch.setattr(forward, "VARLEN_FP8_BY_SEQUENCE", by_sequence)
+    heads, heads_k, d = 4, 2, 32
+    lens_q, lens_k = [5, 33, 1, 20], [9, 33, 17, 3]
+    cu_q, cu_k, tensors, descales, _ = _packed_e4m3(lens_q, lens_k, heads, heads_k, d)
+    sinks = 2.0 + torch.randn(heads)  # near the rows' LSE: each takes a share that shows in bf16
+    refuse_after_passes(monkeypatch)
+    out, lse, _ = flashtile.flash_attn_varlen_func(*tensors, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                   q_descale=descales[0], k_descale=descales[1],
+                                                   v_descale=descales[2], return_attn_probs=True, s_aux=sinks)
+    assert_packed_e4m3_matches(out, lse, tensors, descales, cu_q, cu_k, sinks)
 
 
 def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
