@@ -622,7 +622,7 @@ def test_equal_length_packed_calls_take_the_plain_calls_tile_order(monkeypatch, 
                                            len(lens) * heads, 132)
     expected = plain if total == len(lens) * longest else len(lens) * heads
     kernels = [launch for launch in launches if launch[0] is not gluon_forward._packed_work_list]
-    assert plain == 1 and [launch[3][-5] for launch in kernels] == [expected, expected]
+    assert plain == 1 and [launch[3][-6] for launch in kernels] == [expected, expected]
     # the ragged batch's empty tiles (4 x 8 blocks x 16 heads) are left out by a work list
     assert len(launches) == (2 if total == len(lens) * longest or lens[-1] == 2047 else 4)
 
@@ -703,7 +703,7 @@ def test_varlen_launch_reads_page_pools(monkeypatch, d, causal, page):
     assert options["PAGE_ROWS"] == (page if page < variant.block_n else 0)
     blocks = -(-300 // variant.block_m)
     assert scalars[:8] == (0, q.shape[0], 300, width * page, 4, 8, blocks, 4)
-    assert scalars[-4:] == (page, width, 0, 0)  # page size, table stride; no window
+    assert scalars[-5:] == (page, width, 0, 0, 0.0)  # page size, table stride; no window, no softcap
     assert tensors[4] is cu_k and tensors[5] is table and tensors[6] is cu_q and tensors[7] is out
     q_desc, k_desc, v_desc, o_desc = descriptors
     assert tuple(q_desc.shape) == (1, *q.shape)
@@ -741,7 +741,7 @@ def test_varlen_launch_gathers_e4m3_page_pools(monkeypatch, d, causal, page):
     (jit, grid, tensors, scalars, options, descriptors), = launches
     variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "fp8", causal, 300))
     assert options is gluon_forward._launch_options(variant) and not options["SEQUSED_K"]
-    assert scalars[:4] == (0, 434, 300, 300) and scalars[-4:] == (0, 0, 0, 0)  # no pages, no window
+    assert scalars[:4] == (0, 434, 300, 300) and scalars[-5:] == (0, 0, 0, 0, 0.0)  # no pages, window, softcap
     assert tensors[4] is cu_k and tensors[6] is cu_q
     _, k_desc, v_desc, _ = descriptors
     assert tuple(k_desc.shape) == (1, 4 * 300, 2, d) and v_desc.strides[3] == 1
@@ -933,7 +933,7 @@ def test_windowed_launch_takes_the_window_variant_and_its_sides(monkeypatch, d, 
     windowed = expected != (0, 0)
     variant = gluon_forward.with_window(base) if windowed else base
     assert options is gluon_forward._launch_options(variant) and options["WINDOW"] == windowed
-    assert scalars[-2:] == expected
+    assert scalars[-3:-1] == expected and scalars[-1] == 0.0  # (the window's sides; no softcap)
 
 
 @pytest.mark.parametrize("d, causal, window, expected", [
@@ -961,7 +961,7 @@ def test_windowed_varlen_launch_takes_the_window_variant_and_its_sides(monkeypat
         variant = gluon_forward.with_window(variant)
     assert variant in gluon_forward.GLUON_VARIANTS
     assert options is gluon_forward._launch_options(variant) and options["WINDOW"] == windowed
-    assert options["VARLEN"] and scalars[-2:] == expected
+    assert options["VARLEN"] and scalars[-3:-1] == expected and scalars[-1] == 0.0
     pool = torch.randn(4, 256, 2, d, dtype=torch.bfloat16)
     table = torch.zeros(4, 2, dtype=torch.int32)
     if windowed:

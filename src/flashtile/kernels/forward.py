@@ -815,6 +815,15 @@ def key_counts(batch: int, keys: int, device: torch.device) -> torch.Tensor:
     return counts
 
 
+def _gluon_takes_softcap(softcap: float) -> bool:
+    """Whether a call's softcap leaves it to the Gluon forward: none, or gluon_forward.SOFTCAP_IN_KERNEL
+    (16-bit calls without a window; the kernel's own checks refuse the rest)."""
+    if not softcap:
+        return True
+    from . import gluon_forward
+    return gluon_forward.SOFTCAP_IN_KERNEL
+
+
 def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_offset, softcap=0.0,
                   alibi_slopes=None, config=None, cu_seqlens_q=None, dropout_seed=None,
                   block_table=None, descales=None) -> bool:
@@ -822,7 +831,8 @@ def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_off
     if not GLUON_ENABLED or _INTERPRET or not q.is_cuda:
         return False
     if (config is not None or cu_seqlens_q is not None or dropout_seed is not None
-            or block_table is not None or descales is not None or softcap or alibi_slopes is not None):
+            or block_table is not None or descales is not None or alibi_slopes is not None
+            or not _gluon_takes_softcap(softcap)):
         return False
     if q.dim() != 4:
         return False
@@ -834,7 +844,7 @@ def gluon_applies(q, k, v, *, softmax_scale, window_left, window_right, diag_off
             return False
     from . import gluon_forward
     return gluon_forward.supported(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                   window_size=(window_left, window_right))
+                                   window_size=(window_left, window_right), softcap=softcap)
 
 
 # The e4m3 kernels multiply P (in [0, 1]) by V's relative descale before P's cast to e4m3; times
@@ -1030,8 +1040,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     packed sequences have keys (sizes e4m3 page pools' gathers, paged_keys_packed).
     """
     if (_PLAIN_GLUON and out is None and lse is None and config is None and cu_seqlens_q is None
-            and dropout_seed is None and block_table is None and descales is None and not softcap
-            and alibi_slopes is None and window_left < 0):
+            and dropout_seed is None and block_table is None and descales is None
+            and alibi_slopes is None and window_left < 0 and _gluon_takes_softcap(softcap)):
         # flash_attn_func's plain call: the Gluon kernel's plan looked up by the inputs' geometry
         causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
         if window_right < 0 or causal:
@@ -1042,9 +1052,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 from .decode import decode_attention
                 lengths = key_counts(q.shape[0], k.shape[1], q.device)
                 return decode_attention(q, k, v, lengths, softmax_scale=softmax_scale, window_left=-1,
-                                        window_right=0 if causal else -1, sinks=sinks)
+                                        window_right=0 if causal else -1, softcap=softcap, sinks=sinks)
             inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
-            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal, sinks=inside)
+            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal, sinks=inside, softcap=softcap)
             if result is not None:
                 return result if inside is not None else _sinks_after(result, sinks)
     if (_PLAIN_GLUON and descales is not None and out is None and lse is None and config is None
@@ -1063,16 +1073,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             if result is not None:
                 return result if inside is not None else _sinks_after(result, sinks)
     if (_PLAIN_GLUON and cu_seqlens_q is not None and out is None and lse is None and config is None
-            and dropout_seed is None and block_table is None and descales is None and not softcap
+            and dropout_seed is None and block_table is None and descales is None
             and alibi_slopes is None and window_left < 0 and window_right <= 0 and q.is_cuda
-            and (q.dtype is torch.bfloat16 or q.dtype is torch.float16)):
+            and (q.dtype is torch.bfloat16 or q.dtype is torch.float16) and _gluon_takes_softcap(softcap)):
         # flash_attn_varlen_func's plain call: _gluon_varlen's launch from a plan looked up by the
         # inputs' geometry (max_seqlen_k 0: not given, the packed keys bound every sequence)
         from . import gluon_forward
         inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
         result = gluon_forward.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k if max_seqlen_k > 0 else k.shape[0],
-                                              softmax_scale, window_right == 0, sinks=inside)
+                                              softmax_scale, window_right == 0, sinks=inside, softcap=softcap)
         if result is not None:
             return result if inside is not None else _sinks_after(result, sinks)
     if gluon_applies(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
@@ -1082,7 +1092,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         from .gluon_forward import _tma_ok, gluon_attention_forward
         if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
             result = gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
-                                             out=out, lse=lse, window_size=(window_left, window_right))
+                                             out=out, lse=lse, window_size=(window_left, window_right),
+                                             softcap=softcap)
             return _sinks_after(result, sinks)
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         from . import gluon_forward
@@ -1212,10 +1223,13 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     GLUON_WINDOW_MIN_KEYS's rule, 16-bit and contiguous: H200, 16k tokens in 8 sequences
     (window-varlen-h200-20261204.json), 1.41/1.51/2.10x the portable kernel at d128 windows of
     512/1024/4096 keys, 1.35/2.30x at d256 windows of 512/4096."""
-    if (not q.is_cuda or config is not None or dropout_seed is not None or softcap
+    if (not q.is_cuda or config is not None or dropout_seed is not None
             or alibi_slopes is not None or not softmax_scale > 0):
         return None
     fp8 = q.dtype == torch.float8_e4m3fn
+    if softcap and not (_gluon_takes_softcap(softcap) and not fp8 and block_table is None
+                        and window_left < 0 and window_right <= 0):
+        return None
     if window_left >= 0 or window_right > 0:  # a sliding window: plain calls' rule, 16-bit contiguous
         if not (GLUON_WINDOW and not fp8 and block_table is None
                 and window_span(window_left, window_right) >= GLUON_WINDOW_MIN_KEYS.get(q.shape[-1], math.inf)):
@@ -1251,7 +1265,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
         scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right),
-        keyed_sequences=keyed_sequences, sinks=sinks)
+        keyed_sequences=keyed_sequences, sinks=sinks, softcap=softcap)
 
 
 # 16-bit page pools whose pages no TMA box fits are gathered (K and V copies of B x max_seqlen_k keys

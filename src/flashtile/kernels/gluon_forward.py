@@ -200,6 +200,9 @@ class GluonVariant:
     # Attention sinks (gpt-oss's s_aux): one more logit a query head, Sinks[head], with no value,
     # taken into each row's sum in the epilogue, so the output is rounded once and no pass follows.
     sinks: bool = False
+    # Gemma 2's logit softcap (flash_attn's ``softcap``): scores capped as softcap * tanh(scale * s /
+    # softcap) before the softmax, the cap and scale runtime arguments. 16-bit inputs.
+    softcap: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -224,6 +227,8 @@ class GluonVariant:
         if self.window and (self.fp8 or not self.warp_specialize or self.own_range or self.seqused_k):
             raise ValueError("window: 16-bit plain or packed calls, warp specialized, without own key "
                              "ranges or caches")
+        if self.softcap and self.fp8:
+            raise ValueError("softcap: 16-bit inputs")
         if self.q_regs and (self.fp8 or 2 * self.q_regs != self.head_dim):
             # Gluon's tile extents are powers of two: the two halves of the head dim
             raise ValueError("q_regs: half the head dim, 16-bit inputs")
@@ -275,6 +280,8 @@ class GluonVariant:
             sched += "-wl"
         if self.sinks:
             sched += "-sinks"
+        if self.softcap:
+            sched += "-softcap"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -620,6 +627,12 @@ FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 # (kernels/sinks.py): off until checked on an H200 (FLASHTILE_GLUON_SINKS=1 turns it on; written and
 # compiled for sm_90 on a CPU, 2026-12-05).
 SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "0") not in ("", "0")
+# flash_attn's ``softcap`` (Gemma 2) in the kernel's softmax, for 16-bit plain calls and packed
+# sequences on contiguous keys without a window (plain_forward, packed_forward,
+# gluon_attention_forward, gluon_varlen_forward); other softcapped calls run the portable kernel.
+# Off until checked on an H200 (FLASHTILE_GLUON_SOFTCAP=1 turns it on; written and compiled for
+# sm_90 on a CPU, 2026-12-05).
+SOFTCAP_IN_KERNEL = os.environ.get("FLASHTILE_GLUON_SOFTCAP", "0") not in ("", "0")
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
 # runs), then the alternates. The compile test covers all of them.
@@ -735,7 +748,14 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                       + [listed for d in WINDOW_HEAD_DIMS for c in (False, True)
                          for listed in (with_window(with_varlen(dispatch_variant(d, "bf16", c, 1))),
                                         with_work_list(with_window(with_varlen(dispatch_variant(d, "bf16", c, 1)))))
-                         if not listed.work_list or listed.persistent])])
+                         if not listed.work_list or listed.persistent])]
+                  # the logit softcap (SOFTCAP_IN_KERNEL): the plain and packed schedules a call may
+                  # dispatch, bf16 (fp16 is the same code but for the element type)
+                  + [dataclasses.replace(v, softcap=True) for d in HEAD_DIMS for c in (False, True)
+                     for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
+                     for v in (dispatch_variant(d, "bf16", c, n), with_varlen(dispatch_variant(d, "bf16", c, n)),
+                               with_work_list(with_varlen(dispatch_variant(d, "bf16", c, n))))
+                     if not v.work_list or v.persistent])
 
 
 def variants_named(parts: list[str]) -> list[GluonVariant]:
@@ -1197,7 +1217,8 @@ if _GLUON:
     def _softmax_tile(s, m_i, l_i, rows_pos, cols, n0, seqlen_k, qk_scale, v_rel,
                       MASKED: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0, window_left=0,
-                      window_right=0, WINDOW: gl.constexpr = False):
+                      window_right=0, WINDOW: gl.constexpr = False, softcap_in=0.0,
+                      SOFTCAP: gl.constexpr = False):
         """Online-softmax step on a fp32 score tile; returns (p, m_new, l_new, alpha).
 
         m is kept in log2 units of the scaled score. Its floor is finite (-1e30), so a row with no
@@ -1208,7 +1229,13 @@ if _GLUON:
         than RESCALE_THRESHOLD (p stays below 2^RESCALE_THRESHOLD); alpha is exactly 1 where it
         did not move. A decision per row needs no exchange between the warps here, on the
         softmax's path; the caller asks once per tile whether any row moved.
+        SOFTCAP (16-bit): the score is softcap * tanh(scale * s / softcap), ``softcap_in`` = scale /
+        softcap and ``qk_scale`` = softcap * log2(e), as the portable kernel computes it.
         """
+        if SOFTCAP:
+            # tanh through exp2 (MUFU) and one reciprocal, the portable kernel's formula: saturates
+            # to +-1 without NaN at either end
+            s = 1.0 - 2.0 / (gl.exp2(s * (softcap_in * 2.8853900817779268)) + 1.0)
         if MASKED:
             keys = n0 + cols
             keep = gl.expand_dims(keys < seqlen_k, 0)
@@ -1315,7 +1342,8 @@ if _GLUON:
                       LOADS: gl.constexpr, FP8: gl.constexpr, JOINT: gl.constexpr,
                       LAZY: gl.constexpr = False, EXP_POLY: gl.constexpr = 0,
                       P_PACK: gl.constexpr = True, q_lo=None, Q_REGS: gl.constexpr = 0,
-                      first_tile=0, window_left=0, window_right=0, WINDOW: gl.constexpr = False):
+                      first_tile=0, window_left=0, window_right=0, WINDOW: gl.constexpr = False,
+                      softcap_in=0.0, SOFTCAP: gl.constexpr = False):
         """Key tile first_tile + j, j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax
         of S_j while the second runs, then O rescaled to the new running max."""
         o_layout: gl.constexpr = o.type.layout
@@ -1346,7 +1374,8 @@ if _GLUON:
                              ring + STAGES, BLOCK_N, STAGES, j + STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, (first_tile + j) * BLOCK_N,
                                            seqlen_k, tile_scale, v_rel, MASKED, CAUSAL, FP8, LAZY,
-                                           EXP_POLY, window_left, window_right, WINDOW)
+                                           EXP_POLY, window_left, window_right, WINDOW, softcap_in,
+                                           SOFTCAP)
         if FP8 == 3:  # one P slot: P_j may overwrite it once P_{j-1} V has retired
             o = _pv_wait(o_tok, p_prev, v_tile, FP8)
             p_next = _stage_p(p.to(q_tile.dtype), p_op, p_bufs, j, WG, FP8)
@@ -1382,7 +1411,7 @@ if _GLUON:
                       ZERO_TAIL: gl.constexpr = False, SeqlensK=None, CuSeqlensQ=None, Out=None,
                       num_heads=0, VARLEN: gl.constexpr = False, seqlen_cap=0, first_tile=0, num_left=1,
                       window_left=0, window_right=0, WINDOW: gl.constexpr = False, Sinks=None,
-                      SINKS: gl.constexpr = False):
+                      SINKS: gl.constexpr = False, softcap_in=0.0, SOFTCAP: gl.constexpr = False):
         """16 * num_warps query rows from ``row0`` of one (batch, head) against key tiles
         first_tile + j for j in [0, num_tiles), which sit at ring positions ring0 + j; writes their
         output and LSE. Tiles j in [num_left, num_full) need no mask (see _tile_span; WINDOW: the
@@ -1464,7 +1493,7 @@ if _GLUON:
                              ring0 + STAGES, BLOCK_N, STAGES, STAGES < num_tiles)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, rows_pos, cols, first_tile * BLOCK_N, seqlen_k,
                                            tile_scale, v_rel, True, CAUSAL, FP8, False, 0, window_left,
-                                           window_right, WINDOW)
+                                           window_right, WINDOW, softcap_in, SOFTCAP)
         if FP8 == 1 or FP8 == 3:  # p_op only rides along (P is in p_bufs)
             p_op = gl.zeros([ROWS], gl.float32, row_layout)
         else:
@@ -1489,7 +1518,7 @@ if _GLUON:
                     turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                     rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                     STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                    q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW)
+                    q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW, softcap_in, SOFTCAP)
         # Tiles every row sees in full: no mask. Then the diagonal / ragged tail, masked.
         for j in range(gl.maximum(num_left, 1), num_full):
             o, p_op, m_i, l_i = _kv_iteration(
@@ -1497,14 +1526,14 @@ if _GLUON:
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                 STAGES, False, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW)
+                q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW, softcap_in, SOFTCAP)
         for j in range(gl.maximum(gl.maximum(num_full, num_left), 1), num_tiles):
             o, p_op, m_i, l_i = _kv_iteration(
                 j, ring0, event0, q_tile, k_bufs, v_bufs, p_bufs, k_ready, v_ready, k_empty, v_empty,
                 turn_bars, k_desc, v_desc, batch, kv_head, num_tiles, o, p_op, m_i, l_i, zero_s,
                 rows_pos, cols, seqlen_k, qk_scale, k_scales, v_scales, scale_shift_k, BLOCK_N,
                 STAGES, True, CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, LAZY, EXP_POLY, P_PACK,
-                q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW)
+                q_lo, Q_REGS, first_tile, window_left, window_right, WINDOW, softcap_in, SOFTCAP)
 
         # The last P V.
         last = ring0 + num_tiles - 1
@@ -1610,7 +1639,8 @@ if _GLUON:
                   EXP_POLY: gl.constexpr = 0, P_PACK: gl.constexpr = True,
                   Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
                   VARLEN: gl.constexpr = False, WINDOW: gl.constexpr = False,
-                  WORK_LIST: gl.constexpr = False, SINKS: gl.constexpr = False):
+                  WORK_LIST: gl.constexpr = False, SINKS: gl.constexpr = False,
+                  SOFTCAP: gl.constexpr = False):
         """A consumer partition: rows [WG * R, (WG + 1) * R) of every work tile this CTA takes, R =
         16 * num_warps (64 for a warpgroup under warp specialization, all 128 rows without).
         ``LOADS``: issue the K/V loads itself (no producer partition). ``shared``: the runtime
@@ -1622,7 +1652,7 @@ if _GLUON:
          turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks,
          batch_size, qk_scale, QScale, KScale, VScale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
          scale_shift_q, scale_shift_k, v_max_index, head_group, SeqlensK, CuSeqlensQ, Out, window_left,
-         window_right, WorkList, Sinks) = shared
+         window_right, WorkList, Sinks, softcap_in) = shared
         ROWS: gl.constexpr = 16 * gl.num_warps()
         num_bh = num_heads * batch_size
         total, entries = _work_total(WorkList, num_m_blocks, num_bh, num_heads, WORK_LIST)
@@ -1682,7 +1712,8 @@ if _GLUON:
                                   OWN_RANGE, LAZY, EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK,
                                   CuSeqlensQ, Out, num_heads, VARLEN, seqlen_k, first_tile=first,
                                   num_left=num_left, window_left=window_left,
-                                  window_right=window_right, WINDOW=WINDOW, Sinks=Sinks, SINKS=SINKS)
+                                  window_right=window_right, WINDOW=WINDOW, Sinks=Sinks, SINKS=SINKS,
+                                  softcap_in=softcap_in, SOFTCAP=SOFTCAP)
                     ring += num_tiles
                     event += num_tiles + 1
                     live += 1  # Q loads so far: the parity of this consumer's Q barrier
@@ -1696,7 +1727,8 @@ if _GLUON:
                               CAUSAL, WG, PINGPONG, LOADS, FP8, JOINT, Q_BUFS == 2, OWN_RANGE, LAZY,
                               EXP_POLY, P_PACK, Q_REGS, SEQUSED_K, SeqlensK, first_tile=first,
                               num_left=num_left, window_left=window_left, window_right=window_right,
-                              WINDOW=WINDOW, Sinks=Sinks, SINKS=SINKS)
+                              WINDOW=WINDOW, Sinks=Sinks, SINKS=SINKS, softcap_in=softcap_in,
+                              SOFTCAP=SOFTCAP)
                 ring += num_tiles
                 event += num_tiles + 1
         if Q_BUFS == 2:
@@ -1714,7 +1746,8 @@ if _GLUON:
                         stride_lh, seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                         qk_scale, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
                         scale_shift_q, scale_shift_k, v_max_index, head_group, page_size, stride_bt,
-                        window_left, window_right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        window_left, window_right, softcap_in, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        HEAD_DIM: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8: gl.constexpr,
                         JOINT_RELEASE: gl.constexpr, Q_BUFS: gl.constexpr = 1,
@@ -1724,7 +1757,7 @@ if _GLUON:
                         Q_REGS: gl.constexpr = 0, SEQUSED_K: gl.constexpr = False,
                         PAGE_ROWS: gl.constexpr = 0, VARLEN: gl.constexpr = False,
                         WINDOW: gl.constexpr = False, WORK_LIST: gl.constexpr = False,
-                        SINKS: gl.constexpr = False):
+                        SINKS: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """Work tiles are (query block of BLOCK_M rows, head, batch), num_m_blocks * num_heads *
         batch_size of them, dealt to the CTAs in rows of one tile each (every other row reversed
         with ``SNAKE``): one tile per CTA when the grid covers them all, persistent when the grid
@@ -1743,7 +1776,8 @@ if _GLUON:
         sees keys [pos - window_left, pos + window_right] (see _tile_span). WORK_LIST (with VARLEN,
         persistent): the work tiles are the entries WorkList lists (packed_work_list), times the heads.
         SINKS: Sinks (H,) holds one more logit a query head (attention sinks), a column with no value
-        that each row's sum and LSE count."""
+        that each row's sum and LSE count. SOFTCAP (16-bit): scores capped as softcap * tanh(scale * s /
+        softcap), ``softcap_in`` = scale / softcap and ``qk_scale`` = softcap * log2(e)."""
         dtype: gl.constexpr = q_desc.dtype
         if PAGE_ROWS > 0:  # the descriptors' boxes are page pieces; a slot holds a whole key tile
             k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
@@ -1790,7 +1824,8 @@ if _GLUON:
                   v_empty, turn_bars, Lse, stride_lb, stride_lh, seqlen_q, seqlen_k, group_size,
                   num_heads, num_m_blocks, batch_size, qk_scale, QScale, KScale, VScale, stride_qsb,
                   stride_qsh, stride_ksb, stride_ksh, scale_shift_q, scale_shift_k, v_max_index,
-                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right, WorkList, Sinks)
+                  head_group, SeqlensK, CuSeqlensQ, Out, window_left, window_right, WorkList, Sinks,
+                  softcap_in)
         # Two partition lists, not one built up: a tuple holding a partition function does not
         # survive assignment in Gluon (it is not a value), so each list is written out whole.
         if WARP_SPECIALIZE and CONSUMERS == 3:
@@ -1803,15 +1838,15 @@ if _GLUON:
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST, SINKS)),
+                             WINDOW, WORK_LIST, SINKS, SOFTCAP)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST, SINKS)),
+                             WINDOW, WORK_LIST, SINKS, SOFTCAP)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, THIRD3, NO_PINGPONG, NO_LOADS3, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST, SINKS)),
+                             WINDOW, WORK_LIST, SINKS, SOFTCAP)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
@@ -1828,11 +1863,11 @@ if _GLUON:
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, FIRST, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST, SINKS)),
+                             WINDOW, WORK_LIST, SINKS, SOFTCAP)),
                 (_consumer, (q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                              CAUSAL, SECOND, PINGPONG, NO_LOADS, FP8, JOINT_RELEASE, Q_BUFS, SNAKE,
                              OWN_RANGE, LAZY_RESCALE, EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, VARLEN,
-                             WINDOW, WORK_LIST, SINKS)),
+                             WINDOW, WORK_LIST, SINKS, SOFTCAP)),
                 (_producer, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                              seqlen_q, seqlen_k, group_size, num_heads, num_m_blocks, batch_size,
                              head_group, SeqlensK, BlockTable, page_size, stride_bt, CuSeqlensQ,
@@ -1843,7 +1878,7 @@ if _GLUON:
         else:
             _consumer(q_smem, o_smem, q_bars, shared, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, 0,
                       False, True, FP8, False, Q_BUFS, SNAKE, OWN_RANGE, LAZY_RESCALE,
-                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, SINKS=SINKS)
+                      EXP2_POLY, P_PACK_ASM, Q_REGS, SEQUSED_K, SINKS=SINKS, SOFTCAP=SOFTCAP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1890,7 +1925,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
             "VARLEN": variant.varlen, "WINDOW": variant.window, "WORK_LIST": variant.work_list,
-            "SINKS": variant.sinks}
+            "SINKS": variant.sinks, "SOFTCAP": variant.softcap}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -1912,10 +1947,13 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim in HEAD_DIMS, H a multiple of
     Hk, rows TMA can address (16-byte aligned bases, positive 16-byte multiple strides, contiguous
     head dim), a positive softmax scale, any sliding window (``window_size``, bottom-right as
-    flash_attn aligns it), and none of dropout, softcap, ALiBi, packed or paged sequences (any other
+    flash_attn aligns it), a softcap without a window where SOFTCAP_IN_KERNEL, and none of dropout,
+    ALiBi, packed or paged sequences (any other
     keyword argument given as not None / nonzero counts as an unsupported feature, e.g.
     return_attn_probs=True)."""
-    del causal, deterministic  # both masks are handled; the forward is deterministic anyway
+    del deterministic  # the forward is deterministic anyway
+    if softcap and _has_window(causal, window_size):  # (the softcap variants are compiled without one)
+        return False
     if not _GLUON or not options_supported(softmax_scale=softmax_scale, dropout_p=dropout_p,
                                            window_size=window_size, softcap=softcap,
                                            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
@@ -1929,15 +1967,23 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return shapes_supported(q, k, v)
 
 
+def _has_window(causal: bool, window_size) -> bool:
+    """Whether flash_attn's ``window_size`` bounds a side (a causal call's right side is its diagonal)."""
+    window_size = tuple(window_size)
+    return len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
+
+
 def options_supported(*, softmax_scale: float | None = None, dropout_p: float = 0.0,
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
                       cu_seqlens_q=None, block_table=None, **unsupported) -> bool:
     """The option half of ``supported`` (no tensor or device is looked at)."""
     if softmax_scale is not None and not softmax_scale > 0:  # the running max assumes scale > 0
         return False
-    if dropout_p or softcap or alibi_slopes is not None or cu_seqlens_q is not None:
+    if dropout_p or alibi_slopes is not None or cu_seqlens_q is not None:
         return False
     if block_table is not None or len(tuple(window_size)) != 2:
+        return False
+    if softcap and not (SOFTCAP_IN_KERNEL and softcap > 0):
         return False
     return all(value in (None, 0, 0.0, False) for value in unsupported.values())
 
@@ -2053,19 +2099,20 @@ _MAX_PLAIN = 1024
 
 def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                seqused_k: bool = False, block_table: torch.Tensor | None = None,
-               sinks: bool = False) -> _PlainPlan | None:
+               sinks: bool = False, softcap: bool = False) -> _PlainPlan | None:
     """The cached launch plan of a plain call on tensors of this geometry (shapes, strides, dtypes,
     devices), or None where the kernel does not take them; ``seqused_k``: keys per sequence from the
     device; ``block_table`` (with seqused_k): k and v are page pools read through it. Data pointers
     are not looked at (callers check their alignment). ``sinks``: the variant with the attention
-    sinks' epilogue."""
+    sinks' epilogue; ``softcap``: the variant with the logit softcap (without seqused_k; callers
+    route softcapped calls here only with SOFTCAP_IN_KERNEL)."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), causal, seqused_k,
            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
-                                             block_table.get_device()), sinks)
+                                             block_table.get_device()), sinks, softcap)
     plan = _PLAIN.get(key, False)
     if plan is False:
-        plan = _plain_plan(q, k, v, causal, seqused_k, block_table, sinks)
+        plan = _plain_plan(q, k, v, causal, seqused_k, block_table, sinks, softcap)
         if len(_PLAIN) >= _MAX_PLAIN:
             _PLAIN.clear()
         _PLAIN[key] = plan
@@ -2074,7 +2121,8 @@ def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                   causal: bool, seqused_k: torch.Tensor | None = None,
-                  block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+                  block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                  softcap: float = 0.0):
     """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
     seqused_k=seqused_k, block_table=block_table)`` (fresh out and LSE, the shipped variant) with
     everything that depends only on the tensors' shapes, strides, dtypes and device looked up rather
@@ -2082,10 +2130,11 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     call, as much as the kernel itself at 1-2k tokens. Returns None, having launched nothing, where
     the kernel does not take the inputs or they sit on another than the current device: the caller
     then takes the general path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee).
-    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's)."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
+    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's).
+    ``softcap`` > 0: flash_attn's logit softcap (without seqused_k)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0 or softcap < 0:
         return None
-    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table, sinks is not None)
+    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table, sinks is not None, softcap > 0)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -2099,10 +2148,11 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
     # Unread pointers: lse; an unpaged seqused_k call's table, the (int32) lengths.
     lengths = lse if seqused_k is None else seqused_k
+    qk_scale, softcap_in = score_scalars(softmax_scale, softcap)
     launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, lengths,
                                        lengths if block_table is None else block_table, lse, out, lse,
                                        lse if sinks is None else sinks),
-           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+           (*plan.scalars_head, qk_scale, *plan.scalars_tail, softcap_in), geo.options, descriptors)
     return out, lse
 
 
@@ -2212,7 +2262,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descales: tup
                    _Descriptor(out, q_shape, plan.out_strides, geo.q_block, o_layout))
     launch(_attn_fwd_gluon, geo.grid, (lse, q_d, k_scales, v_scales, lse, lse, lse, out, lse,
                                        lse if sinks is None else sinks),
-           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail, 0.0), geo.options, descriptors)
     return out, lse
 
 
@@ -2237,16 +2287,19 @@ _MAX_PACKED = 1024
 
 
 def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                causal: bool, sinks: bool = False) -> _PackedPlan | None:
+                causal: bool, sinks: bool = False, softcap: bool = False) -> _PackedPlan | None:
     """The cached launch plan of ``packed_forward``'s call on tensors of this geometry (data
-    pointers are not looked at: the caller checks their alignment); ``sinks`` as plain_plan's."""
+    pointers are not looked at: the caller checks their alignment); ``sinks`` and ``softcap`` as
+    plain_plan's."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), cu_seqlens_q.shape, cu_seqlens_k.shape,
            cu_seqlens_q.stride(), cu_seqlens_k.stride(), cu_seqlens_q.dtype, cu_seqlens_k.dtype,
-           cu_seqlens_q.get_device(), cu_seqlens_k.get_device(), max_seqlen_q, max_seqlen_k, causal, sinks)
+           cu_seqlens_q.get_device(), cu_seqlens_k.get_device(), max_seqlen_q, max_seqlen_k, causal, sinks,
+           softcap)
     plan = _PACKED.get(key, False)
     if plan is False:
-        plan = _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks)
+        plan = _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks,
+                            softcap)
         if len(_PACKED) >= _MAX_PACKED:
             _PACKED.clear()
         _PACKED[key] = plan
@@ -2254,7 +2307,7 @@ def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
 
 def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                 causal: bool, sinks: bool = False) -> _PackedPlan | None:
+                 causal: bool, sinks: bool = False, softcap: bool = False) -> _PackedPlan | None:
     if q.dtype not in (torch.bfloat16, torch.float16) or max_seqlen_q <= 0 or max_seqlen_k <= 0:
         return None
     if not varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
@@ -2268,8 +2321,7 @@ def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     head_group = packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
     if head_group == 0 and work_list_wanted(variant, batch, total_q, max_seqlen_q, heads, _sm_count(q.device)):
         variant = with_work_list(variant)
-    if sinks:
-        variant = dataclasses.replace(variant, sinks=True)
+    variant = dataclasses.replace(variant, sinks=sinks, softcap=softcap)
     geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     out4 = torch.empty((1, total_q, heads, head_dim), dtype=q.dtype, device="meta")
     views = tuple((t.shape, t.stride()) for t in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4))
@@ -2295,17 +2347,20 @@ def packed_head_group(batch: int, total_q: int, total_k: int, max_seqlen_q: int,
 
 def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                   softmax_scale: float, causal: bool, sinks: torch.Tensor | None = None):
+                   softmax_scale: float, causal: bool, sinks: torch.Tensor | None = None,
+                   softcap: float = 0.0):
     """``gluon_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale=softmax_scale, causal=causal)`` (16-bit packed sequences, fresh out and LSE, the
     shipped variant) with what depends only on the tensors' geometry looked up: that call's checks
     and launch geometry took ~45 of a packed call's ~95 us of host time on the H200
     (varlen-host-h200-20261204-before.json). ``max_seqlen_k`` > 0. Returns None, having launched nothing,
     where the kernel does not take the inputs or they sit on another than the current device.
-    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's)."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0:
+    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's).
+    ``softcap`` > 0: flash_attn's logit softcap."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0 or softcap < 0:
         return None
-    plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks is not None)
+    plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks is not None,
+                       softcap > 0)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -2319,9 +2374,10 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    _Descriptor(out, o_shape, o_strides, geo.q_block, o_layout))
     work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, geo.options["BLOCK_M"], causal)
             if plan.work_list else lse)
+    qk_scale, softcap_in = score_scalars(softmax_scale, softcap)
     launch(_attn_fwd_gluon, geo.grid, (lse, lse, lse, lse, cu_seqlens_k, lse, cu_seqlens_q, out, work,
                                        lse if sinks is None else sinks),
-           (*plan.scalars_head, softmax_scale * LOG2E, *plan.scalars_tail), geo.options, descriptors)
+           (*plan.scalars_head, qk_scale, *plan.scalars_tail, softcap_in), geo.options, descriptors)
     return out, lse
 
 
@@ -2404,7 +2460,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          lse: torch.Tensor | None = None, descales=None,
                          scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None,
                          block_table: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-                         keyed_sequences: int = 0, sinks: torch.Tensor | None = None):
+                         keyed_sequences: int = 0, sinks: torch.Tensor | None = None,
+                         softcap: float = 0.0):
     """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
     and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
@@ -2429,7 +2486,9 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     sequence's own lengths (16-bit contiguous sequences only), as gluon_attention_forward takes it.
     The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
     says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device:
-    attention sinks, taken in the epilogue (the variant's with ``sinks``)."""
+    attention sinks, taken in the epilogue (the variant's with ``sinks``). ``softcap`` > 0
+    (16-bit contiguous sequences without a window): flash_attn's logit softcap (the variant's with
+    ``softcap``)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2453,6 +2512,9 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     windowed = len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
     if windowed and (fp8 or block_table is not None):
         raise ValueError("gluon_varlen_forward: a window takes 16-bit contiguous packed sequences")
+    if softcap and (not softcap > 0 or fp8 or block_table is not None or windowed):
+        raise ValueError("gluon_varlen_forward: a softcap (> 0) takes 16-bit contiguous packed sequences "
+                         "without a window")
     window_left, window_right = window_arguments(causal, window_size) if windowed else (0, 0)
     if paged and (block_table.dim() != 2 or block_table.shape[0] != batch):
         raise ValueError("gluon_varlen_forward: block_table must be (B, max_pages)")
@@ -2486,6 +2548,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         variant = with_work_list(variant)
     if sinks is not None:
         variant = dataclasses.replace(variant, sinks=True)
+    if softcap:
+        variant = dataclasses.replace(variant, softcap=True)
     geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device),
                     head_group, q.dtype)
     seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
@@ -2502,9 +2566,10 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         k4, v4 = k.unsqueeze(0), v.unsqueeze(0)
     descriptors = _descriptors(q.unsqueeze(0), k4, v4, out4, geo, variant)
     scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, max(max_seqlen_k, 1), lse)
+    qk_scale, softcap_in = score_scalars(softmax_scale, softcap)
     scalars = (0, lse.stride(0), max_seqlen_q, seqlen_k, heads // heads_k, heads,
-               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group, page_size,
-               stride_bt, window_left, window_right)
+               geo.num_m_blocks, batch, qk_scale, *scale_scalars, geo.head_group, page_size,
+               stride_bt, window_left, window_right, softcap_in)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         work = (packed_work_list(cu_seqlens_q, cu_seqlens_k, geo.num_m_blocks, variant.block_m, causal)
@@ -2542,8 +2607,11 @@ def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | Non
 
 
 def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
-                block_table: torch.Tensor | None = None, sinks: bool = False) -> _PlainPlan | None:
+                block_table: torch.Tensor | None = None, sinks: bool = False,
+                softcap: bool = False) -> _PlainPlan | None:
     batch, seqlen_q, heads, head_dim = q.shape
+    if softcap and seqused_k:
+        return None
     if block_table is not None:
         if not seqused_k or not paged_supported(q, k, v, block_table, causal):
             return None
@@ -2562,8 +2630,7 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
         variant = paged_variant(variant, page_size)
     elif seqused_k:
         variant = with_seqused_k(variant)
-    if sinks:
-        variant = dataclasses.replace(variant, sinks=True)
+    variant = dataclasses.replace(variant, sinks=sinks, softcap=softcap)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
@@ -2583,6 +2650,14 @@ def _descriptors(q, k, v, out, geo: "_Geometry", variant: GluonVariant) -> tuple
             _Descriptor(out, out.shape, out.stride(), geo.q_block, o_layout))
 
 
+def score_scalars(softmax_scale: float, softcap: float = 0.0) -> tuple[float, float]:
+    """(qk_scale, softcap_in), the launch's score scalars: the scale in log2 units, or with a
+    softcap, softcap * log2(e) after the tanh and softmax_scale / softcap before it (SOFTCAP)."""
+    if softcap:
+        return softcap * LOG2E, softmax_scale / softcap
+    return softmax_scale * LOG2E, 0.0
+
+
 def _scale_arguments(descales, scale_blocks: tuple[int, int], seqlen_k: int, lse: torch.Tensor):
     """(QScale, KScale, VScale) and their scalars for a launch: e4m3 ``descales`` as
     gluon_attention_forward takes them, or (None) the LSE standing in for unread pointers."""
@@ -2600,7 +2675,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
                             head_group: int | None = None, seqused_k: torch.Tensor | None = None,
                             block_table: torch.Tensor | None = None,
-                            window_size: tuple[int, int] = (-1, -1)):
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -2627,6 +2702,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     ``window_size`` (left, right), -1 for an unbounded side (16-bit q, k, v without seqused_k):
     flash_attn's sliding window, row i seeing keys [i + Sk - Sq - left, i + Sk - Sq + right] (causal:
     right 0 whatever is given).
+
+    ``softcap`` > 0 (16-bit q, k, v without seqused_k or a window): flash_attn's logit softcap,
+    scores softcap * tanh(softmax_scale * q.k / softcap).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -2680,14 +2758,20 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         if fp8 or seqused_k is not None:
             raise ValueError("gluon_attention_forward: a window takes 16-bit inputs without seqused_k")
         variant = with_window(variant)
+    if softcap:
+        if not softcap > 0 or fp8 or seqused_k is not None or windowed:
+            raise ValueError("gluon_attention_forward: a softcap (> 0) takes 16-bit inputs without seqused_k "
+                             "or a window")
+        variant = dataclasses.replace(variant, softcap=True)
 
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     # e4m3 V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
     descriptors = _descriptors(q, k, v.permute(0, 2, 3, 1) if fp8 else v, out, geo, variant)
     scales, scale_scalars = _scale_arguments(descales if fp8 else None, scale_blocks, seqlen_k, lse)
+    qk_scale, softcap_in = score_scalars(softmax_scale, softcap)
     scalars = (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads // heads_k, heads,
-               geo.num_m_blocks, batch, softmax_scale * LOG2E, *scale_scalars, geo.head_group,
-               page_size, stride_bt, window_left, window_right)
+               geo.num_m_blocks, batch, qk_scale, *scale_scalars, geo.head_group,
+               page_size, stride_bt, window_left, window_right, softcap_in)
     # Launches go to the current device: switch only when the inputs live on another one.
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
@@ -2810,7 +2894,7 @@ def compile_for_sm90(variant: GluonVariant):
                  "BlockTable": "*i32" if variant.seqused_k else "*fp32",
                  "CuSeqlensQ": "*i32" if variant.varlen else "*fp32", "Out": f"*{out_dt}",
                  "WorkList": "*i32" if variant.work_list else "*fp32",
-                 "Sinks": "*fp32", "qk_scale": "fp32"}
+                 "Sinks": "*fp32", "qk_scale": "fp32", "softcap_in": "fp32"}
     constexprs = _kernel_constexprs(variant)
     attrs = {}
     for i, name in enumerate(fn.arg_names):

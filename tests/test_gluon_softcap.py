@@ -1,0 +1,216 @@
+"""The logit softcap in the Gluon forward (gluon_forward.SOFTCAP_IN_KERNEL): which calls reach the
+kernel with it, what its launches carry, and what stays on the portable kernel. A CPU runs no
+Gluon: the launches are recorded, and the routes stood in for by the portable kernel's result
+(benchmarks/softcap_check.py checks the kernel's numbers on an H200). The variants compile for
+sm_90 in test_gluon_compile (they are in GLUON_VARIANTS)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashtile.kernels import forward, gluon_forward
+from flashtile.kernels.gluon_forward import LOG2E
+
+BF16 = torch.bfloat16
+SCALE, CAP = 0.1, 30.0
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """gluon_forward's launches recorded instead of run, on a stand-in sm_90 with 132 SMs."""
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    for cache in ("_PLAIN", "_PACKED"):
+        monkeypatch.setattr(gluon_forward, cache, {})
+    recorded = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: recorded.append(args))
+    monkeypatch.setattr(gluon_forward, "_GLUON", True)
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
+    monkeypatch.setattr(gluon_forward, "_arch", lambda index: 90)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    return recorded
+
+
+def _plain(batch=2, sq=300, sk=500, heads=8, heads_k=2, d=128):
+    return (torch.randn(batch, sq, heads, d, dtype=BF16), torch.randn(batch, sk, heads_k, d, dtype=BF16),
+            torch.randn(batch, sk, heads_k, d, dtype=BF16))
+
+
+def _packed(d=128):
+    cu_q = torch.tensor([0, 5, 305], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 507], dtype=torch.int32)
+    return (torch.randn(305, 8, d, dtype=BF16), torch.randn(507, 2, d, dtype=BF16), torch.randn(507, 2, d, dtype=BF16),
+            cu_q, cu_k)
+
+
+def _calls(route, d, causal):
+    """(call(softcap), the variant the call dispatches without a softcap) of one launch route."""
+    if route in ("plain", "general"):
+        q, k, v = _plain(d=d)
+        variant = gluon_forward.dispatch_variant(d, "bf16", causal, 500)
+        if route == "plain":
+            return (lambda cap: gluon_forward.plain_forward(q, k, v, SCALE, causal, softcap=cap)), variant
+        return (lambda cap: gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=causal,
+                                                                  softcap=cap)), variant
+    q, k, v, cu_q, cu_k = _packed(d)
+    variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "bf16", causal, 500))
+    if route == "packed":
+        return (lambda cap: gluon_forward.packed_forward(q, k, v, cu_q, cu_k, 300, 500, SCALE, causal,
+                                                         softcap=cap)), variant
+    return (lambda cap: gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 500, softmax_scale=SCALE,
+                                                           causal=causal, softcap=cap)), variant
+
+
+@pytest.mark.parametrize("route", ["plain", "general", "packed", "varlen"])
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False), (256, True)])
+def test_softcap_launches_the_softcap_variant_with_its_scalars(launches, route, d, causal):
+    """With a softcap the launch runs the dispatched variant with ``softcap`` (one of the compile-checked
+    GLUON_VARIANTS, work-listed or not), its score scale softcap * log2(e) and, as the last scalar,
+    softmax_scale / softcap (the kernel's tanh argument); without one, the variant without it, the
+    scale in log2 units and 0.0 there."""
+    call, variant = _calls(route, d, causal)
+    call(CAP)
+    call(0.0)
+    (_, _, _, scalars, options, _), (_, _, _, plain_scalars, plain_options, _) = launches
+    assert options["SOFTCAP"] and not plain_options["SOFTCAP"]
+    names = [n for n in gluon_forward._attn_fwd_gluon.arg_names if n not in options]
+    scalar_names = names[len(names) - len(scalars):]
+    assert scalar_names[-1] == "softcap_in" and "qk_scale" in scalar_names
+    at = scalar_names.index("qk_scale")
+    assert scalars[at] == pytest.approx(CAP * LOG2E) and scalars[-1] == pytest.approx(SCALE / CAP)
+    assert plain_scalars[at] == pytest.approx(SCALE * LOG2E) and plain_scalars[-1] == 0.0
+    assert isinstance(scalars[-1], float) and isinstance(plain_scalars[-1], float)  # (one launcher key class)
+    launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
+    assert launched and all(v.softcap for v in launched)
+    assert dataclasses.replace(launched[0], softcap=False).name.replace("-wl", "") == variant.name
+    assert plain_options is gluon_forward._launch_options(dataclasses.replace(launched[0], softcap=False))
+
+
+def test_softcap_variants_are_16_bit():
+    with pytest.raises(ValueError, match="softcap"):
+        dataclasses.replace(gluon_forward.default_variant(128, "fp8", False), softcap=True)
+    assert dataclasses.replace(gluon_forward.default_variant(128, "bf16", False), softcap=True).name.endswith(
+        "-softcap")
+
+
+def test_softcap_refusals(launches):
+    """A softcap with a window, seqused_k, e4m3 inputs or below 0 is turned away before any launch:
+    ``supported`` says no, the plans give None, the direct launches raise."""
+    q, k, v = _plain()
+    assert gluon_forward.supported(q, k, v, causal=True, softcap=CAP)
+    assert not gluon_forward.supported(q, k, v, causal=True, softcap=CAP, window_size=(128, 0))
+    assert not gluon_forward.supported(q, k, v, causal=False, softcap=CAP, window_size=(-1, 64))
+    assert gluon_forward.supported(q, k, v, causal=False, window_size=(-1, 64))  # (a window alone: yes)
+    assert not gluon_forward.supported(q, k, v, causal=True, softcap=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=True, softcap=CAP,
+                                              window_size=(128, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=True, softcap=CAP,
+                                              seqused_k=torch.full((2,), 400, dtype=torch.int32))
+    with pytest.raises(ValueError, match="softcap"):
+        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=True, softcap=-2.0)
+    q_p, k_p, v_p, cu_q, cu_k = _packed()
+    with pytest.raises(ValueError, match="softcap"):
+        gluon_forward.gluon_varlen_forward(q_p, k_p, v_p, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=True,
+                                           softcap=CAP, window_size=(256, 0))
+    lengths = torch.full((2,), 400, dtype=torch.int32)
+    assert gluon_forward.plain_forward(q, k, v, SCALE, True, seqused_k=lengths, softcap=CAP) is None
+    assert gluon_forward.plain_forward(q, k, v, SCALE, True, softcap=-1.0) is None
+    assert gluon_forward.packed_forward(q_p, k_p, v_p, cu_q, cu_k, 300, 500, SCALE, True, softcap=-1.0) is None
+    assert not launches
+    gluon_forward.SOFTCAP_IN_KERNEL = False  # (the fixture restores it)
+    assert not gluon_forward.supported(q, k, v, causal=True, softcap=CAP)
+
+
+class ReachedPortable(Exception):
+    """The call got past every Gluon route to the portable kernel's launch."""
+
+
+def _portable_reached(*args, **kwargs):
+    raise ReachedPortable
+
+
+@pytest.mark.parametrize("switch", [True, False])
+@pytest.mark.parametrize("route", ["plain", "general", "packed", "packed-general"])
+def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, route, switch):
+    """attention_forward gives a softcapped 16-bit call to the Gluon routes with the softcap where
+    SOFTCAP_IN_KERNEL (plain calls, packed sequences on contiguous keys), and otherwise goes on to the
+    portable kernel's launch without asking them."""
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", switch)
+    if route.startswith("packed"):
+        cu_q = torch.tensor([0, 5, 30], dtype=torch.int32)
+        cu_k = torch.tensor([0, 7, 47], dtype=torch.int32)
+        q, k, v = (torch.randn(n, h, 64, dtype=BF16) for n, h in ((30, 4), (47, 2), (47, 2)))
+        kw = dict(softmax_scale=SCALE, window_left=-1, window_right=0, diag_offset=0, cu_seqlens_q=cu_q,
+                  cu_seqlens_k=cu_k, max_seqlen_q=25, max_seqlen_k=40)
+    else:
+        q, k, v = _plain(2, 30, 41, 4, 2, 64)
+        kw = dict(softmax_scale=SCALE, window_left=-1, window_right=0, diag_offset=11)
+    given = []
+    result = (torch.zeros(1), torch.zeros(1))
+
+    def stand_in(*args, **kwargs):
+        given.append(kwargs.get("softcap"))
+        return result
+    monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(forward, "_INTERPRET", False)
+    monkeypatch.setattr(forward, "GLUON_ENABLED", True)
+    monkeypatch.setattr(forward, "_launch_forward", _portable_reached)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(forward, "split_keys_wanted", lambda *args: False)
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    if route == "plain":
+        monkeypatch.setattr(gluon_forward, "plain_forward", stand_in)
+    elif route == "general":
+        monkeypatch.setattr(gluon_forward, "plain_forward", lambda *args, **kwargs: None)
+        monkeypatch.setattr(gluon_forward, "supported", lambda *args, **kwargs: kwargs.get("softcap") == CAP)
+        monkeypatch.setattr(gluon_forward, "gluon_attention_forward", stand_in)
+    elif route == "packed":
+        monkeypatch.setattr(gluon_forward, "packed_forward", stand_in)
+    else:
+        monkeypatch.setattr(gluon_forward, "packed_forward", lambda *args, **kwargs: None)
+        monkeypatch.setattr(gluon_forward, "varlen_supported", lambda *args, **kwargs: True)
+        monkeypatch.setattr(gluon_forward, "gluon_varlen_forward", stand_in)
+    if switch:
+        assert forward.attention_forward(q, k, v, softcap=CAP, **kw) is result
+        assert given == [CAP]
+    else:
+        with pytest.raises(ReachedPortable):
+            forward.attention_forward(q, k, v, softcap=CAP, **kw)
+        assert given == []
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_softcap_with_a_window_stays_on_the_portable_kernel(monkeypatch, packed):
+    """Even with SOFTCAP_IN_KERNEL, a softcapped sliding window is the portable kernel's (no variant
+    with both is compiled): no Gluon route launches it."""
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
+    monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(forward, "_INTERPRET", False)
+    monkeypatch.setattr(forward, "GLUON_ENABLED", True)
+    monkeypatch.setattr(forward, "GLUON_WINDOW", True)
+    monkeypatch.setattr(forward, "GLUON_WINDOW_MIN_KEYS", {64: 1})
+    monkeypatch.setattr(forward, "_launch_forward", _portable_reached)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    monkeypatch.setattr(gluon_forward, "_GLUON", True)
+    monkeypatch.setattr(gluon_forward, "_arch", lambda index: 90)
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Gluon launch was asked")
+    for name in ("gluon_attention_forward", "gluon_varlen_forward", "launch"):
+        monkeypatch.setattr(gluon_forward, name, refuse)
+    if packed:
+        cu = torch.tensor([0, 20, 45], dtype=torch.int32)
+        q, k, v = (torch.randn(45, h, 64, dtype=BF16) for h in (4, 2, 2))
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=25, max_seqlen_k=25, diag_offset=0)
+    else:
+        q, k, v = _plain(1, 40, 40, 4, 2, 64)
+        kw = dict(diag_offset=0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    with pytest.raises(ReachedPortable):
+        forward.attention_forward(q, k, v, softmax_scale=SCALE, window_left=8, window_right=0, softcap=CAP, **kw)
