@@ -5,10 +5,11 @@ calls without it.
     PYTHONPATH=src python benchmarks/softcap_check.py --out $OUT [--rounds N] [--check-only] [--smoke]
 
 Checks: flash_attn_func and flash_attn_varlen_func with the switch on, at head dims 64/128/256, full
-and causal, odd lengths (Sq != Sk, not multiples of the tiles), batch > 1, GQA and MQA, against
-float64 textbook attention with the same softcap (2x the error of textbook attention in bf16; the
-LSE to fp32 rounding), outputs NaN-filled by the kernel's own allocation (the plain calls write every
-element: a NaN fails), and that the call ran the Gluon kernel (its launch is counted). A training
+and causal, sliding windows (Gemma 2's local layers), odd lengths (Sq != Sk, not multiples of the
+tiles), batch > 1, GQA and MQA, against float64 textbook attention with the same softcap (2x the
+error of textbook attention in bf16; the LSE to fp32 rounding), with the allocator's free memory
+filled with NaN before each call (the call allocates its output there: an unwritten element fails),
+and that the call ran the Gluon kernel (its launch is counted). A training
 step's gradients (the portable backward after the Gluon forward: the same tanh formula) against
 autograd through textbook attention in bf16 (3x its error).
 Timings (medians of triton.testing.do_bench over rounds that rotate the calls): prefill, batch 2,
@@ -55,14 +56,24 @@ def gluon_launches():
     return count, lambda: setattr(gluon_forward, "launch", inner)
 
 
+def poison(device) -> None:
+    """NaN into memory the caching allocator will hand out next (the calls' outputs come from it)."""
+    if device.type == "cuda":
+        torch.empty(64 << 20, dtype=torch.float32, device=device).fill_(float("nan"))
+
+
 def check_cases(smoke: bool):
-    """(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, causal) of the plain checks."""
+    """(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, causal, window) of the plain checks."""
     if smoke:
-        return [(2, 37, 45, 4, 2, 64, True), (1, 33, 33, 2, 1, 128, False)]
-    return [(2, 1000, 1000, 8, 2, 64, True), (1, 777, 1533, 4, 4, 64, False),
-            (2, 1031, 2049, 16, 8, 128, True), (1, 4096, 4096, 8, 1, 128, False),
-            (2, 1500, 1500, 16, 8, 256, True), (1, 700, 3000, 4, 2, 256, False),
-            (1, 3000, 700, 4, 2, 128, True)]
+        return [(2, 37, 45, 4, 2, 64, True, (-1, -1)), (1, 33, 33, 2, 1, 128, False, (-1, -1)),
+                (1, 40, 40, 2, 1, 128, True, (9, 0))]
+    full = (-1, -1)
+    return [(2, 1000, 1000, 8, 2, 64, True, full), (1, 777, 1533, 4, 4, 64, False, full),
+            (2, 1031, 2049, 16, 8, 128, True, full), (1, 4096, 4096, 8, 1, 128, False, full),
+            (2, 1500, 1500, 16, 8, 256, True, full), (1, 700, 3000, 4, 2, 256, False, full),
+            (1, 3000, 700, 4, 2, 128, True, full),
+            # Gemma 2's local layers: a sliding window with the softcap
+            (1, 3000, 3000, 16, 8, 256, True, (1024, 0)), (2, 2000, 2500, 8, 2, 128, False, (700, 600))]
 
 
 def run_checks(device, smoke: bool) -> list:
@@ -71,26 +82,29 @@ def run_checks(device, smoke: bool) -> list:
     count, restore = gluon_launches()
     set_switch(True)
     try:
-        for batch, sq, sk, h, hk, d, causal in check_cases(smoke):
+        for batch, sq, sk, h, hk, d, causal, window in check_cases(smoke):
             q = torch.randn(batch, sq, h, d, device=device, dtype=torch.bfloat16)
             k = torch.randn(batch, sk, hk, d, device=device, dtype=torch.bfloat16)
             v = torch.randn(batch, sk, hk, d, device=device, dtype=torch.bfloat16)
             q, k = q * 3, k * 3  # scores past the cap's knee
             before = count[0]
-            out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, softcap=SOFTCAP, return_attn_probs=True)
+            poison(device)
+            out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=SOFTCAP,
+                                                    return_attn_probs=True)
             launched = count[0] - before
             rows = slice(max(0, sq - 512), sq)  # the reference on the last rows (bottom-right: the same rows)
             err, budget = assert_matches_reference(out[:, rows], lse[:, :, rows], q[:, rows], k, v, causal=causal,
-                                                   softcap=SOFTCAP)
-            results.append(dict(case="plain", shape=[batch, sq, sk, h, hk, d], causal=causal, gluon=launched,
-                                of_budget=err / budget))
+                                                   window_size=window, softcap=SOFTCAP)
+            results.append(dict(case="plain", shape=[batch, sq, sk, h, hk, d], causal=causal, window=list(window),
+                                gluon=launched, of_budget=err / budget))
             print(json.dumps(results[-1]), flush=True)
             if not smoke:
                 assert launched == 1, f"the Gluon kernel did not run ({launched} launches)"
         # packed sequences of different lengths
-        for d, causal in ((64, True), (128, False), (256, True)) if not smoke else ((64, True),):
-            lens_q = [1, 300, 1024, 77] if not smoke else [1, 20, 9]
-            lens_k = [5, 300, 1500, 900] if not smoke else [3, 20, 30]
+        for d, causal, window in (((64, True, (-1, -1)), (128, False, (-1, -1)), (256, True, (-1, -1)),
+                                   (128, True, (1024, 0))) if not smoke else ((64, True, (-1, -1)),)):
+            lens_q = [1, 300, 1024, 77, 2000] if not smoke else [1, 20, 9]
+            lens_k = [5, 300, 1500, 900, 2500] if not smoke else [3, 20, 30]
             h, hk = 8, 2
             cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
             cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -98,17 +112,21 @@ def run_checks(device, smoke: bool) -> list:
             k = torch.randn(sum(lens_k), hk, d, device=device, dtype=torch.bfloat16) * 3
             v = torch.randn(sum(lens_k), hk, d, device=device, dtype=torch.bfloat16)
             before = count[0]
+            poison(device)
             out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                           causal=causal, softcap=SOFTCAP, return_attn_probs=True)
+                                                           causal=causal, window_size=window, softcap=SOFTCAP,
+                                                           return_attn_probs=True)
             launched = count[0] - before
             worst = 0.0
             for b in range(len(lens_q)):
                 q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
                 err, budget = assert_matches_reference(out[q0:q1].unsqueeze(0), lse[:, q0:q1].unsqueeze(0),
                                                        q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0),
-                                                       v[k0:k1].unsqueeze(0), causal=causal, softcap=SOFTCAP)
+                                                       v[k0:k1].unsqueeze(0), causal=causal, window_size=window,
+                                                       softcap=SOFTCAP)
                 worst = max(worst, err / budget if budget else 0.0)
-            results.append(dict(case="packed", head_dim=d, causal=causal, gluon=launched, of_budget=worst))
+            results.append(dict(case="packed", head_dim=d, causal=causal, window=list(window), gluon=launched,
+                                of_budget=worst))
             print(json.dumps(results[-1]), flush=True)
             if not smoke:
                 assert launched == 1, f"the Gluon kernel did not run ({launched} launches)"
@@ -149,42 +167,48 @@ def run_timings(rounds: int) -> list:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     rows = []
-    for heads, heads_k, d in ((16, 8, 256), (32, 16, 128)):
-        for causal in (True, False):
-            batch, s = 2, 4096
-            q = torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(batch, s, heads_k, d, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(batch, s, heads_k, d, device="cuda", dtype=torch.bfloat16)
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    points = [(16, 8, 256, True, (-1, -1), 2, 4096), (16, 8, 256, False, (-1, -1), 2, 4096),
+              (32, 16, 128, True, (-1, -1), 2, 4096), (32, 16, 128, False, (-1, -1), 2, 4096),
+              (16, 8, 256, True, (4096, 0), 1, 16384)]  # (a local layer: SDPA takes no window)
+    for heads, heads_k, d, causal, window, batch, s in points:
+        q = torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, s, heads_k, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(batch, s, heads_k, d, device="cuda", dtype=torch.bfloat16)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
-            def call(mode):
-                if mode in ("flash", "cudnn"):
-                    backend = SDPBackend.FLASH_ATTENTION if mode == "flash" else SDPBackend.CUDNN_ATTENTION
-                    with sdpa_kernel(backend):
-                        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                                                enable_gqa=True)
-                set_switch(mode == "gluon")
-                return flashtile.flash_attn_func(q, k, v, causal=causal, softcap=0.0 if mode == "nocap" else SOFTCAP)
-            modes = ["gluon", "portable", "nocap", "flash", "cudnn"]
-            available = []
-            for mode in modes:
-                try:
-                    call(mode)
-                    available.append(mode)
-                except RuntimeError as e:  # (an SDPA backend that refuses the shape)
-                    print(f"{mode}: {str(e).splitlines()[0]}")
-            times = {m: [] for m in available}
-            for r in range(rounds):
-                for i in range(len(available)):
-                    mode = available[(r + i) % len(available)]
-                    times[mode].append(do_bench(lambda: call(mode)))
-            set_switch(False)
+        def call(mode):
+            if mode in ("flash", "cudnn"):
+                backend = SDPBackend.FLASH_ATTENTION if mode == "flash" else SDPBackend.CUDNN_ATTENTION
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                            enable_gqa=True)
+            set_switch(mode == "gluon")
+            return flashtile.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                             softcap=0.0 if mode == "nocap" else SOFTCAP)
+        modes = ["gluon", "portable", "nocap"] + (["flash", "cudnn"] if window == (-1, -1) else [])
+        available = []
+        for mode in modes:
+            try:
+                call(mode)
+                available.append(mode)
+            except RuntimeError as e:  # (an SDPA backend that refuses the shape)
+                print(f"{mode}: {str(e).splitlines()[0]}")
+        times = {m: [] for m in available}
+        for r in range(rounds):
+            for i in range(len(available)):
+                mode = available[(r + i) % len(available)]
+                times[mode].append(do_bench(lambda: call(mode)))
+        set_switch(False)
+        if window == (-1, -1):
             flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
-            row = dict(heads=heads, heads_k=heads_k, head_dim=d, batch=batch, seqlen=s, causal=causal,
-                       **{f"ms_{m}": median(times[m]) for m in available})
-            row.update({f"tflops_{m}": flops / row[f"ms_{m}"] / 1e9 for m in available})
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        else:  # the pairs a causal window keeps
+            pairs = sum(min(i + 1, window[0] + 1) for i in range(s))
+            flops = 4 * batch * heads * pairs * d
+        row = dict(heads=heads, heads_k=heads_k, head_dim=d, batch=batch, seqlen=s, causal=causal, window=window,
+                   **{f"ms_{m}": median(times[m]) for m in available})
+        row.update({f"tflops_{m}": flops / row[f"ms_{m}"] / 1e9 for m in available})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -205,11 +229,12 @@ def main(argv=None) -> int:
                        softcap=SOFTCAP, rounds=args.rounds, checks=checks, rows=rows), f, indent=1)
     print(f"checks: {len(checks)} passed, worst {max(c['of_budget'] for c in checks):.2f} of the budget")
     if rows:
-        print(f"{'heads':>6} {'d':>4} {'causal':>6} | ms: {'gluon':>7} {'portable':>8} {'nocap':>7} {'flash':>7}"
+        print(f"{'heads':>6} {'d':>4} {'causal':>6} {'window':>6} | ms: {'gluon':>7} {'portable':>8} {'nocap':>7}"
+              f" {'flash':>7}"
               f" {'cudnn':>7} | gluon/portable gluon/nocap gluon/cudnn(no cap)")
         for r in rows:
             ms = [r.get(f"ms_{m}", float("nan")) for m in ("gluon", "portable", "nocap", "flash", "cudnn")]
-            print(f"{r['heads']:>3}/{r['heads_k']:<2} {r['head_dim']:>4} {str(r['causal']):>6} | "
+            print(f"{r['heads']:>3}/{r['heads_k']:<2} {r['head_dim']:>4} {str(r['causal']):>6} {r['window'][0]:>6} | "
                   + " ".join(f"{x:7.3f}" for x in ms)
                   + f" | {ms[1] / ms[0]:14.2f}x {ms[2] / ms[0]:10.2f}x {ms[4] / ms[0]:10.2f}x")
     return 0

@@ -1,10 +1,8 @@
 """The logit softcap in the Gluon forward (gluon_forward.SOFTCAP_IN_KERNEL): which calls reach the
 kernel with it, what its launches carry, and what stays on the portable kernel. A CPU runs no
-Gluon: the launches are recorded, and the routes stood in for by the portable kernel's result
-(benchmarks/softcap_check.py checks the kernel's numbers on an H200). The variants compile for
-sm_90 in test_gluon_compile (they are in GLUON_VARIANTS)."""
-
-import dataclasses
+Gluon: the launches are recorded and the routes stood in for (benchmarks/softcap_check.py checks
+the kernel's numbers on an H200). The variants compile for sm_90 in test_gluon_compile (they are in
+GLUON_VARIANTS)."""
 
 import pytest
 import torch
@@ -84,29 +82,25 @@ def test_softcap_launches_the_softcap_variant_with_its_scalars(launches, route, 
     assert isinstance(scalars[-1], float) and isinstance(plain_scalars[-1], float)  # (one launcher key class)
     launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
     assert launched and all(v.softcap for v in launched)
-    assert dataclasses.replace(launched[0], softcap=False).name.replace("-wl", "") == variant.name
-    assert plain_options is gluon_forward._launch_options(dataclasses.replace(launched[0], softcap=False))
+    base = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is plain_options]
+    assert base and gluon_forward.with_softcap(base[0]) == launched[0]
+    assert base[0].name.replace("-wl", "") == variant.name
 
 
 def test_softcap_variants_are_16_bit():
     with pytest.raises(ValueError, match="softcap"):
-        dataclasses.replace(gluon_forward.default_variant(128, "fp8", False), softcap=True)
-    assert dataclasses.replace(gluon_forward.default_variant(128, "bf16", False), softcap=True).name.endswith(
+        gluon_forward.with_softcap(gluon_forward.default_variant(128, "fp8", False))
+    assert gluon_forward.with_softcap(gluon_forward.default_variant(128, "bf16", False)).name.endswith(
         "-softcap")
 
 
 def test_softcap_refusals(launches):
-    """A softcap with a window, seqused_k, e4m3 inputs or below 0 is turned away before any launch:
-    ``supported`` says no, the plans give None, the direct launches raise."""
+    """A softcap with seqused_k, page pools or below 0 is turned away before any launch: ``supported``
+    says no, the plans give None, the direct launches raise."""
     q, k, v = _plain()
     assert gluon_forward.supported(q, k, v, causal=True, softcap=CAP)
-    assert not gluon_forward.supported(q, k, v, causal=True, softcap=CAP, window_size=(128, 0))
-    assert not gluon_forward.supported(q, k, v, causal=False, softcap=CAP, window_size=(-1, 64))
-    assert gluon_forward.supported(q, k, v, causal=False, window_size=(-1, 64))  # (a window alone: yes)
+    assert gluon_forward.supported(q, k, v, causal=True, softcap=CAP, window_size=(128, 0))
     assert not gluon_forward.supported(q, k, v, causal=True, softcap=-1.0)
-    with pytest.raises(ValueError, match="softcap"):
-        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=True, softcap=CAP,
-                                              window_size=(128, 0))
     with pytest.raises(ValueError, match="softcap"):
         gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=True, softcap=CAP,
                                               seqused_k=torch.full((2,), 400, dtype=torch.int32))
@@ -115,7 +109,11 @@ def test_softcap_refusals(launches):
     q_p, k_p, v_p, cu_q, cu_k = _packed()
     with pytest.raises(ValueError, match="softcap"):
         gluon_forward.gluon_varlen_forward(q_p, k_p, v_p, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=True,
-                                           softcap=CAP, window_size=(256, 0))
+                                           softcap=-1.0)
+    pools = torch.randn(40, 16, 2, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="softcap"):
+        gluon_forward.gluon_varlen_forward(q_p, pools, pools, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=True,
+                                           softcap=CAP, block_table=torch.arange(40, dtype=torch.int32).view(2, 20))
     lengths = torch.full((2,), 400, dtype=torch.int32)
     assert gluon_forward.plain_forward(q, k, v, SCALE, True, seqused_k=lengths, softcap=CAP) is None
     assert gluon_forward.plain_forward(q, k, v, SCALE, True, softcap=-1.0) is None
@@ -185,32 +183,21 @@ def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, ro
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_softcap_with_a_window_stays_on_the_portable_kernel(monkeypatch, packed):
-    """Even with SOFTCAP_IN_KERNEL, a softcapped sliding window is the portable kernel's (no variant
-    with both is compiled): no Gluon route launches it."""
-    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
-    monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
-    monkeypatch.setattr(forward, "_INTERPRET", False)
-    monkeypatch.setattr(forward, "GLUON_ENABLED", True)
-    monkeypatch.setattr(forward, "GLUON_WINDOW", True)
-    monkeypatch.setattr(forward, "GLUON_WINDOW_MIN_KEYS", {64: 1})
-    monkeypatch.setattr(forward, "_launch_forward", _portable_reached)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
-    monkeypatch.setattr(gluon_forward, "_GLUON", True)
-    monkeypatch.setattr(gluon_forward, "_arch", lambda index: 90)
-    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a Gluon launch was asked")
-    for name in ("gluon_attention_forward", "gluon_varlen_forward", "launch"):
-        monkeypatch.setattr(gluon_forward, name, refuse)
+@pytest.mark.parametrize("d, causal, window", [(128, True, (1024, 0)), (256, False, (512, 300))])
+def test_windowed_softcap_launches_the_window_softcap_variant(launches, packed, d, causal, window):
+    """Gemma 2's local layers: a sliding window with the softcap runs the window variant with
+    ``softcap`` (compile-checked in GLUON_VARIANTS), the window's sides and the softcap's scalars."""
     if packed:
-        cu = torch.tensor([0, 20, 45], dtype=torch.int32)
-        q, k, v = (torch.randn(45, h, 64, dtype=BF16) for h in (4, 2, 2))
-        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=25, max_seqlen_k=25, diag_offset=0)
+        q, k, v, cu_q, cu_k = _packed(d)
+        gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=causal,
+                                           softcap=CAP, window_size=window)
     else:
-        q, k, v = _plain(1, 40, 40, 4, 2, 64)
-        kw = dict(diag_offset=0)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    with pytest.raises(ReachedPortable):
-        forward.attention_forward(q, k, v, softmax_scale=SCALE, window_left=8, window_right=0, softcap=CAP, **kw)
+        q, k, v = _plain(d=d)
+        gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=causal, softcap=CAP,
+                                              window_size=window)
+    ((_, _, _, scalars, options, _),) = launches
+    assert options["SOFTCAP"] and options["WINDOW"]
+    assert scalars[-3:-1] == gluon_forward.window_arguments(causal, window)
+    assert scalars[-1] == pytest.approx(SCALE / CAP)
+    launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
+    assert launched and all(v.softcap and v.window for v in launched)

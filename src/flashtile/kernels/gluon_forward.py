@@ -570,6 +570,14 @@ def with_window(variant: GluonVariant) -> GluonVariant:
                                max_stack=max(variant.max_stack, stack))
 
 
+def with_softcap(variant: GluonVariant) -> GluonVariant:
+    """The schedule of ``variant`` with the logit softcap in its softmax (16-bit). The tanh's
+    exponential and reciprocal keep a few more values live: sm_90 compiles (CPU machine) keep up to
+    16 more stack bytes than the variant without (d256 packed windows: 128), and up to 48 where that
+    kept fewer (d128 full: 16, d256 causal: 48)."""
+    return dataclasses.replace(variant, softcap=True, max_stack=max(variant.max_stack + 16, 48))
+
+
 # A window side without a bound, as the kernel takes it: past any key position (rows' positions
 # plus or minus it stay within int32 for sequences under 2^30 keys).
 UNBOUNDED_WINDOW = 1 << 30
@@ -628,7 +636,7 @@ FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 # compiled for sm_90 on a CPU, 2026-12-05).
 SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "0") not in ("", "0")
 # flash_attn's ``softcap`` (Gemma 2) in the kernel's softmax, for 16-bit plain calls and packed
-# sequences on contiguous keys without a window (plain_forward, packed_forward,
+# sequences on contiguous keys, sliding windows included (plain_forward, packed_forward,
 # gluon_attention_forward, gluon_varlen_forward); other softcapped calls run the portable kernel.
 # Off until checked on an H200 (FLASHTILE_GLUON_SOFTCAP=1 turns it on; written and compiled for
 # sm_90 on a CPU, 2026-12-05).
@@ -750,11 +758,15 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                                         with_work_list(with_window(with_varlen(dispatch_variant(d, "bf16", c, 1)))))
                          if not listed.work_list or listed.persistent])]
                   # the logit softcap (SOFTCAP_IN_KERNEL): the plain and packed schedules a call may
-                  # dispatch, bf16 (fp16 is the same code but for the element type)
-                  + [dataclasses.replace(v, softcap=True) for d in HEAD_DIMS for c in (False, True)
+                  # dispatch, bf16 (fp16 is the same code but for the element type), and windowed
+                  # (Gemma 2's local layers: a 4096-key window with the softcap)
+                  + [with_softcap(v) for d in HEAD_DIMS for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
-                     for v in (dispatch_variant(d, "bf16", c, n), with_varlen(dispatch_variant(d, "bf16", c, n)),
-                               with_work_list(with_varlen(dispatch_variant(d, "bf16", c, n))))
+                     for plain in (dispatch_variant(d, "bf16", c, n),)
+                     for v in (plain, with_varlen(plain), with_work_list(with_varlen(plain)),
+                               *((with_window(plain), with_window(with_varlen(plain)),
+                                  with_work_list(with_window(with_varlen(plain))))
+                                 if d in WINDOW_HEAD_DIMS and n == 1 else ()))
                      if not v.work_list or v.persistent])
 
 
@@ -1947,13 +1959,11 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     compute capability 9.0 GPU, bf16 or fp16 (all three alike), head dim in HEAD_DIMS, H a multiple of
     Hk, rows TMA can address (16-byte aligned bases, positive 16-byte multiple strides, contiguous
     head dim), a positive softmax scale, any sliding window (``window_size``, bottom-right as
-    flash_attn aligns it), a softcap without a window where SOFTCAP_IN_KERNEL, and none of dropout,
+    flash_attn aligns it), a softcap where SOFTCAP_IN_KERNEL, and none of dropout,
     ALiBi, packed or paged sequences (any other
     keyword argument given as not None / nonzero counts as an unsupported feature, e.g.
     return_attn_probs=True)."""
-    del deterministic  # the forward is deterministic anyway
-    if softcap and _has_window(causal, window_size):  # (the softcap variants are compiled without one)
-        return False
+    del causal, deterministic  # both masks are handled; the forward is deterministic anyway
     if not _GLUON or not options_supported(softmax_scale=softmax_scale, dropout_p=dropout_p,
                                            window_size=window_size, softcap=softcap,
                                            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
@@ -1965,12 +1975,6 @@ def supported(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if len({t.device for t in tensors}) != 1 or _arch(q.device.index) != 90:
         return False
     return shapes_supported(q, k, v)
-
-
-def _has_window(causal: bool, window_size) -> bool:
-    """Whether flash_attn's ``window_size`` bounds a side (a causal call's right side is its diagonal)."""
-    window_size = tuple(window_size)
-    return len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
 
 
 def options_supported(*, softmax_scale: float | None = None, dropout_p: float = 0.0,
@@ -2321,7 +2325,9 @@ def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     head_group = packed_head_group(batch, total_q, k.shape[0], max_seqlen_q, max_seqlen_k)
     if head_group == 0 and work_list_wanted(variant, batch, total_q, max_seqlen_q, heads, _sm_count(q.device)):
         variant = with_work_list(variant)
-    variant = dataclasses.replace(variant, sinks=sinks, softcap=softcap)
+    variant = dataclasses.replace(variant, sinks=sinks)
+    if softcap:
+        variant = with_softcap(variant)
     geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     out4 = torch.empty((1, total_q, heads, head_dim), dtype=q.dtype, device="meta")
     views = tuple((t.shape, t.stride()) for t in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4))
@@ -2487,8 +2493,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
     says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device:
     attention sinks, taken in the epilogue (the variant's with ``sinks``). ``softcap`` > 0
-    (16-bit contiguous sequences without a window): flash_attn's logit softcap (the variant's with
-    ``softcap``)."""
+    (16-bit contiguous sequences): flash_attn's logit softcap (the variant's with ``softcap``)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2512,9 +2517,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     windowed = len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
     if windowed and (fp8 or block_table is not None):
         raise ValueError("gluon_varlen_forward: a window takes 16-bit contiguous packed sequences")
-    if softcap and (not softcap > 0 or fp8 or block_table is not None or windowed):
-        raise ValueError("gluon_varlen_forward: a softcap (> 0) takes 16-bit contiguous packed sequences "
-                         "without a window")
+    if softcap and (not softcap > 0 or fp8 or block_table is not None):
+        raise ValueError("gluon_varlen_forward: a softcap (> 0) takes 16-bit contiguous packed sequences")
     window_left, window_right = window_arguments(causal, window_size) if windowed else (0, 0)
     if paged and (block_table.dim() != 2 or block_table.shape[0] != batch):
         raise ValueError("gluon_varlen_forward: block_table must be (B, max_pages)")
@@ -2549,7 +2553,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     if sinks is not None:
         variant = dataclasses.replace(variant, sinks=True)
     if softcap:
-        variant = dataclasses.replace(variant, softcap=True)
+        variant = with_softcap(variant)
     geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device),
                     head_group, q.dtype)
     seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
@@ -2630,7 +2634,9 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
         variant = paged_variant(variant, page_size)
     elif seqused_k:
         variant = with_seqused_k(variant)
-    variant = dataclasses.replace(variant, sinks=sinks, softcap=softcap)
+    variant = dataclasses.replace(variant, sinks=sinks)
+    if softcap:
+        variant = with_softcap(variant)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
@@ -2703,7 +2709,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     flash_attn's sliding window, row i seeing keys [i + Sk - Sq - left, i + Sk - Sq + right] (causal:
     right 0 whatever is given).
 
-    ``softcap`` > 0 (16-bit q, k, v without seqused_k or a window): flash_attn's logit softcap,
+    ``softcap`` > 0 (16-bit q, k, v without seqused_k): flash_attn's logit softcap,
     scores softcap * tanh(softmax_scale * q.k / softcap).
     """
     batch, seqlen_q, heads, head_dim = q.shape
@@ -2759,10 +2765,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
             raise ValueError("gluon_attention_forward: a window takes 16-bit inputs without seqused_k")
         variant = with_window(variant)
     if softcap:
-        if not softcap > 0 or fp8 or seqused_k is not None or windowed:
-            raise ValueError("gluon_attention_forward: a softcap (> 0) takes 16-bit inputs without seqused_k "
-                             "or a window")
-        variant = dataclasses.replace(variant, softcap=True)
+        if not softcap > 0 or fp8 or seqused_k is not None:
+            raise ValueError("gluon_attention_forward: a softcap (> 0) takes 16-bit inputs without seqused_k")
+        variant = with_softcap(variant)
 
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     # e4m3 V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
