@@ -5,7 +5,8 @@ calls without it.
     PYTHONPATH=src python benchmarks/softcap_check.py --out $OUT [--rounds N] [--check-only] [--smoke]
 
 Checks: flash_attn_func and flash_attn_varlen_func with the switch on, at head dims 64/128/256, full
-and causal, sliding windows (Gemma 2's local layers), odd lengths (Sq != Sk, not multiples of the
+and causal, sliding windows (Gemma 2's local layers), packed sequences on page pools (vLLM's
+prefill), odd lengths (Sq != Sk, not multiples of the
 tiles), batch > 1, GQA and MQA, against float64 textbook attention with the same softcap (2x the
 error of textbook attention in bf16; the LSE to fp32 rounding), with the allocator's free memory
 filled with NaN before each call (the call allocates its output there: an unwritten element fails),
@@ -126,6 +127,41 @@ def run_checks(device, smoke: bool) -> list:
                                                        softcap=SOFTCAP)
                 worst = max(worst, err / budget if budget else 0.0)
             results.append(dict(case="packed", head_dim=d, causal=causal, window=list(window), gluon=launched,
+                                of_budget=worst))
+            print(json.dumps(results[-1]), flush=True)
+            if not smoke:
+                assert launched == 1, f"the Gluon kernel did not run ({launched} launches)"
+        # vLLM's prefill: packed queries on shuffled page pools, the keys' counts as seqused_k
+        for d, causal, page in (((128, True, 16), (256, True, 256), (64, False, 16)) if not smoke
+                                else ((64, True, 16),)):
+            lens_q = [3, 512, 200] if not smoke else [3, 12]
+            lens_k = [1000, 1500, 200] if not smoke else [40, 12]
+            h, hk = 8, 2
+            cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
+            width = -(-max(lens_k) // page)
+            table = torch.randperm(len(lens_k) * width, device=device).view(len(lens_k), width).to(torch.int32)
+            pool_k, pool_v = (torch.randn(len(lens_k) * width, page, hk, d, device=device, dtype=torch.bfloat16)
+                              for _ in range(2))
+            pool_k = pool_k * 3
+            q = torch.randn(sum(lens_q), h, d, device=device, dtype=torch.bfloat16) * 3
+            used = torch.tensor(lens_k, dtype=torch.int32, device=device)
+            before = count[0]
+            poison(device)
+            out, lse, _ = flashtile.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, None, max(lens_q), max(lens_k),
+                                                           causal=causal, softcap=SOFTCAP, block_table=table,
+                                                           seqused_k=used, return_attn_probs=True)
+            launched = count[0] - before
+            worst = 0.0
+            for b in range(len(lens_q)):
+                q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+                rows = table[b].long()
+                k_b = pool_k[rows].flatten(0, 1)[:lens_k[b]].unsqueeze(0)
+                v_b = pool_v[rows].flatten(0, 1)[:lens_k[b]].unsqueeze(0)
+                err, budget = assert_matches_reference(out[q0:q1].unsqueeze(0), lse[:, q0:q1].unsqueeze(0),
+                                                       q[q0:q1].unsqueeze(0), k_b, v_b, causal=causal,
+                                                       softcap=SOFTCAP)
+                worst = max(worst, err / budget if budget else 0.0)
+            results.append(dict(case="pools", head_dim=d, causal=causal, page=page, gluon=launched,
                                 of_budget=worst))
             print(json.dumps(results[-1]), flush=True)
             if not smoke:

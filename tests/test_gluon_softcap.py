@@ -95,7 +95,7 @@ def test_softcap_variants_are_16_bit():
 
 
 def test_softcap_refusals(launches):
-    """A softcap with seqused_k, page pools or below 0 is turned away before any launch: ``supported``
+    """A softcap with seqused_k (plain calls), e4m3 inputs or below 0 is turned away before any launch: ``supported``
     says no, the plans give None, the direct launches raise."""
     q, k, v = _plain()
     assert gluon_forward.supported(q, k, v, causal=True, softcap=CAP)
@@ -110,10 +110,10 @@ def test_softcap_refusals(launches):
     with pytest.raises(ValueError, match="softcap"):
         gluon_forward.gluon_varlen_forward(q_p, k_p, v_p, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=True,
                                            softcap=-1.0)
-    pools = torch.randn(40, 16, 2, 128, dtype=BF16)
     with pytest.raises(ValueError, match="softcap"):
-        gluon_forward.gluon_varlen_forward(q_p, pools, pools, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=True,
-                                           softcap=CAP, block_table=torch.arange(40, dtype=torch.int32).view(2, 20))
+        gluon_forward.gluon_varlen_forward(q_p.to(torch.float8_e4m3fn), k_p.to(torch.float8_e4m3fn),
+                                           v_p.to(torch.float8_e4m3fn), cu_q, cu_k, 300, 500, softmax_scale=SCALE,
+                                           causal=True, softcap=CAP, descales=(None, None, None))
     lengths = torch.full((2,), 400, dtype=torch.int32)
     assert gluon_forward.plain_forward(q, k, v, SCALE, True, seqused_k=lengths, softcap=CAP) is None
     assert gluon_forward.plain_forward(q, k, v, SCALE, True, softcap=-1.0) is None
@@ -132,18 +132,21 @@ def _portable_reached(*args, **kwargs):
 
 
 @pytest.mark.parametrize("switch", [True, False])
-@pytest.mark.parametrize("route", ["plain", "general", "packed", "packed-general"])
+@pytest.mark.parametrize("route", ["plain", "general", "packed", "packed-general", "pools"])
 def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, route, switch):
     """attention_forward gives a softcapped 16-bit call to the Gluon routes with the softcap where
-    SOFTCAP_IN_KERNEL (plain calls, packed sequences on contiguous keys), and otherwise goes on to the
-    portable kernel's launch without asking them."""
+    SOFTCAP_IN_KERNEL (plain calls, packed sequences, contiguous or on page pools), and otherwise goes
+    on to the portable kernel's launch without asking them."""
     monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", switch)
-    if route.startswith("packed"):
+    if route.startswith("packed") or route == "pools":
         cu_q = torch.tensor([0, 5, 30], dtype=torch.int32)
         cu_k = torch.tensor([0, 7, 47], dtype=torch.int32)
         q, k, v = (torch.randn(n, h, 64, dtype=BF16) for n, h in ((30, 4), (47, 2), (47, 2)))
         kw = dict(softmax_scale=SCALE, window_left=-1, window_right=0, diag_offset=0, cu_seqlens_q=cu_q,
                   cu_seqlens_k=cu_k, max_seqlen_q=25, max_seqlen_k=40)
+        if route == "pools":
+            k, v = (torch.randn(6, 16, 2, 64, dtype=BF16) for _ in range(2))
+            kw["block_table"] = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     else:
         q, k, v = _plain(2, 30, 41, 4, 2, 64)
         kw = dict(softmax_scale=SCALE, window_left=-1, window_right=0, diag_offset=11)
@@ -169,7 +172,7 @@ def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, ro
         monkeypatch.setattr(gluon_forward, "gluon_attention_forward", stand_in)
     elif route == "packed":
         monkeypatch.setattr(gluon_forward, "packed_forward", stand_in)
-    else:
+    else:  # (page pools skip the plan route: block_table)
         monkeypatch.setattr(gluon_forward, "packed_forward", lambda *args, **kwargs: None)
         monkeypatch.setattr(gluon_forward, "varlen_supported", lambda *args, **kwargs: True)
         monkeypatch.setattr(gluon_forward, "gluon_varlen_forward", stand_in)
@@ -201,3 +204,21 @@ def test_windowed_softcap_launches_the_window_softcap_variant(launches, packed, 
     assert scalars[-1] == pytest.approx(SCALE / CAP)
     launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
     assert launched and all(v.softcap and v.window for v in launched)
+
+
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True), (256, True)])
+def test_packed_softcap_on_page_pools_launches_the_paged_softcap_variant(launches, page, d, causal):
+    """vLLM's prefill for Gemma 2: packed sequences on page pools with the softcap run the paged
+    variant with ``softcap`` (compile-checked in GLUON_VARIANTS) and the softcap's scalars."""
+    pages = 2 * -(-500 // page)
+    pools = torch.randn(pages, page, 2, d, dtype=BF16)
+    table = torch.randperm(pages, dtype=torch.int32).view(2, -1).contiguous()
+    q, _, _, cu_q, cu_k = _packed(d)
+    gluon_forward.gluon_varlen_forward(q, pools, pools, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=causal,
+                                       softcap=CAP, block_table=table)
+    ((_, _, _, scalars, options, _),) = launches
+    assert options["SOFTCAP"] and options["SEQUSED_K"] and options["VARLEN"]
+    assert scalars[-1] == pytest.approx(SCALE / CAP)
+    launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
+    assert launched and all(v.softcap and v.seqused_k for v in launched)

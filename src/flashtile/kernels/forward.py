@@ -817,7 +817,7 @@ def key_counts(batch: int, keys: int, device: torch.device) -> torch.Tensor:
 
 def _gluon_takes_softcap(softcap: float) -> bool:
     """Whether a call's softcap leaves it to the Gluon forward: none, or gluon_forward.SOFTCAP_IN_KERNEL
-    (16-bit plain calls and packed sequences on contiguous keys; the routes' own checks refuse the rest)."""
+    (16-bit plain calls and packed sequences; the routes' own checks refuse the rest)."""
     if not softcap:
         return True
     from . import gluon_forward
@@ -1227,7 +1227,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             or alibi_slopes is not None or not softmax_scale > 0):
         return None
     fp8 = q.dtype == torch.float8_e4m3fn
-    if softcap and not (_gluon_takes_softcap(softcap) and not fp8 and block_table is None):
+    if softcap and not (_gluon_takes_softcap(softcap) and not fp8):
         return None
     if window_left >= 0 or window_right > 0:  # a sliding window: plain calls' rule, 16-bit contiguous
         if not (GLUON_WINDOW and not fp8 and block_table is None

@@ -636,8 +636,9 @@ FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 # compiled for sm_90 on a CPU, 2026-12-05).
 SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "0") not in ("", "0")
 # flash_attn's ``softcap`` (Gemma 2) in the kernel's softmax, for 16-bit plain calls and packed
-# sequences on contiguous keys, sliding windows included (plain_forward, packed_forward,
-# gluon_attention_forward, gluon_varlen_forward); other softcapped calls run the portable kernel.
+# sequences, contiguous (sliding windows included) or on page pools (plain_forward, packed_forward,
+# gluon_attention_forward, gluon_varlen_forward); other softcapped calls (e4m3, the KV-cache call's
+# chunked prefill) run the portable kernel.
 # Off until checked on an H200 (FLASHTILE_GLUON_SOFTCAP=1 turns it on; written and compiled for
 # sm_90 on a CPU, 2026-12-05).
 SOFTCAP_IN_KERNEL = os.environ.get("FLASHTILE_GLUON_SOFTCAP", "0") not in ("", "0")
@@ -758,15 +759,19 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                                         with_work_list(with_window(with_varlen(dispatch_variant(d, "bf16", c, 1)))))
                          if not listed.work_list or listed.persistent])]
                   # the logit softcap (SOFTCAP_IN_KERNEL): the plain and packed schedules a call may
-                  # dispatch, bf16 (fp16 is the same code but for the element type), and windowed
-                  # (Gemma 2's local layers: a 4096-key window with the softcap)
+                  # dispatch, bf16 (fp16 is the same code but for the element type), windowed
+                  # (Gemma 2's local layers: a 4096-key window with the softcap), and packed on page
+                  # pools (vLLM's prefill: whole key tiles and the smallest box)
                   + [with_softcap(v) for d in HEAD_DIMS for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
                      for plain in (dispatch_variant(d, "bf16", c, n),)
                      for v in (plain, with_varlen(plain), with_work_list(with_varlen(plain)),
                                *((with_window(plain), with_window(with_varlen(plain)),
                                   with_work_list(with_window(with_varlen(plain))))
-                                 if d in WINDOW_HEAD_DIMS and n == 1 else ()))
+                                 if d in WINDOW_HEAD_DIMS and n == 1 else ()),
+                               *(paged for page in (256, min(PAGED_BOX_ROWS)) if n == 1
+                                 for paged in (varlen_paged_variant(d, "bf16", c, page),
+                                               with_work_list(varlen_paged_variant(d, "bf16", c, page)))))
                      if not v.work_list or v.persistent])
 
 
@@ -2493,7 +2498,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
     says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device:
     attention sinks, taken in the epilogue (the variant's with ``sinks``). ``softcap`` > 0
-    (16-bit contiguous sequences): flash_attn's logit softcap (the variant's with ``softcap``)."""
+    (16-bit sequences): flash_attn's logit softcap (the variant's with ``softcap``)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2517,8 +2522,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     windowed = len(window_size) == 2 and (window_size[0] >= 0 or (not causal and window_size[1] >= 0))
     if windowed and (fp8 or block_table is not None):
         raise ValueError("gluon_varlen_forward: a window takes 16-bit contiguous packed sequences")
-    if softcap and (not softcap > 0 or fp8 or block_table is not None):
-        raise ValueError("gluon_varlen_forward: a softcap (> 0) takes 16-bit contiguous packed sequences")
+    if softcap and (not softcap > 0 or fp8):
+        raise ValueError("gluon_varlen_forward: a softcap (> 0) takes 16-bit packed sequences")
     window_left, window_right = window_arguments(causal, window_size) if windowed else (0, 0)
     if paged and (block_table.dim() != 2 or block_table.shape[0] != batch):
         raise ValueError("gluon_varlen_forward: block_table must be (B, max_pages)")
