@@ -855,11 +855,11 @@ def sinks_case(rng):
             from flashtile.kernels import gluon_forward
             epilogue = rng.random() < 0.5
             params.update(epilogue=epilogue)
-            gluon_forward.SINKS_IN_EPILOGUE = epilogue
+            saved, gluon_forward.SINKS_IN_EPILOGUE = gluon_forward.SINKS_IN_EPILOGUE, epilogue
             try:
                 {"varlen-prefill": varlen_prefill, "kvcache": kvcache}.get(route, func_routes)(epilogue)
             finally:
-                gluon_forward.SINKS_IN_EPILOGUE = False
+                gluon_forward.SINKS_IN_EPILOGUE = saved
             return
         # decode steps on page pools (the decode takes the sinks; half an ulp as before)
         lens_k = [rng.randint(1, _n(5000)) for _ in range(rng.randint(1, 8))]

@@ -38,9 +38,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 SOFTCAP = 50.0
 
 
-def set_switch(on: bool) -> None:
+def set_switch(on: bool) -> bool:
+    """gluon_forward.SOFTCAP_IN_KERNEL set to ``on``; returns what it was."""
     from flashtile.kernels import gluon_forward
-    gluon_forward.SOFTCAP_IN_KERNEL = on
+    was, gluon_forward.SOFTCAP_IN_KERNEL = gluon_forward.SOFTCAP_IN_KERNEL, on
+    return was
 
 
 def gluon_launches():
@@ -81,7 +83,7 @@ def run_checks(device, smoke: bool) -> list:
     from helpers import assert_matches_reference, reference_grads
     results = []
     count, restore = gluon_launches()
-    set_switch(True)
+    switch = set_switch(True)
     try:
         for batch, sq, sk, h, hk, d, causal, window in check_cases(smoke):
             q = torch.randn(batch, sq, h, d, device=device, dtype=torch.bfloat16)
@@ -190,7 +192,7 @@ def run_checks(device, smoke: bool) -> list:
             assert launched == 1, f"the Gluon kernel did not run ({launched} launches)"
     finally:
         restore()
-        set_switch(False)
+        set_switch(switch)
     return results
 
 
@@ -203,6 +205,7 @@ def run_timings(rounds: int) -> list:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     rows = []
+    switch = set_switch(True)
     points = [(16, 8, 256, True, (-1, -1), 2, 4096), (16, 8, 256, False, (-1, -1), 2, 4096),
               (32, 16, 128, True, (-1, -1), 2, 4096), (32, 16, 128, False, (-1, -1), 2, 4096),
               (16, 8, 256, True, (4096, 0), 1, 16384)]  # (a local layer: SDPA takes no window)
@@ -234,7 +237,6 @@ def run_timings(rounds: int) -> list:
             for i in range(len(available)):
                 mode = available[(r + i) % len(available)]
                 times[mode].append(do_bench(lambda: call(mode)))
-        set_switch(False)
         if window == (-1, -1):
             flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
         else:  # the pairs a causal window keeps
@@ -245,6 +247,7 @@ def run_timings(rounds: int) -> list:
         row.update({f"tflops_{m}": flops / row[f"ms_{m}"] / 1e9 for m in available})
         rows.append(row)
         print(json.dumps(row), flush=True)
+    set_switch(switch)
     return rows
 
 

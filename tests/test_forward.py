@@ -169,15 +169,16 @@ def test_longer_sequence():
 
 def test_only_plain_calls_take_the_cached_gluon_plan(monkeypatch):
     """attention_forward hands flash_attn_func's plain call (fresh out/LSE, full or bottom-right
-    causal, nothing else) to gluon_forward.plain_forward and takes the general path when that
-    declines (None) or when the call is not plain."""
+    causal, a softcap with SOFTCAP_IN_KERNEL, nothing else) to gluon_forward.plain_forward and takes
+    the general path when that declines (None) or when the call is not plain."""
     from flashtile.kernels import forward, gluon_forward
     seen = []
 
-    def plain(q, k, v, softmax_scale, causal, sinks=None):
-        seen.append(causal)
+    def plain(q, k, v, softmax_scale, causal, sinks=None, softcap=0.0):
+        seen.append((causal, softcap) if softcap else causal)
         return None  # declined: the portable kernel runs
     monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
     monkeypatch.setattr(gluon_forward, "plain_forward", plain)
     q, k, v = (torch.randn(1, 70, 2, 64) for _ in range(3))
     base = dict(softmax_scale=0.125, window_left=-1, diag_offset=0)
@@ -189,6 +190,9 @@ def test_only_plain_calls_take_the_cached_gluon_plan(monkeypatch):
     assert torch.equal(out, ref) and seen == [True]
     attention_forward(q, k, v, window_right=-1, **base)
     assert seen == [True, False]
+    attention_forward(q, k, v, window_right=0, softcap=5.0, **base)
+    assert seen == [True, False, (True, 5.0)]
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", False)
     for extra in (dict(window_right=0, softcap=5.0), dict(window_right=4),
                   dict(window_right=-1, out=torch.empty_like(q)),
                   dict(window_right=-1, config=TileConfig(64, 64, 4, 1))):
@@ -196,7 +200,7 @@ def test_only_plain_calls_take_the_cached_gluon_plan(monkeypatch):
     attention_forward(q, k, v, softmax_scale=0.125, window_left=8, window_right=0, diag_offset=0)
     attention_forward(q[:, :30], k, v, softmax_scale=0.125, window_left=-1, window_right=0,
                       diag_offset=0)  # top-left causal with Sq != Sk: not flash_attn's mask
-    assert seen == [True, False]
+    assert seen == [True, False, (True, 5.0)]
 
 
 def test_short_windows_take_64_row_tiles_on_sm90_only(monkeypatch):

@@ -20,15 +20,15 @@ from flashtile.kernels import forward, gluon_backward, gluon_decode, gluon_forwa
 def test_gluon_variants_compile_for_sm90(module, shard):
     """Also the opt-in dK/dV kernel (kernels.gluon_backward) and the paged decode's variants
     (kernels.gluon_decode), within each variant's spill allowance and without wgmmas serialized
-    by ptxas (its C7515 advisory). The forward's 179 variants in
-    two shards, so that two test workers share a cold compile (~6 s a variant on the CI machine's
-    cores)."""
+    by ptxas (its C7515 advisory). The forward's variants (gluon_forward.compile_checked: 246 of the
+    348 shipped, FLASHTILE_COMPILE_ALL=1 for all) in two shards, so that two test workers share a
+    cold compile (~5.5 s a variant on the CI machine's cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", f"flashtile.kernels.{module}"]
                           + (["--shard", shard] if shard else []), env=env,
                           capture_output=True, text=True, timeout=1500)
     lines = proc.stdout.splitlines()
-    variants = {"gluon_forward": gluon_forward.GLUON_VARIANTS,
+    variants = {"gluon_forward": gluon_forward.compile_checked(),
                 "gluon_backward": gluon_backward.GLUON_BACKWARD_VARIANTS,
                 "gluon_decode": gluon_decode.CHECKED}[module]
     if shard:
@@ -70,7 +70,7 @@ def test_options_supported_accepts_the_plain_call():
 
 
 @pytest.mark.parametrize("options", [
-    {"dropout_p": 0.1}, {"softcap": 30.0},
+    {"dropout_p": 0.1}, {"softcap": -1.0},
     {"alibi_slopes": torch.ones(4)}, {"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)},
     {"block_table": torch.zeros(2, 4, dtype=torch.int32)}, {"return_attn_probs": True},
     {"softmax_scale": -0.1},
@@ -79,6 +79,15 @@ def test_options_supported_turns_away(options):
     assert not gluon_forward.options_supported(**options)
     q, k, v = _qkv()
     assert not gluon_forward.supported(q, k, v, causal=True, **options)
+
+
+def test_softcap_takes_the_kernel_only_with_its_switch(monkeypatch):
+    """A positive softcap runs in the kernel (SOFTCAP_IN_KERNEL, on by default); with the switch off
+    ``supported`` turns it away and the portable kernel takes the call."""
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
+    assert gluon_forward.options_supported(softmax_scale=0.125, softcap=30.0)
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", False)
+    assert not gluon_forward.options_supported(softmax_scale=0.125, softcap=30.0)
 
 
 def test_shapes_supported_accepts_gqa_bf16_and_fp16():
@@ -647,13 +656,16 @@ def test_packed_forward_declines_what_the_kernel_does_not_take(monkeypatch):
 
 
 def test_attention_forward_sends_plain_packed_calls_to_the_cached_plan(monkeypatch):
-    """attention_forward: a packed 16-bit call without window, softcap, ALiBi, dropout, page pools or
-    given out/lse goes to packed_forward (max_seqlen_k 0 standing for all packed keys); any of those
-    options, or packed_forward declining, takes the general path."""
+    """attention_forward: a packed 16-bit call without window, ALiBi, dropout, page pools or given
+    out/lse (a softcap with SOFTCAP_IN_KERNEL, on by default) goes to packed_forward (max_seqlen_k 0
+    standing for all packed keys); any of those options, a softcap with the switch off, or
+    packed_forward declining, takes the general path."""
     from flashtile.kernels import forward as fwd
     asked = []
     monkeypatch.setattr(fwd, "_PLAIN_GLUON", True)
-    monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a, **k: asked.append(a) or ("out", "lse"))
+    monkeypatch.setattr(gluon_forward, "packed_forward",
+                        lambda *a, **k: asked.append(a + (k.get("softcap"),)) or ("out", "lse"))
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
     q = torch.randn(30, 4, 64, dtype=torch.bfloat16)
@@ -661,18 +673,21 @@ def test_attention_forward_sends_plain_packed_calls_to_the_cached_plan(monkeypat
     kw = dict(softmax_scale=0.1, window_left=-1, diag_offset=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
               max_seqlen_q=20)
     assert fwd.attention_forward(q, k, k, window_right=0, max_seqlen_k=0, **kw) == ("out", "lse")
-    assert asked[-1][5:] == (20, 40, 0.1, True)
+    assert asked[-1][5:] == (20, 40, 0.1, True, 0.0)
     assert fwd.attention_forward(q, k, k, window_right=-1, max_seqlen_k=25, **kw) == ("out", "lse")
-    assert asked[-1][5:] == (20, 25, 0.1, False)
+    assert asked[-1][5:] == (20, 25, 0.1, False, 0.0)
+    assert fwd.attention_forward(q, k, k, window_right=0, max_seqlen_k=25, softcap=5.0, **kw) == ("out", "lse")
+    assert asked[-1][5:] == (20, 25, 0.1, True, 5.0)
     general = []
     monkeypatch.setattr(fwd, "_gluon_varlen", lambda *a, **k: general.append(k) or ("general", None))
     monkeypatch.setattr(fwd, "gluon_applies", lambda *a, **k: False)
     monkeypatch.setattr(fwd, "_INTERPRET", False)
     monkeypatch.setattr(fwd, "GLUON_ENABLED", True)
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", False)
     for extra in (dict(window_right=5), dict(window_right=0, softcap=5.0), dict(window_right=0, out=q),
                   dict(window_right=0, dropout_seed=cu), dict(window_right=0, alibi_slopes=cu)):
         assert fwd.attention_forward(q, k, k, max_seqlen_k=25, **extra, **kw) == ("general", None)
-    assert len(asked) == 2 and len(general) == 5
+    assert len(asked) == 3 and len(general) == 5
     monkeypatch.setattr(gluon_forward, "packed_forward", lambda *a, **k: None)
     assert fwd.attention_forward(q, k, k, window_right=0, max_seqlen_k=25, **kw) == ("general", None)
 

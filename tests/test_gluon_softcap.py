@@ -222,3 +222,23 @@ def test_packed_softcap_on_page_pools_launches_the_paged_softcap_variant(launche
     assert scalars[-1] == pytest.approx(SCALE / CAP)
     launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
     assert launched and all(v.softcap and v.seqused_k for v in launched)
+
+
+def test_softcap_check_script_runs_its_checks(tmp_path, capsys):
+    """benchmarks/softcap_check.py (the H200's check of the softcap in the kernel) runs its float64
+    checks through the interpreter (the portable kernel there): every case within the rule, and the
+    switch back as it was."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    before = gluon_forward.SOFTCAP_IN_KERNEL
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "softcap_check.py"
+    spec = importlib.util.spec_from_file_location("softcap_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--out", str(tmp_path)]) == 0
+    checks = json.loads((tmp_path / "softcap-check.json").read_text())["checks"]
+    assert {c["case"] for c in checks} == {"plain", "packed", "pools", "train"}
+    assert all(0 < c["of_budget"] <= 1 for c in checks)
+    assert gluon_forward.SOFTCAP_IN_KERNEL == before

@@ -783,6 +783,8 @@ def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
+    from flashtile.kernels import gluon_forward
+    before = gluon_forward.SINKS_IN_EPILOGUE
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "sinks_cost.py"
     spec = importlib.util.spec_from_file_location("sinks_cost", path)
     module = importlib.util.module_from_spec(spec)
@@ -791,5 +793,4 @@ def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
                         "--out", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check ")]
     assert len(lines) == 7  # two decode points, a prefill, packed keys, 16-key pools, e4m3, a chunk on a cache
-    from flashtile.kernels import gluon_forward
-    assert not gluon_forward.SINKS_IN_EPILOGUE  # (the script restores the switch: off here)
+    assert gluon_forward.SINKS_IN_EPILOGUE == before  # (the script restores the switch)

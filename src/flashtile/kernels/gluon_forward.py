@@ -203,6 +203,9 @@ class GluonVariant:
     # Gemma 2's logit softcap (flash_attn's ``softcap``): scores capped as softcap * tanh(scale * s /
     # softcap) before the softmax, the cap and scale runtime arguments. 16-bit inputs.
     softcap: bool = False
+    # (A/B alternate, not shipped) the softcap's tanh by tanh.approx.f32 (one MUFU op, ~2^-11
+    # relative error) instead of the portable kernel's exp2 formula, which the backward recomputes.
+    softcap_approx: bool = False
 
     def __post_init__(self):
         if self.snake and not self.persistent:
@@ -281,7 +284,7 @@ class GluonVariant:
         if self.sinks:
             sched += "-sinks"
         if self.softcap:
-            sched += "-softcap"
+            sched += "-softcap-approx" if self.softcap_approx else "-softcap"
         return (f"gluon-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-n{self.block_n}-s{self.stages}-{sched}")
 
@@ -632,16 +635,19 @@ WINDOW_HEAD_DIMS = (128, 256)
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 # Attention sinks in the plain and packed launches' epilogue (plain_forward, packed_forward,
 # gluon_varlen_forward, and fp8_forward for e4m3), instead of a pass over the finished output
-# (kernels/sinks.py): off until checked on an H200 (FLASHTILE_GLUON_SINKS=1 turns it on; written and
-# compiled for sm_90 on a CPU, 2026-12-05).
-SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "0") not in ("", "0")
+# (kernels/sinks.py). H200, gpt-oss's 64/8 heads d64 (sinks-cost-h200-20261205-e4m3-chunked): within
+# 0.1-2.7% of the call without sinks where the pass cost 3-33% (prefill 1.001x against 1.063x, packed
+# 1.004x / 1.117x, e4m3 prefill 0.997x / 1.110x, the KV-cache call's chunked prefill 1.006x / 1.326x;
+# 16-key pools 1.18x / 1.22x); float64 checks, compute-sanitizer and the GPU fuzzer clean.
+# FLASHTILE_GLUON_SINKS=0 turns it off.
+SINKS_IN_EPILOGUE = os.environ.get("FLASHTILE_GLUON_SINKS", "1") not in ("", "0")
 # flash_attn's ``softcap`` (Gemma 2) in the kernel's softmax, for 16-bit plain calls and packed
 # sequences, contiguous (sliding windows included) or on page pools (plain_forward, packed_forward,
 # gluon_attention_forward, gluon_varlen_forward); other softcapped calls (e4m3, the KV-cache call's
-# chunked prefill) run the portable kernel.
-# Off until checked on an H200 (FLASHTILE_GLUON_SOFTCAP=1 turns it on; written and compiled for
-# sm_90 on a CPU, 2026-12-05).
-SOFTCAP_IN_KERNEL = os.environ.get("FLASHTILE_GLUON_SOFTCAP", "0") not in ("", "0")
+# chunked prefill) run the portable kernel. H200, Gemma 2's shapes (softcap-check-h200-20261205):
+# 1.17-1.40x the portable kernel, 0.63-0.86x the same call without a softcap; 17 float64 checks,
+# compute-sanitizer and the GPU fuzzer clean. FLASHTILE_GLUON_SOFTCAP=0 turns it off.
+SOFTCAP_IN_KERNEL = os.environ.get("FLASHTILE_GLUON_SOFTCAP", "1") not in ("", "0")
 
 # What ships: the default schedule at every head dim, dtype and mask (what gluon_attention_forward
 # runs), then the alternates. The compile test covers all of them.
@@ -1249,7 +1255,10 @@ if _GLUON:
         SOFTCAP (16-bit): the score is softcap * tanh(scale * s / softcap), ``softcap_in`` = scale /
         softcap and ``qk_scale`` = softcap * log2(e), as the portable kernel computes it.
         """
-        if SOFTCAP:
+        if SOFTCAP == 2:  # (A/B: GluonVariant.softcap_approx)
+            s = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * softcap_in],
+                                          dtype=gl.float32, is_pure=True, pack=1)
+        elif SOFTCAP:
             # tanh through exp2 (MUFU) and one reciprocal, the portable kernel's formula: saturates
             # to +-1 without NaN at either end
             s = 1.0 - 2.0 / (gl.exp2(s * (softcap_in * 2.8853900817779268)) + 1.0)
@@ -1942,7 +1951,7 @@ def _kernel_constexprs(variant: GluonVariant) -> dict:
             "P_PACK_ASM": variant.p_pack_asm, "Q_REGS": variant.q_regs,
             "SEQUSED_K": variant.seqused_k, "PAGE_ROWS": variant.page_rows,
             "VARLEN": variant.varlen, "WINDOW": variant.window, "WORK_LIST": variant.work_list,
-            "SINKS": variant.sinks, "SOFTCAP": variant.softcap}
+            "SINKS": variant.sinks, "SOFTCAP": (2 if variant.softcap_approx else 1) if variant.softcap else 0}
 
 
 def _rows_per_consumer(variant: GluonVariant) -> int:
@@ -2977,17 +2986,34 @@ def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
             f"local {usage.get('local', '?')} B, stack {usage.get('stack', '?')} B"), spills
 
 
+def compile_checked(everything: bool | None = None) -> list[GluonVariant]:
+    """The variants the compile check builds: GLUON_VARIANTS but for the fp16 twins of bf16 variants
+    and the work-listed twins of the sinks and softcap variants, whose kernel code is their twin's
+    (the element type; the tile deal, itself compiled in the work-listed variants without sinks or
+    softcap). Those twins cost a cold CI run on two cores ~5 minutes of its 30 (each compile ~5.5 s
+    there, 102 of them). ``everything`` (default: FLASHTILE_COMPILE_ALL=1) keeps them."""
+    if everything is None:
+        everything = os.environ.get("FLASHTILE_COMPILE_ALL", "0") not in ("", "0")
+    if everything:
+        return list(GLUON_VARIANTS)
+    shipped = set(GLUON_VARIANTS)
+    return [v for v in GLUON_VARIANTS
+            if not (v.dtype == "fp16" and dataclasses.replace(v, dtype="bf16") in shipped)
+            and not ((v.sinks or v.softcap) and v.work_list and dataclasses.replace(v, work_list=False) in shipped)]
+
+
 def main(argv=None) -> int:
-    """Compile every shipped variant for sm_90 and print its resources; exit 1 if any fails,
-    spills or has its wgmmas serialized by ptxas."""
+    """Compile the shipped variants (compile_checked's; --all: every one) for sm_90 and print their
+    resources; exit 1 if any fails, spills or has its wgmmas serialized by ptxas."""
     import argparse
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--only", default="", help="substring of the variant names to compile")
     parser.add_argument("--shard", default="0/1", help="K/N: compile every N-th variant from K")
+    parser.add_argument("--all", action="store_true", help="every shipped variant (FLASHTILE_COMPILE_ALL=1)")
     args = parser.parse_args(argv)
     shard, shards = (int(x) for x in args.shard.split("/"))
     failed = 0
-    for variant in GLUON_VARIANTS[shard::shards]:
+    for variant in compile_checked(args.all or None)[shard::shards]:
         if args.only not in variant.name:
             continue
         try:
