@@ -705,9 +705,12 @@ def test_chunked_prefill_route_runs_the_forward_on_the_cache_lengths(prefill_rou
 
 
 def test_chunked_prefill_route_applies_sinks_to_the_forwards_result(prefill_route, monkeypatch):
-    """The routed call's forward takes no sinks: run_decode applies them to the (out, lse) it returns,
-    as apply_sinks_ does anywhere (the formula checked in test_sinks)."""
+    """With the Gluon epilogues' sinks off (FLASHTILE_GLUON_SINKS=0) the routed call's forward takes
+    no sinks: run_decode applies them to the (out, lse) it returns, as apply_sinks_ does anywhere (the
+    formula checked in test_sinks; with the switch on, as by default, the forward gets them: test_sinks'
+    chunked-prefill route test)."""
     from flashtile.kernels import gluon_forward, sinks as sinks_module
+    monkeypatch.setattr(gluon_forward, "SINKS_IN_EPILOGUE", False)
     dec, _ = prefill_route
     q = torch.randn(2, 512, 16, 64, dtype=F16)
     k = torch.randn(2, 900, 4, 64, dtype=F16)
