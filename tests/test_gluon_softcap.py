@@ -242,3 +242,22 @@ def test_softcap_check_script_runs_its_checks(tmp_path, capsys):
     assert {c["case"] for c in checks} == {"plain", "packed", "pools", "train"}
     assert all(0 < c["of_budget"] <= 1 for c in checks)
     assert gluon_forward.SOFTCAP_IN_KERNEL == before
+
+
+def test_short_softcapped_queries_on_long_keys_take_the_split_kv_decode_with_the_softcap(monkeypatch):
+    """A plain call that split_keys_wanted sends to the split-KV decode (few query rows on many keys)
+    keeps its softcap there (the decode kernels take it; the KV-cache tests check them)."""
+    from flashtile.kernels import decode
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
+    monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(forward, "split_keys_wanted", lambda *args: True)
+    monkeypatch.setattr(forward, "key_counts", lambda batch, keys, device: torch.full((batch,), keys))
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_forward, "plain_plan", lambda *args, **kwargs: "plan")
+    asked = []
+    monkeypatch.setattr(decode, "decode_attention", lambda *args, **kwargs: asked.append(kwargs) or "decoded")
+    q, k, v = _plain(1, 4, 3000, 8, 2, 128)
+    assert forward.attention_forward(q, k, v, softmax_scale=SCALE, window_left=-1, window_right=0,
+                                     diag_offset=2996, softcap=CAP) == "decoded"
+    assert asked[0]["softcap"] == CAP and asked[0]["window_right"] == 0
