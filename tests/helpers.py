@@ -114,3 +114,17 @@ def rotary_reference(x, cos, sin, positions, interleaved):
         z = torch.complex(rot[..., :half], rot[..., half:]) * turn
         rotated = torch.cat([z.real, z.imag], dim=-1)
     return torch.cat([rotated, x[..., 2 * half:].double()], dim=-1).to(x.dtype)
+
+
+def record_gluon_launches(monkeypatch) -> list:
+    """gluon_forward's launches recorded instead of run (their arguments, a tuple each), its plan
+    caches emptied, on a stand-in current device with 132 SMs: a CPU test of what a launch carries."""
+    from flashtile.kernels import gluon_forward
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
+    for cache in ("_PLAIN", "_PACKED", "_FP8"):
+        monkeypatch.setattr(gluon_forward, cache, {})
+    recorded = []
+    monkeypatch.setattr(gluon_forward, "launch", lambda *args: recorded.append(args))
+    return recorded

@@ -1223,13 +1223,8 @@ def test_sinks_launch_the_sinks_variant_with_their_pointer(monkeypatch, route):
     """With attention sinks (SINKS_IN_EPILOGUE's routes) the Gluon launches run the dispatched
     variant with ``sinks``, one of the compile-checked GLUON_VARIANTS, with the sinks as the last
     pointer; without them, the variant without (the LSE in that slot) from a plan of its own."""
-    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
-    for cache in ("_PLAIN", "_FP8"):
-        monkeypatch.setattr(gluon_forward, cache, {})
-    launches = []
-    monkeypatch.setattr(gluon_forward, "launch", lambda *args: launches.append(args))
+    from helpers import record_gluon_launches
+    launches = record_gluon_launches(monkeypatch)
     monkeypatch.setattr(gluon_forward, "supported", lambda *a, **kw: gluon_forward.shapes_supported(*a[:3]))
     monkeypatch.setattr(gluon_forward, "_on_one_sm90", lambda *tensors: True)
     e4m3 = torch.float8_e4m3fn

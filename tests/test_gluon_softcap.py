@@ -9,6 +9,7 @@ import torch
 
 from flashtile.kernels import forward, gluon_forward
 from flashtile.kernels.gluon_forward import LOG2E
+from helpers import record_gluon_launches
 
 BF16 = torch.bfloat16
 SCALE, CAP = 0.1, 30.0
@@ -17,13 +18,7 @@ SCALE, CAP = 0.1, 30.0
 @pytest.fixture
 def launches(monkeypatch):
     """gluon_forward's launches recorded instead of run, on a stand-in sm_90 with 132 SMs."""
-    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
-    for cache in ("_PLAIN", "_PACKED"):
-        monkeypatch.setattr(gluon_forward, cache, {})
-    recorded = []
-    monkeypatch.setattr(gluon_forward, "launch", lambda *args: recorded.append(args))
+    recorded = record_gluon_launches(monkeypatch)
     monkeypatch.setattr(gluon_forward, "_GLUON", True)
     monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
     monkeypatch.setattr(gluon_forward, "_arch", lambda index: 90)
