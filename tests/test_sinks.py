@@ -518,6 +518,36 @@ def test_bad_sinks_are_named_before_any_launch():
         flashtile.flash_attn_func(q8, k8, v8, s_aux=torch.zeros(4, requires_grad=True))
 
 
+def test_strided_sinks_are_read_as_their_values():
+    """A strided (H,) s_aux (a slice of a larger parameter) reaches the kernels, which read sinks[h]
+    at offset h, as its values: the calls match the reference with those sinks, and the transformers
+    decode plan does not take them."""
+    from flashtile.integrations import transformers as integration
+
+    q, k, v = make_qkv(2, 20, 29, 4, 2, 32, BF16)
+    sinks = sinks_for(8)[::2]
+    assert not sinks.is_contiguous()
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, s_aux=sinks)
+    assert_matches_reference(out, lse, q, k, v, causal=True, sinks=sinks)
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 29, 58], dtype=torch.int32)
+    packed = flashtile.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, 20, 29,
+                                              causal=True, s_aux=sinks)
+    assert torch.equal(packed.view_as(out), out)
+    lengths = torch.tensor([29, 17], dtype=torch.int32)
+    step = flashtile.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths, num_splits=2, s_aux=sinks)
+    for b, n in enumerate(lengths.tolist()):
+        ref, _ = attention(q[b:b + 1, :1].double(), k[b:b + 1, :n].double(), v[b:b + 1, :n].double(),
+                           sinks=sinks.double())
+        assert (step[b:b + 1].double() - ref).abs().max() < 2e-2
+    query, key = q[:, :1].transpose(1, 2), k.transpose(1, 2)
+    module = torch.nn.Module()
+    with torch.no_grad():
+        assert integration._decode_signature(module, query, key, key, 0.0, 0.2, None, None, {"s_aux": sinks}) is None
+        assert integration._decode_signature(module, query, key, key, 0.0, 0.2, None, None,
+                                             {"s_aux": sinks.contiguous()}) is not None
+
+
 def test_compiles_with_fullgraph():
     """Forward and backward with sinks under torch.compile(fullgraph=True): eager's results."""
     q, k, v = make_qkv(2, 20, 20, 4, 2, 32, BF16)

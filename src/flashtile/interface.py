@@ -154,7 +154,7 @@ def _check_deterministic(deterministic) -> bool:
 def _check_sinks(s_aux, q, ndim: int):
     """vLLM's ``s_aux`` (gpt-oss's attention sinks): one logit per query head, (H,) floating point on
     q's device; its shape is checked once q has the ``ndim`` dimensions its call takes (q's own check
-    names a q without them)."""
+    names a q without them). Returned contiguous: the kernels read sinks[h] at offset h."""
     if s_aux is None:
         return None
     if not isinstance(s_aux, torch.Tensor):
@@ -169,7 +169,7 @@ def _check_sinks(s_aux, q, ndim: int):
     if torch.is_grad_enabled() and s_aux.requires_grad and isinstance(q, torch.Tensor) \
             and q.dtype == torch.float8_e4m3fn:
         raise NotImplementedError("flashtile: FP8 attention is forward-only (s_aux requires grad)")
-    return s_aux
+    return s_aux if s_aux.is_contiguous() else s_aux.contiguous()
 
 
 def _with_sinks(out, lse, sinks, packed: bool, need_factor: bool = False):

@@ -130,6 +130,8 @@ def _decode_signature(module, query, key, value, dropout, scaling, sliding_windo
         return None
     is_causal = kwargs.get("is_causal")
     sinks = kwargs.get("s_aux")  # a layer's own tensor at every call: its shape, dtype and device key
+    if sinks is not None and not sinks.is_contiguous():  # (the kernels read sinks[h] at offset h)
+        return None
     # Under CUDA graph capture a decode plans differently (split for the GPU, not the host).
     return (query.shape, query.stride(), query.dtype, key.shape, key.stride(), key.dtype, value.shape,
             value.stride(), value.dtype, query.get_device(), key.get_device(), value.get_device(),
