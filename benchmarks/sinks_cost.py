@@ -2,7 +2,7 @@
 heads, 8 KV heads, head dim 64; 120b's, 20b has 64/8 too).
 
     PYTHONPATH=src python benchmarks/sinks_cost.py --out $OUT [--rounds N] [--smoke] [--check-only]
-        [--kinds decode,prefill,varlen,train,prefill-e4m3,chunked]
+        [--kinds decode,prefill,varlen,train,prefill-e4m3,chunked,window]
 
 Medians of triton.testing.do_bench in rounds that rotate the order of the calls: with s_aux,
 without, and without but returning the LSE (what the sinks need of the kernels), for: decode steps
@@ -13,7 +13,8 @@ vLLM calls it), a training step (forward and backward, 4k causal), and an e4m3 p
 flash_attn_func with FlashAttention-3's (B, Hk) descales (4k causal at head dim 128, the e4m3 Gluon
 kernel's; its check compares the epilogue's output with the pass's: one rounding apart), and
 flash_attn_with_kvcache's chunked prefill (512 queries on an 8k cache, contiguous and on 16-key
-pages: the Gluon forward with seqused_k); plus, for
+pages: the Gluon forward with seqused_k), and a causal prefill with a 1024-key window (32/8 heads, head
+dim 128: the Gluon kernel's general route, gluon_attention_forward); plus, for
 decode, host microseconds per eager call and the GPU time of one call replayed from a CUDA graph
 (how serving engines run decode: eager decode calls this small are host-bound). The prefill, packed,
 chunked and training points time the call with s_aux twice: the Gluon kernel's result with the sinks
@@ -42,11 +43,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def points(smoke: bool):
     if smoke:
         return [("decode", 2, 64, 0), ("decode", 2, 64, 16), ("prefill", 1, 32, 0), ("varlen", 2, 24, 0),
-                ("varlen", 2, 32, 16), ("train", 1, 32, 0), ("prefill-e4m3", 1, 32, 0), ("chunked", 1, 48, 16)]
+                ("varlen", 2, 32, 16), ("train", 1, 32, 0), ("prefill-e4m3", 1, 32, 0), ("chunked", 1, 48, 16),
+                ("window", 1, 40, 0)]
     decode = [("decode", b, n, page) for b in (1, 16, 64) for n in (8192, 32768) for page in (0, 16)
               if b * n <= 64 * 8192 or b == 16]
     return decode + [("prefill", 1, 4096, 0), ("varlen", 4, 1024, 0), ("varlen", 4, 1024, 16), ("train", 1, 4096, 0),
-                     ("prefill-e4m3", 1, 4096, 0), ("chunked", 1, 8192, 0), ("chunked", 1, 8192, 16)]
+                     ("prefill-e4m3", 1, 4096, 0), ("chunked", 1, 8192, 0), ("chunked", 1, 8192, 16),
+                     ("window", 1, 8192, 0)]
 
 
 def modes(kind: str) -> tuple:
@@ -59,9 +62,10 @@ def epilogue_sinks(mode: str) -> None:
     gluon_forward.SINKS_IN_EPILOGUE = mode == "epilogue"
 
 
-def check_rows(out, lse, q, k, v, sinks, cu=None, rows=256, rounded_twice=False) -> float:
-    """The last ``rows`` query rows of each sequence (bottom-right causal: the reference on those rows
-    alone is the same attention) against float64; the worst error as a share of the budget."""
+def check_rows(out, lse, q, k, v, sinks, cu=None, rows=256, rounded_twice=False, window=(-1, -1)) -> float:
+    """The last ``rows`` query rows of each sequence (bottom-right causal, with ``window`` if given: the
+    reference on those rows alone is the same attention) against float64; the worst error as a share of
+    the budget."""
     from helpers import assert_matches_reference
     worst = 0.0
     spans = ([(0, q.shape[1], 0, k.shape[1], b) for b in range(q.shape[0])] if cu is None else
@@ -75,7 +79,7 @@ def check_rows(out, lse, q, k, v, sinks, cu=None, rows=256, rounded_twice=False)
             got, got_lse = out[b:b + 1, first:q1], lse[b:b + 1, :, first:q1]
             qs, ks, vs = q[b:b + 1, first:q1], k[b:b + 1], v[b:b + 1]
         err, budget = assert_matches_reference(got, got_lse, qs, ks, vs, causal=True, sinks=sinks,
-                                               rounded_twice=rounded_twice)
+                                               rounded_twice=rounded_twice, window_size=window)
         worst = max(worst, err / budget if budget else 0.0)
     return worst
 
@@ -153,15 +157,19 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
             k, v, extra = pool_k, pool_v, dict(block_table=table)
         call.check = check
         return call
+    window = (-1, -1)
+    if kind == "window":  # a sliding window at head dim 128 (windows at d64 run the portable kernel)
+        heads, heads_k, d, window = 32, 8, 128, (keys // 8, 0)
+        sinks = sinks[:heads].contiguous()
     q = torch.randn(batch, keys, heads, d, device=device, dtype=dtype)
     k = torch.randn(batch, keys, heads_k, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
     taking = ("with", "epilogue")
-    if kind == "prefill":
+    if kind in ("prefill", "window"):
         def call(mode):
             epilogue_sinks(mode)
             return flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks if mode in taking else None,
-                                             return_attn_probs=mode == "lse")
+                                             return_attn_probs=mode == "lse", window_size=window)
     elif kind == "chunked":  # the cache's last 512 positions as one chunk, contiguous or on ``page``-key pages
         q = q[:, -min(512, keys):].contiguous()
         lengths = torch.full((batch,), keys, device=device, dtype=torch.int32)
@@ -225,9 +233,9 @@ def make_call(kind, batch, keys, page, device, heads=64, heads_k=8, d=64):
                     out, lse = chunk(sinks, lse=True)
                 else:
                     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, s_aux=sinks,
-                                                            return_attn_probs=True)
+                                                            return_attn_probs=True, window_size=window)
             result[f"{mode}_worst_of_budget"] = check_rows(out, lse, q, k, v, sinks, cu if kind == "varlen" else None,
-                                                           rounded_twice=mode == "with")
+                                                           rounded_twice=mode == "with", window=window)
         epilogue_sinks("with")
         return result
     call.check = check
@@ -255,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--check-only", action="store_true",
                     help="the points' checks, no timing (compute-sanitizer)")
-    ap.add_argument("--kinds", default="decode,prefill,varlen,train,prefill-e4m3,chunked",
+    ap.add_argument("--kinds", default="decode,prefill,varlen,train,prefill-e4m3,chunked,window",
                     help="which points (comma-separated)")
     args = ap.parse_args(argv)
     kinds = set(args.kinds.split(","))

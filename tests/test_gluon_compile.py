@@ -1218,7 +1218,7 @@ def test_mixed_batches_launch_with_a_work_list(monkeypatch, paged):
     assert not kernel[4]["WORK_LIST"] and kernel[2][8] is kernel[2][0]
 
 
-@pytest.mark.parametrize("route", ["plain-bf16", "plain-e4m3", "packed-e4m3"])
+@pytest.mark.parametrize("route", ["plain-bf16", "plain-e4m3", "packed-e4m3", "general-window", "general-seqused"])
 def test_sinks_launch_the_sinks_variant_with_their_pointer(monkeypatch, route):
     """With attention sinks (SINKS_IN_EPILOGUE's routes) the Gluon launches run the dispatched
     variant with ``sinks``, one of the compile-checked GLUON_VARIANTS, with the sinks as the last
@@ -1235,6 +1235,17 @@ def test_sinks_launch_the_sinks_variant_with_their_pointer(monkeypatch, route):
 
         def call(s):
             return gluon_forward.plain_forward(q, k, v, 0.1, True, sinks=s)
+    elif route.startswith("general"):  # gluon_attention_forward: a window, or a KV cache's lengths
+        q, k, v = (torch.randn(2, n, h, 128, dtype=torch.bfloat16) for n, h in ((300, 8), (500, 2), (500, 2)))
+        variant = gluon_forward.dispatch_variant(128, "bf16", True, 500)
+        lengths = torch.tensor([500, 321], dtype=torch.int32)
+        if route == "general-window":
+            variant, extra = gluon_forward.with_window(variant), dict(window_size=(256, 0))
+        else:
+            variant, extra = gluon_forward.with_seqused_k(variant), dict(seqused_k=lengths)
+
+        def call(s):
+            return gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=0.1, causal=True, sinks=s, **extra)
     elif route == "plain-e4m3":
         q = torch.randn(2, 300, 8, 128).to(e4m3)
         k = torch.randn(2, 500, 2, 128).to(e4m3)
@@ -1264,3 +1275,8 @@ def test_sinks_launch_the_sinks_variant_with_their_pointer(monkeypatch, route):
     assert options is gluon_forward._launch_options(with_sinks) and options["SINKS"]
     assert tensors[9] is sinks and plain_tensors[9] is not sinks and plain_tensors[9].shape == lse.shape
     assert plain_options is gluon_forward._launch_options(variant) and not plain_options["SINKS"]
+    if route.startswith("general"):  # read at offset h: (H,) and contiguous, or refused before a launch
+        for bad in (torch.randn(4), torch.randn(16)[::2]):
+            with pytest.raises(ValueError, match="sinks must be"):
+                call(bad)
+        assert len(launches) == 2

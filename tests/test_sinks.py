@@ -403,14 +403,15 @@ def e4m3_route_inputs(packed_sequences: bool):
 
 
 @pytest.mark.parametrize("route, inside", [("plain", False), ("general", False), ("packed", False),
-                                           ("packed-general", False), ("plain", True), ("packed", True),
+                                           ("packed-general", False), ("plain", True), ("general", True),
+                                           ("packed", True),
                                            ("packed-general", True), ("e4m3-plain", False), ("e4m3-plain", True),
                                            ("e4m3-packed-general", False), ("e4m3-packed-general", True)])
 def test_gluon_routes_take_the_sinks_after_the_kernel_or_in_it(monkeypatch, route, inside):
     """The Gluon forward routes (stood in for by the portable kernel's result without sinks, as a CPU
     runs no Gluon): attention_forward applies the sinks to the route's result in place, or with
-    gluon_forward.SINKS_IN_EPILOGUE the plain and packed launches, 16-bit and e4m3 (page pools and
-    windows included: _gluon_varlen), get them and nothing follows."""
+    gluon_forward.SINKS_IN_EPILOGUE the plain, general and packed launches, 16-bit and e4m3 (page
+    pools and windows included: _gluon_varlen), get them and nothing follows."""
     from flashtile.kernels import forward, gluon_forward, sinks as sinks_module
 
     sinks = 3.0 + torch.randn(4)  # near the rows' LSE (log of 12-41 keys, + ~0.5): each takes a share
@@ -627,13 +628,13 @@ def test_kvcache_stream_plans_take_the_sinks_inside(monkeypatch, sms):
                                  v_cache[b:b + 1, :n], causal=True, sinks=sinks)
 
 
-@pytest.mark.parametrize("inside, general", [(False, False), (True, False), (True, True)],
-                         ids=["after", "epilogue", "general-path"])
+@pytest.mark.parametrize("inside, general", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["after", "epilogue", "general-path-after", "general-path"])
 def test_kvcache_chunked_prefill_takes_the_sinks_in_the_gluon_epilogue(monkeypatch, inside, general):
     """flash_attn_with_kvcache's chunked prefill runs the Gluon forward with seqused_k (stood in for
-    by float64 attention rounded to bf16, as a CPU runs no Gluon): with SINKS_IN_EPILOGUE its launch
-    gets the sinks and nothing follows; without it, or on the general path (inputs on another than
-    the current device), the sinks are applied to the route's result after it."""
+    by float64 attention rounded to bf16, as a CPU runs no Gluon): with SINKS_IN_EPILOGUE its launch,
+    on the plan's path or the general one (inputs on another than the current device), gets the
+    sinks and nothing follows; without it the sinks are applied to the route's result after it."""
     from flashtile.kernels import decode, gluon_forward, sinks as sinks_module
 
     heads, heads_k, d = 4, 2, 64
@@ -656,24 +657,25 @@ def test_kvcache_chunked_prefill_takes_the_sinks_in_the_gluon_epilogue(monkeypat
 
     def general_stand_in(*args, **kwargs):
         given.append(("general", kwargs.get("sinks")))
-        return route_result(None)
+        return route_result(kwargs.get("sinks"))
     monkeypatch.setattr(decode, "prefill_wanted", lambda *args, **kwargs: True)
     monkeypatch.setattr(decode, "prefill_gathers", lambda *args: False)
     monkeypatch.setattr(gluon_forward, "plain_forward", plain_stand_in)
     monkeypatch.setattr(gluon_forward, "gluon_attention_forward", general_stand_in)
     monkeypatch.setattr(gluon_forward, "SINKS_IN_EPILOGUE", inside)
-    want, want_lse = route_result(sinks if inside and not general else None)
-    if inside and not general:
+    want, want_lse = route_result(sinks if inside else None)
+    if inside:
         refuse_after_passes(monkeypatch)
     else:
         sinks_module.apply_sinks_(want, want_lse, sinks)
     out, lse = flashtile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                  return_softmax_lse=True, s_aux=sinks)
-    assert given == ([("plain", sinks if inside else None)] + ([("general", None)] if general else []))
+    inside_sinks = sinks if inside else None
+    assert given == ([("plain", inside_sinks)] + ([("general", inside_sinks)] if general else []))
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     for b, n in enumerate(lengths.tolist()):
         assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n],
-                                 causal=True, sinks=sinks, rounded_twice=not inside or general)
+                                 causal=True, sinks=sinks, rounded_twice=not inside)
 
 
 def test_kvcache_sinks_gradient_and_compile():
@@ -819,8 +821,8 @@ def test_sinks_cost_script_checks_its_points(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("sinks_cost", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode,prefill-e4m3,chunked",
+    assert module.main(["--smoke", "--check-only", "--kinds", "prefill,varlen,decode,prefill-e4m3,chunked,window",
                         "--out", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check ")]
-    assert len(lines) == 7  # two decode points, a prefill, packed keys, 16-key pools, e4m3, a chunk on a cache
+    assert len(lines) == 8  # two decode points, a prefill, packed keys, 16-key pools, e4m3, a chunk, a window
     assert gluon_forward.SINKS_IN_EPILOGUE == before  # (the script restores the switch)

@@ -1566,10 +1566,8 @@ def _run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_bat
                                block_table=table, sinks=inside)
         if result is None:  # inputs on another than the current device: the general path
             result = gluon_attention_forward(q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                             causal=causal, seqused_k=cache_seqlens, block_table=table)
-            if inside is not None:
-                from .sinks import apply_sinks_
-                apply_sinks_(*result, inside)
+                                             causal=causal, seqused_k=cache_seqlens, block_table=table,
+                                             sinks=inside)
         return result
     if q_descale is not None:
         q_descale = descale_rows(q_descale)

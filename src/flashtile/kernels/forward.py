@@ -1089,12 +1089,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                      window_right=window_right, diag_offset=diag_offset, softcap=softcap,
                      alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,
                      dropout_seed=dropout_seed, block_table=block_table, descales=descales):
-        from .gluon_forward import _tma_ok, gluon_attention_forward
-        if (out is None or _tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
-            result = gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
-                                             out=out, lse=lse, window_size=(window_left, window_right),
-                                             softcap=softcap)
-            return _sinks_after(result, sinks)
+        from . import gluon_forward
+        if (out is None or gluon_forward._tma_ok(out)) and (lse is None or lse.stride(-1) == 1):
+            inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
+            result = gluon_forward.gluon_attention_forward(
+                q, k, v, softmax_scale=softmax_scale, causal=window_right == 0, out=out, lse=lse,
+                window_size=(window_left, window_right), softcap=softcap, sinks=inside)
+            return result if inside is not None else _sinks_after(result, sinks)
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         from . import gluon_forward
         inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
@@ -1163,12 +1164,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                              diag_offset=diag_offset, scale_blocks=scale_blocks, softcap=softcap,
                              alibi_slopes=alibi_slopes, config=config, cu_seqlens_q=cu_seqlens_q,
                              softmax_scale=softmax_scale):
-            from .gluon_forward import _tma_ok, gluon_attention_forward
-            if _tma_ok(out) and lse.stride(-1) == 1:
-                gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=window_right == 0,
-                                        out=out, lse=lse, descales=descales,
-                                        scale_blocks=scale_blocks)
-                return _sinks_after(result, sinks)
+            from . import gluon_forward
+            if gluon_forward._tma_ok(out) and lse.stride(-1) == 1:
+                inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
+                gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=softmax_scale,
+                                                      causal=window_right == 0, out=out, lse=lse,
+                                                      descales=descales, scale_blocks=scale_blocks, sinks=inside)
+                return result if inside is not None else _sinks_after(result, sinks)
     if softcap > 0:
         qk_scale, softcap_in = softcap * LOG2E, softmax_scale / softcap
     else:

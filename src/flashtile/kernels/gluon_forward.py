@@ -634,7 +634,7 @@ FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False), (256, True)})
 WINDOW_HEAD_DIMS = (128, 256)
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 # Attention sinks in the plain and packed launches' epilogue (plain_forward, packed_forward,
-# gluon_varlen_forward, and fp8_forward for e4m3), instead of a pass over the finished output
+# gluon_varlen_forward, gluon_attention_forward, and fp8_forward for e4m3), instead of a pass over the finished output
 # (kernels/sinks.py). H200, gpt-oss's 64/8 heads d64 (sinks-cost-h200-20261205-e4m3-chunked): within
 # 0.1-2.7% of the call without sinks where the pass cost 3-33% (prefill 1.001x against 1.063x, packed
 # 1.004x / 1.117x, e4m3 prefill 0.997x / 1.110x, the KV-cache call's chunked prefill 1.006x / 1.326x;
@@ -740,6 +740,9 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                       [dispatch_variant(d, "bf16", c, n) for d in HEAD_DIMS for c in (False, True)
                        for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
                       + [default_variant(d, "fp8", c) for d, c in sorted(FP8_DISPATCH)]
+                      # ... plain windowed calls (gluon_attention_forward)
+                      + [with_window(dispatch_variant(d, "bf16", c, n)) for d in WINDOW_HEAD_DIMS
+                         for c in (False, True) for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
                       # ... chunked prefill against a KV cache (seqused_k), on page pools: whole key
                       # tiles and the smallest box
                       + [paged for d in HEAD_DIMS for c in (False, True)
@@ -2695,7 +2698,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             descales=None, scale_blocks: tuple[int, int] = (0, 0),
                             head_group: int | None = None, seqused_k: torch.Tensor | None = None,
                             block_table: torch.Tensor | None = None,
-                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -2725,6 +2729,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
 
     ``softcap`` > 0 (16-bit q, k, v without seqused_k): flash_attn's logit softcap,
     scores softcap * tanh(softmax_scale * q.k / softcap).
+
+    ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the variant's with
+    ``sinks``: one more logit a head in the epilogue).
     """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
@@ -2782,6 +2789,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         if not softcap > 0 or fp8 or seqused_k is not None:
             raise ValueError("gluon_attention_forward: a softcap (> 0) takes 16-bit inputs without seqused_k")
         variant = with_softcap(variant)
+    if sinks is not None:
+        if not (sinks.shape == (heads,) and sinks.device == q.device and sinks.is_contiguous()):
+            raise ValueError("gluon_attention_forward: sinks must be (H,), contiguous, on q's device")
+        variant = dataclasses.replace(variant, sinks=True)
 
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     # e4m3 V^T: (B, Hk, D, Sk) with keys contiguous; the descriptor clips at Sk, not the padding
@@ -2796,7 +2807,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         lengths = lse if seqused_k is None else seqused_k  # also an unpaged call's (unread) table
         launch(_attn_fwd_gluon, geo.grid, (lse, *scales, lengths,
-                                           lengths if block_table is None else block_table, lse, out, lse, lse),
+                                           lengths if block_table is None else block_table, lse, out, lse,
+                                           lse if sinks is None else sinks),
                scalars, geo.options, descriptors)
     return out, lse
 
