@@ -174,7 +174,7 @@ def test_only_plain_calls_take_the_cached_gluon_plan(monkeypatch):
     from flashtile.kernels import forward, gluon_forward
     seen = []
 
-    def plain(q, k, v, softmax_scale, causal, sinks=None, softcap=0.0):
+    def plain(q, k, v, softmax_scale, causal, sinks=None, softcap=0.0, softcap_approx=False):
         seen.append((causal, softcap) if softcap else causal)
         return None  # declined: the portable kernel runs
     monkeypatch.setattr(forward, "_PLAIN_GLUON", True)

@@ -39,35 +39,40 @@ def _packed(d=128):
 
 
 def _calls(route, d, causal):
-    """(call(softcap), the variant the call dispatches without a softcap) of one launch route."""
+    """(call(softcap, softcap_approx), the variant the call dispatches without a softcap) of one launch
+    route."""
     if route in ("plain", "general"):
         q, k, v = _plain(d=d)
         variant = gluon_forward.dispatch_variant(d, "bf16", causal, 500)
         if route == "plain":
-            return (lambda cap: gluon_forward.plain_forward(q, k, v, SCALE, causal, softcap=cap)), variant
-        return (lambda cap: gluon_forward.gluon_attention_forward(q, k, v, softmax_scale=SCALE, causal=causal,
-                                                                  softcap=cap)), variant
+            return (lambda cap, approx=False: gluon_forward.plain_forward(q, k, v, SCALE, causal, softcap=cap,
+                                                                          softcap_approx=approx)), variant
+        return (lambda cap, approx=False: gluon_forward.gluon_attention_forward(
+            q, k, v, softmax_scale=SCALE, causal=causal, softcap=cap, softcap_approx=approx)), variant
     q, k, v, cu_q, cu_k = _packed(d)
     variant = gluon_forward.with_varlen(gluon_forward.dispatch_variant(d, "bf16", causal, 500))
     if route == "packed":
-        return (lambda cap: gluon_forward.packed_forward(q, k, v, cu_q, cu_k, 300, 500, SCALE, causal,
-                                                         softcap=cap)), variant
-    return (lambda cap: gluon_forward.gluon_varlen_forward(q, k, v, cu_q, cu_k, 300, 500, softmax_scale=SCALE,
-                                                           causal=causal, softcap=cap)), variant
+        return (lambda cap, approx=False: gluon_forward.packed_forward(q, k, v, cu_q, cu_k, 300, 500, SCALE, causal,
+                                                                       softcap=cap, softcap_approx=approx)), variant
+    return (lambda cap, approx=False: gluon_forward.gluon_varlen_forward(
+        q, k, v, cu_q, cu_k, 300, 500, softmax_scale=SCALE, causal=causal, softcap=cap,
+        softcap_approx=approx)), variant
 
 
+@pytest.mark.parametrize("approx", [False, True], ids=["formula", "tanh-approx"])
 @pytest.mark.parametrize("route", ["plain", "general", "packed", "varlen"])
 @pytest.mark.parametrize("d, causal", [(64, True), (128, False), (256, True)])
-def test_softcap_launches_the_softcap_variant_with_its_scalars(launches, route, d, causal):
+def test_softcap_launches_the_softcap_variant_with_its_scalars(launches, route, d, causal, approx):
     """With a softcap the launch runs the dispatched variant with ``softcap`` (one of the compile-checked
-    GLUON_VARIANTS, work-listed or not), its score scale softcap * log2(e) and, as the last scalar,
-    softmax_scale / softcap (the kernel's tanh argument); without one, the variant without it, the
-    scale in log2 units and 0.0 there."""
+    GLUON_VARIANTS, work-listed or not; SOFTCAP 1, the exp2 formula, or 2, tanh.approx, with
+    ``softcap_approx``), its score scale softcap * log2(e) and, as the last scalar, softmax_scale /
+    softcap (the kernel's tanh argument); without one, the variant without it, the scale in log2 units
+    and 0.0 there."""
     call, variant = _calls(route, d, causal)
-    call(CAP)
-    call(0.0)
+    call(CAP, approx)
+    call(0.0, approx)
     (_, _, _, scalars, options, _), (_, _, _, plain_scalars, plain_options, _) = launches
-    assert options["SOFTCAP"] and not plain_options["SOFTCAP"]
+    assert options["SOFTCAP"] == (2 if approx else 1) and not plain_options["SOFTCAP"]
     names = [n for n in gluon_forward._attn_fwd_gluon.arg_names if n not in options]
     scalar_names = names[len(names) - len(scalars):]
     assert scalar_names[-1] == "softcap_in" and "qk_scale" in scalar_names
@@ -76,9 +81,9 @@ def test_softcap_launches_the_softcap_variant_with_its_scalars(launches, route, 
     assert plain_scalars[at] == pytest.approx(SCALE * LOG2E) and plain_scalars[-1] == 0.0
     assert isinstance(scalars[-1], float) and isinstance(plain_scalars[-1], float)  # (one launcher key class)
     launched = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is options]
-    assert launched and all(v.softcap for v in launched)
+    assert launched and all(v.softcap and v.softcap_approx == approx for v in launched)
     base = [v for v in gluon_forward.GLUON_VARIANTS if gluon_forward._launch_options(v) is plain_options]
-    assert base and gluon_forward.with_softcap(base[0]) == launched[0]
+    assert base and gluon_forward.with_softcap(base[0], approx) == launched[0]
     assert base[0].name.replace("-wl", "") == variant.name
 
 
@@ -87,6 +92,8 @@ def test_softcap_variants_are_16_bit():
         gluon_forward.with_softcap(gluon_forward.default_variant(128, "fp8", False))
     assert gluon_forward.with_softcap(gluon_forward.default_variant(128, "bf16", False)).name.endswith(
         "-softcap")
+    assert gluon_forward.with_softcap(gluon_forward.default_variant(128, "bf16", False), approx=True).name.endswith(
+        "-softcap-approx")
 
 
 def test_softcap_refusals(launches):
@@ -126,13 +133,18 @@ def _portable_reached(*args, **kwargs):
     raise ReachedPortable
 
 
+@pytest.mark.parametrize("forward_only, approx_switch", [(False, True), (True, True), (True, False)],
+                         ids=["with-backward", "forward-only", "forward-only-switched-off"])
 @pytest.mark.parametrize("switch", [True, False])
 @pytest.mark.parametrize("route", ["plain", "general", "packed", "packed-general", "pools"])
-def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, route, switch):
+def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, route, switch, forward_only,
+                                                                 approx_switch):
     """attention_forward gives a softcapped 16-bit call to the Gluon routes with the softcap where
     SOFTCAP_IN_KERNEL (plain calls, packed sequences, contiguous or on page pools), and otherwise goes
-    on to the portable kernel's launch without asking them."""
+    on to the portable kernel's launch without asking them; tanh.approx (``softcap_approx``) only for a
+    forward-only call with SOFTCAP_APPROX."""
     monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", switch)
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_APPROX", approx_switch)
     if route.startswith("packed") or route == "pools":
         cu_q = torch.tensor([0, 5, 30], dtype=torch.int32)
         cu_k = torch.tensor([0, 7, 47], dtype=torch.int32)
@@ -149,7 +161,7 @@ def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, ro
     result = (torch.zeros(1), torch.zeros(1))
 
     def stand_in(*args, **kwargs):
-        given.append(kwargs.get("softcap"))
+        given.append((kwargs.get("softcap"), kwargs.get("softcap_approx")))
         return result
     monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
     monkeypatch.setattr(forward, "_INTERPRET", False)
@@ -172,11 +184,11 @@ def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, ro
         monkeypatch.setattr(gluon_forward, "varlen_supported", lambda *args, **kwargs: True)
         monkeypatch.setattr(gluon_forward, "gluon_varlen_forward", stand_in)
     if switch:
-        assert forward.attention_forward(q, k, v, softcap=CAP, **kw) is result
-        assert given == [CAP]
+        assert forward.attention_forward(q, k, v, softcap=CAP, forward_only=forward_only, **kw) is result
+        assert given == [(CAP, forward_only and approx_switch)]
     else:
         with pytest.raises(ReachedPortable):
-            forward.attention_forward(q, k, v, softcap=CAP, **kw)
+            forward.attention_forward(q, k, v, softcap=CAP, forward_only=forward_only, **kw)
         assert given == []
 
 
@@ -256,3 +268,36 @@ def test_short_softcapped_queries_on_long_keys_take_the_split_kv_decode_with_the
     assert forward.attention_forward(q, k, v, softmax_scale=SCALE, window_left=-1, window_right=0,
                                      diag_offset=2996, softcap=CAP) == "decoded"
     assert asked[0]["softcap"] == CAP and asked[0]["window_right"] == 0
+
+
+def test_calls_without_gradients_are_forward_only(monkeypatch):
+    """ops.forward marks calls no backward follows as forward-only (what lets the Gluon forward take
+    tanh.approx): eager calls without gradients and compiled ones whose inputs need none; calls whose
+    inputs require grad, eager or compiled, are not."""
+    import flashtile
+    from flashtile import ops
+
+    asked = []
+    real = ops.attention_forward
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("forward_only"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ops, "attention_forward", recording)
+    q, k, v = _plain(1, 16, 24, 4, 2, 32)
+
+    def call(q, k, v):
+        return flashtile.flash_attn_func(q, k, v, causal=True, softcap=CAP)
+    with torch.no_grad():
+        call(q, k, v)
+    call(q, k, v)
+    assert asked == [True, True]
+    asked.clear()
+    grads = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    call(*grads).sum().backward()
+    assert asked == [False]
+    asked.clear()
+    compiled = torch.compile(call, fullgraph=True)
+    compiled(q, k, v)
+    compiled(*grads).sum().backward()
+    assert asked == [True, False]

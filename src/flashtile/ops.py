@@ -40,21 +40,25 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
     registered op with its registered autograd cost ~0.4 ms more per training step (measured on a
     CPU: 503 against 81 us of overhead for forward + backward). Under torch.compile the registered op
     runs.
+
+    Calls without gradients are forward-only (attention_forward's ``forward_only``: the Gluon forward
+    may take a softcap's tanh by tanh.approx, which the backward's recomputation would not match).
     """
     args = (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
             block_table)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or sinks is not None and sinks.requires_grad)
     if torch.compiler.is_compiling():
-        return attn_fwd(*args, deterministic, keyed_sequences, sinks)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or sinks is not None and sinks.requires_grad):
+        return attn_fwd(*args, deterministic, keyed_sequences, sinks, not needs_grad)
+    if needs_grad:
         return _EagerAttention.apply(*args, deterministic, 0, sinks)
-    return _attn_fwd_impl(*args, keyed_sequences, sinks)
+    return _attn_fwd_impl(*args, keyed_sequences, sinks, True)
 
 
 def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                    alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   dropout_seed, block_table, keyed_sequences=0, sinks=None):
+                   dropout_seed, block_table, keyed_sequences=0, sinks=None, forward_only=False):
     diag_offset = k.shape[1] - q.shape[1] if bottom_right and cu_seqlens_q is None else 0
     out, lse = attention_forward(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
                                  window_right=window_right, diag_offset=diag_offset, softcap=softcap,
@@ -62,7 +66,8 @@ def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_rig
                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                  max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                  block_table=block_table, keyed_sequences=keyed_sequences,
-                                 sinks=sinks.detach() if sinks is not None else None)
+                                 sinks=sinks.detach() if sinks is not None else None,
+                                 forward_only=forward_only)
     return out, lse
 
 
@@ -75,18 +80,20 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
              dropout_seed: Optional[torch.Tensor] = None,
              block_table: Optional[torch.Tensor] = None,
              deterministic: bool = False, keyed_sequences: int = 0,
-             sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             sinks: Optional[torch.Tensor] = None, forward_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on validated tensors; returns (out, lse), with ``sinks`` those of the softmax
-    with one more logit a head. ``deterministic`` only chooses the backward's dQ path."""
+    with one more logit a head. ``deterministic`` only chooses the backward's dQ path;
+    ``forward_only``: no backward follows (attention_forward's)."""
     return _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap,
                           alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dropout_p, dropout_seed, block_table, keyed_sequences, sinks)
+                          dropout_p, dropout_seed, block_table, keyed_sequences, sinks, forward_only)
 
 
 @attn_fwd.register_fake
 def _(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
-      dropout_seed=None, block_table=None, deterministic=False, keyed_sequences=0, sinks=None):
+      dropout_seed=None, block_table=None, deterministic=False, keyed_sequences=0, sinks=None,
+      forward_only=False):
     if cu_seqlens_q is not None:
         total_q, heads, _ = q.shape
         return q.new_empty(q.shape), q.new_empty(heads, total_q, dtype=torch.float32)
@@ -135,7 +142,7 @@ def _setup_fwd_context(ctx, inputs, output):
     (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
      block_table, *rest) = inputs
-    ctx.deterministic = bool(rest[0]) if rest else False  # (rest[1]: keyed_sequences)
+    ctx.deterministic = bool(rest[0]) if rest else False  # (rest[1]: keyed_sequences; rest[3]: forward_only)
     sinks = rest[2] if len(rest) > 2 else None
     ctx.inputs = len(inputs)
     ctx.paged = block_table is not None
@@ -158,6 +165,10 @@ def _(out, grad_out, lse, grad_lse, sinks, packed):
     return sinks.new_empty(sinks.shape)
 
 
+# attn_fwd's inputs: the 16 of ``forward``'s args, deterministic, keyed_sequences, sinks, forward_only
+_SINKS_INPUT = 18
+
+
 def _attn_fwd_backward(ctx, grad_out, grad_lse, backward=attn_bwd, sinks_backward=sinks_bwd):
     if ctx.paged:
         raise NotImplementedError("flashtile: no backward through a paged KV cache (block_table)")
@@ -170,10 +181,12 @@ def _attn_fwd_backward(ctx, grad_out, grad_lse, backward=attn_bwd, sinks_backwar
         # give its dq, dk, dv (the column adds no value, so nothing to dP or to D = rowsum(dO * O))
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, *ctx.params, alibi_slopes, grad_lse,
                               cu_seqlens_q, cu_seqlens_k, *ctx.extra, dropout_seed, ctx.deterministic)
-    if sinks is not None and ctx.needs_input_grad[ctx.inputs - 1]:
+    if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:
         ds = sinks_backward(out, grad_out, lse, grad_lse, sinks, cu_seqlens_q is not None)
     grads = (dq, dk, dv) + (None,) * (ctx.inputs - 3)
-    return grads[:-1] + (ds,) if sinks is not None else grads
+    if sinks is not None:
+        grads = grads[:_SINKS_INPUT] + (ds,) + grads[_SINKS_INPUT + 1:]
+    return grads
 
 
 attn_fwd.register_autograd(_attn_fwd_backward, setup_context=_setup_fwd_context)

@@ -1565,6 +1565,8 @@ def _run_decode(p: PreparedDecode, q, k_cache, v_cache, cache_seqlens, cache_bat
         result = plain_forward(q, k_cache, v_cache, softmax_scale, causal, seqused_k=cache_seqlens,
                                block_table=table, sinks=inside)
         if result is None:  # inputs on another than the current device: the general path
+            # (the sinks in its epilogue too, where SINKS_IN_EPILOGUE: the same variant's code; the
+            # pass after it, apply_sinks_, only without: run_decode's sinks_after)
             result = gluon_attention_forward(q, k_cache, v_cache, softmax_scale=softmax_scale,
                                              causal=causal, seqused_k=cache_seqlens, block_table=table,
                                              sinks=inside)

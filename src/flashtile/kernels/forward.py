@@ -1016,7 +1016,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
                       max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, descales=None,
-                      scale_blocks: tuple[int, int] = (0, 0), keyed_sequences: int = 0, sinks=None):
+                      scale_blocks: tuple[int, int] = (0, 0), keyed_sequences: int = 0, sinks=None,
+                      forward_only: bool = False):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -1038,7 +1039,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     k and v (B, Hk, Sk blocks)) float32, one per ``scale_blocks`` = (queries, keys) tokens, each a
     multiple of the kernel's tile; out is bfloat16. ``keyed_sequences`` > 0: at most that many
     packed sequences have keys (sizes e4m3 page pools' gathers, paged_keys_packed).
+
+    ``forward_only``: no backward follows (its LSE is not used to recompute P), so the Gluon routes
+    may take the softcap's tanh by tanh.approx (gluon_forward.SOFTCAP_APPROX).
     """
+    approx = False
+    if forward_only and softcap > 0:
+        from . import gluon_forward
+        approx = gluon_forward.SOFTCAP_APPROX
     if (_PLAIN_GLUON and out is None and lse is None and config is None and cu_seqlens_q is None
             and dropout_seed is None and block_table is None and descales is None
             and alibi_slopes is None and window_left < 0 and _gluon_takes_softcap(softcap)):
@@ -1054,7 +1062,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                 return decode_attention(q, k, v, lengths, softmax_scale=softmax_scale, window_left=-1,
                                         window_right=0 if causal else -1, softcap=softcap, sinks=sinks)
             inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
-            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal, sinks=inside, softcap=softcap)
+            result = gluon_forward.plain_forward(q, k, v, softmax_scale, causal, sinks=inside, softcap=softcap,
+                                                 softcap_approx=approx)
             if result is not None:
                 return result if inside is not None else _sinks_after(result, sinks)
     if (_PLAIN_GLUON and descales is not None and out is None and lse is None and config is None
@@ -1082,7 +1091,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
         result = gluon_forward.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k if max_seqlen_k > 0 else k.shape[0],
-                                              softmax_scale, window_right == 0, sinks=inside, softcap=softcap)
+                                              softmax_scale, window_right == 0, sinks=inside, softcap=softcap,
+                                              softcap_approx=approx)
         if result is not None:
             return result if inside is not None else _sinks_after(result, sinks)
     if gluon_applies(q, k, v, softmax_scale=softmax_scale, window_left=window_left,
@@ -1094,7 +1104,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
             inside = sinks if gluon_forward.SINKS_IN_EPILOGUE else None
             result = gluon_forward.gluon_attention_forward(
                 q, k, v, softmax_scale=softmax_scale, causal=window_right == 0, out=out, lse=lse,
-                window_size=(window_left, window_right), softcap=softcap, sinks=inside)
+                window_size=(window_left, window_right), softcap=softcap, sinks=inside, softcap_approx=approx)
             return result if inside is not None else _sinks_after(result, sinks)
     if cu_seqlens_q is not None and GLUON_ENABLED and not _INTERPRET:
         from . import gluon_forward
@@ -1104,7 +1114,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                                window_left=window_left, window_right=window_right, softcap=softcap,
                                alibi_slopes=alibi_slopes, out=out, lse=lse, config=config,
                                dropout_seed=dropout_seed, descales=descales, scale_blocks=scale_blocks,
-                               block_table=block_table, keyed_sequences=keyed_sequences, sinks=inside)
+                               block_table=block_table, keyed_sequences=keyed_sequences, sinks=inside,
+                               softcap_approx=approx)
         if result is not None:
             return result if inside is not None else _sinks_after(result, sinks)
     varlen = cu_seqlens_q is not None
@@ -1217,10 +1228,11 @@ VARLEN_FP8_GLUON = os.environ.get("FLASHTILE_VARLEN_FP8_GLUON", "1") not in ("",
 
 def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale,
                   window_left, window_right, softcap, alibi_slopes, out, lse, config, dropout_seed,
-                  descales, scale_blocks, block_table=None, keyed_sequences=0, sinks=None):
+                  descales, scale_blocks, block_table=None, keyed_sequences=0, sinks=None,
+                  softcap_approx=False):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
     that kernel does not take it (the caller then runs the portable kernel). ``sinks``:
-    attention sinks for the kernel's epilogue. ``block_table``: page
+    attention sinks for the kernel's epilogue; ``softcap_approx``: the softcap's tanh by tanh.approx. ``block_table``: page
     pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
     GLUON_WINDOW_MIN_KEYS's rule, 16-bit and contiguous: H200, 16k tokens in 8 sequences
     (window-varlen-h200-20261204.json), 1.41/1.51/2.10x the portable kernel at d128 windows of
@@ -1266,7 +1278,7 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, out=out, lse=lse, descales=fp8_kernel_descales(*descales) if fp8 else None,
         scale_blocks=scale_blocks, block_table=block_table, window_size=(window_left, window_right),
-        keyed_sequences=keyed_sequences, sinks=sinks, softcap=softcap)
+        keyed_sequences=keyed_sequences, sinks=sinks, softcap=softcap, softcap_approx=softcap_approx)
 
 
 # 16-bit page pools whose pages no TMA box fits are gathered (K and V copies of B x max_seqlen_k keys

@@ -573,12 +573,11 @@ def with_window(variant: GluonVariant) -> GluonVariant:
                                max_stack=max(variant.max_stack, stack))
 
 
-def with_softcap(variant: GluonVariant) -> GluonVariant:
-    """The schedule of ``variant`` with the logit softcap in its softmax (16-bit). The tanh's
-    exponential and reciprocal keep a few more values live: sm_90 compiles (CPU machine) keep up to
-    16 more stack bytes than the variant without (d256 packed windows: 128), and up to 48 where that
-    kept fewer (d128 full: 16, d256 causal: 48)."""
-    return dataclasses.replace(variant, softcap=True, max_stack=max(variant.max_stack + 16, 48))
+def with_softcap(variant: GluonVariant, approx: bool = False) -> GluonVariant:
+    """``variant`` with the logit softcap (16-bit), its tanh by tanh.approx with ``approx`` (SOFTCAP_APPROX). sm_90
+    keeps up to 16 more stack bytes than without (d256 packed windows: 128), 48 where that kept fewer."""
+    return dataclasses.replace(variant, softcap=True, softcap_approx=approx,
+                               max_stack=max(variant.max_stack + 16, 48))
 
 
 # A window side without a bound, as the kernel takes it: past any key position (rows' positions
@@ -634,7 +633,7 @@ FP8_DISPATCH = frozenset({(128, False), (128, True), (256, False), (256, True)})
 WINDOW_HEAD_DIMS = (128, 256)
 FP8_HEAD_DIMS = tuple(sorted({d for d, _ in FP8_DISPATCH}))
 # Attention sinks in the plain and packed launches' epilogue (plain_forward, packed_forward,
-# gluon_varlen_forward, gluon_attention_forward, and fp8_forward for e4m3), instead of a pass over the finished output
+# gluon_varlen_forward, gluon_attention_forward, and fp8_forward for e4m3), instead of a pass over the output
 # (kernels/sinks.py). H200, gpt-oss's 64/8 heads d64 (sinks-cost-h200-20261205-e4m3-chunked): within
 # 0.1-2.7% of the call without sinks where the pass cost 3-33% (prefill 1.001x against 1.063x, packed
 # 1.004x / 1.117x, e4m3 prefill 0.997x / 1.110x, the KV-cache call's chunked prefill 1.006x / 1.326x;
@@ -740,9 +739,6 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                       [dispatch_variant(d, "bf16", c, n) for d in HEAD_DIMS for c in (False, True)
                        for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
                       + [default_variant(d, "fp8", c) for d, c in sorted(FP8_DISPATCH)]
-                      # ... plain windowed calls (gluon_attention_forward)
-                      + [with_window(dispatch_variant(d, "bf16", c, n)) for d in WINDOW_HEAD_DIMS
-                         for c in (False, True) for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))]
                       # ... chunked prefill against a KV cache (seqused_k), on page pools: whole key
                       # tiles and the smallest box
                       + [paged for d in HEAD_DIMS for c in (False, True)
@@ -763,15 +759,16 @@ GLUON_VARIANTS = ([default_variant(d, dt, c) for d in (64, 128, 256) for dt in (
                          for listed in (varlen_paged_variant(d, "bf16", c, page),
                                         with_work_list(varlen_paged_variant(d, "bf16", c, page)))
                          if not listed.work_list or listed.persistent]
-                      + [listed for d in WINDOW_HEAD_DIMS for c in (False, True)
+                      + [listed for d in WINDOW_HEAD_DIMS for c in (False, True)  # (plain: gluon_attention_forward)
                          for listed in (with_window(with_varlen(dispatch_variant(d, "bf16", c, 1))),
-                                        with_work_list(with_window(with_varlen(dispatch_variant(d, "bf16", c, 1)))))
+                                        with_work_list(with_window(with_varlen(dispatch_variant(d, "bf16", c, 1)))),
+                                        *{with_window(dispatch_variant(d, "bf16", c, n)): 0 for n in (1, 1 << 20)})
                          if not listed.work_list or listed.persistent])]
-                  # the logit softcap (SOFTCAP_IN_KERNEL): the plain and packed schedules a call may
-                  # dispatch, bf16 (fp16 is the same code but for the element type), windowed
-                  # (Gemma 2's local layers: a 4096-key window with the softcap), and packed on page
-                  # pools (vLLM's prefill: whole key tiles and the smallest box)
-                  + [with_softcap(v) for d in HEAD_DIMS for c in (False, True)
+                  # the logit softcap (SOFTCAP_IN_KERNEL; the exp2 formula and tanh.approx): the plain and
+                  # packed schedules a call may dispatch, bf16 (fp16 is the same code but for the element
+                  # type), windowed (Gemma 2's local layers: a 4096-key window with the softcap), and
+                  # packed on page pools (vLLM's prefill: whole key tiles and the smallest box)
+                  + [with_softcap(v, approx) for approx in (False, True) for d in HEAD_DIMS for c in (False, True)
                      for n in ((1, 1 << 20) if (d, c) == (256, False) else (1,))
                      for plain in (dispatch_variant(d, "bf16", c, n),)
                      for v in (plain, with_varlen(plain), with_work_list(with_varlen(plain)),
@@ -2120,13 +2117,13 @@ _MAX_PLAIN = 1024
 
 def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                seqused_k: bool = False, block_table: torch.Tensor | None = None,
-               sinks: bool = False, softcap: bool = False) -> _PlainPlan | None:
+               sinks: bool = False, softcap: int = 0) -> _PlainPlan | None:
     """The cached launch plan of a plain call on tensors of this geometry (shapes, strides, dtypes,
     devices), or None where the kernel does not take them; ``seqused_k``: keys per sequence from the
     device; ``block_table`` (with seqused_k): k and v are page pools read through it. Data pointers
     are not looked at (callers check their alignment). ``sinks``: the variant with the attention
-    sinks' epilogue; ``softcap``: the variant with the logit softcap (without seqused_k; callers
-    route softcapped calls here only with SOFTCAP_IN_KERNEL)."""
+    sinks' epilogue; ``softcap``: the variant with the logit softcap, 1 by the exp2 formula, 2 by
+    tanh.approx (without seqused_k; callers route softcapped calls here only with SOFTCAP_IN_KERNEL)."""
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), causal, seqused_k,
            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
@@ -2143,7 +2140,7 @@ def plain_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                   causal: bool, seqused_k: torch.Tensor | None = None,
                   block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                  softcap: float = 0.0):
+                  softcap: float = 0.0, softcap_approx: bool = False):
     """``gluon_attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
     seqused_k=seqused_k, block_table=block_table)`` (fresh out and LSE, the shipped variant) with
     everything that depends only on the tensors' shapes, strides, dtypes and device looked up rather
@@ -2152,10 +2149,12 @@ def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     the kernel does not take the inputs or they sit on another than the current device: the caller
     then takes the general path. ``seqused_k``: (B,) int32 on q's device (the caller's guarantee).
     ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's).
-    ``softcap`` > 0: flash_attn's logit softcap (without seqused_k)."""
+    ``softcap`` > 0: flash_attn's logit softcap (without seqused_k), its tanh by tanh.approx with
+    ``softcap_approx`` (a call no backward follows)."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0 or softcap < 0:
         return None
-    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table, sinks is not None, softcap > 0)
+    plan = plain_plan(q, k, v, causal, seqused_k is not None, block_table, sinks is not None,
+                      (2 if softcap_approx else 1) if softcap > 0 else 0)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -2308,7 +2307,7 @@ _MAX_PACKED = 1024
 
 
 def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                causal: bool, sinks: bool = False, softcap: bool = False) -> _PackedPlan | None:
+                causal: bool, sinks: bool = False, softcap: int = 0) -> _PackedPlan | None:
     """The cached launch plan of ``packed_forward``'s call on tensors of this geometry (data
     pointers are not looked at: the caller checks their alignment); ``sinks`` and ``softcap`` as
     plain_plan's."""
@@ -2328,7 +2327,7 @@ def packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
 
 
 def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                 causal: bool, sinks: bool = False, softcap: bool = False) -> _PackedPlan | None:
+                 causal: bool, sinks: bool = False, softcap: int = 0) -> _PackedPlan | None:
     if q.dtype not in (torch.bfloat16, torch.float16) or max_seqlen_q <= 0 or max_seqlen_k <= 0:
         return None
     if not varlen_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, causal):
@@ -2344,7 +2343,7 @@ def _packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
         variant = with_work_list(variant)
     variant = dataclasses.replace(variant, sinks=sinks)
     if softcap:
-        variant = with_softcap(variant)
+        variant = with_softcap(variant, approx=softcap == 2)
     geo = _geometry(variant, batch, max_seqlen_q, max_seqlen_k, heads, _sm_count(q.device), head_group, q.dtype)
     out4 = torch.empty((1, total_q, heads, head_dim), dtype=q.dtype, device="meta")
     views = tuple((t.shape, t.stride()) for t in (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4))
@@ -2371,7 +2370,7 @@ def packed_head_group(batch: int, total_q: int, total_k: int, max_seqlen_q: int,
 def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    softmax_scale: float, causal: bool, sinks: torch.Tensor | None = None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, softcap_approx: bool = False):
     """``gluon_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softmax_scale=softmax_scale, causal=causal)`` (16-bit packed sequences, fresh out and LSE, the
     shipped variant) with what depends only on the tensors' geometry looked up: that call's checks
@@ -2379,11 +2378,11 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     (varlen-host-h200-20261204-before.json). ``max_seqlen_k`` > 0. Returns None, having launched nothing,
     where the kernel does not take the inputs or they sit on another than the current device.
     ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the epilogue's).
-    ``softcap`` > 0: flash_attn's logit softcap."""
+    ``softcap`` > 0: flash_attn's logit softcap, by tanh.approx with ``softcap_approx``."""
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 or not softmax_scale > 0 or softcap < 0:
         return None
     plan = packed_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sinks is not None,
-                       softcap > 0)
+                       (2 if softcap_approx else 1) if softcap > 0 else 0)
     if plan is None or plan.device_index != torch._C._cuda_getDevice():
         return None
     geo = plan.geometry
@@ -2484,7 +2483,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          scale_blocks: tuple[int, int] = (0, 0), variant: GluonVariant | None = None,
                          block_table: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                          keyed_sequences: int = 0, sinks: torch.Tensor | None = None,
-                         softcap: float = 0.0):
+                         softcap: float = 0.0, softcap_approx: bool = False):
     """Packed sequences on inputs ``varlen_supported`` accepts: sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (total_q, H, D) against rows cu_seqlens_k[b]:... of k
     and v (total_k, Hk, D), causal bottom-right on its own lengths; ``max_seqlen_q`` must bound
@@ -2510,7 +2509,8 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     The shipped variant deals out only the work tiles that hold query rows where work_list_wanted
     says so (with_work_list); a given ``variant`` runs as it is. ``sinks`` (H,) on q's device:
     attention sinks, taken in the epilogue (the variant's with ``sinks``). ``softcap`` > 0
-    (16-bit sequences): flash_attn's logit softcap (the variant's with ``softcap``)."""
+    (16-bit sequences): flash_attn's logit softcap (the variant's with ``softcap``; its tanh by
+    tanh.approx with ``softcap_approx``, for calls no backward follows)."""
     total_q, heads, head_dim = q.shape
     heads_k = k.shape[-2]  # (total_k, Hk, D), or page pools (num_pages, page_size, Hk, D)
     batch = cu_seqlens_q.shape[0] - 1
@@ -2570,7 +2570,7 @@ def gluon_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     if sinks is not None:
         variant = dataclasses.replace(variant, sinks=True)
     if softcap:
-        variant = with_softcap(variant)
+        variant = with_softcap(variant, approx=softcap_approx or variant.softcap_approx)
     geo = _geometry(variant, batch, max_seqlen_q, max(max_seqlen_k, 1), heads, _sm_count(q.device),
                     head_group, q.dtype)
     seqlen_k, page_size, stride_bt = max(max_seqlen_k, 1), 0, 0
@@ -2629,7 +2629,7 @@ def paged_supported(q, k, v, block_table, causal: bool = False, batch: int | Non
 
 def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
                 block_table: torch.Tensor | None = None, sinks: bool = False,
-                softcap: bool = False) -> _PlainPlan | None:
+                softcap: int = 0) -> _PlainPlan | None:
     batch, seqlen_q, heads, head_dim = q.shape
     if softcap and seqused_k:
         return None
@@ -2653,7 +2653,7 @@ def _plain_plan(q, k, v, causal: bool, seqused_k: bool = False,
         variant = with_seqused_k(variant)
     variant = dataclasses.replace(variant, sinks=sinks)
     if softcap:
-        variant = with_softcap(variant)
+        variant = with_softcap(variant, approx=softcap == 2)
     geo = _geometry(variant, batch, seqlen_q, seqlen_k, heads, _sm_count(q.device), None, q.dtype)
     # out (B, Sq, H, D) and lse (B, H, Sq), both contiguous: gluon_attention_forward's allocations
     return _PlainPlan(geo, q.device, q.get_device(), (batch, heads, seqlen_q),
@@ -2671,6 +2671,17 @@ def _descriptors(q, k, v, out, geo: "_Geometry", variant: GluonVariant) -> tuple
             _Descriptor(k, k.shape, k.stride(), geo.kv_block, k_layout),
             _Descriptor(v, v.shape, v.stride(), v_block, v_layout),
             _Descriptor(out, out.shape, out.stride(), geo.q_block, o_layout))
+
+
+# The softcap's tanh (SOFTCAP_IN_KERNEL) by one MUFU op (tanh.approx.f32, relative error ~2^-11)
+# instead of the exp2 formula (an ex2 and a division), for calls that no backward follows (the routes'
+# ``softcap_approx``: ops.forward's calls without gradients): the portable backward recomputes P with
+# the formula from the forward's LSE, which tanh.approx's scores would leave off by up to ~2.5% at a
+# cap of 50. H100 (softcap-ab-h100-20261205, Gemma 2's shapes, B2 4k, cap 50): 1.24-1.28x the formula
+# at d128, 1.10-1.14x at d256, errors 0.02-0.04 of the budget against float64 either way; through
+# flash_attn_func (softcap-check-h100-20261205-approx): 1.22-1.25x / 1.05-1.20x, 17 float64 checks
+# within 0.49 of the budget, compute-sanitizer clean. FLASHTILE_GLUON_SOFTCAP_APPROX=0 turns it off.
+SOFTCAP_APPROX = os.environ.get("FLASHTILE_GLUON_SOFTCAP_APPROX", "1") not in ("", "0")
 
 
 def score_scalars(softmax_scale: float, softcap: float = 0.0) -> tuple[float, float]:
@@ -2699,7 +2710,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             head_group: int | None = None, seqused_k: torch.Tensor | None = None,
                             block_table: torch.Tensor | None = None,
                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            sinks: torch.Tensor | None = None):
+                            sinks: torch.Tensor | None = None, softcap_approx: bool = False):
     """Attention forward on inputs ``supported`` accepts: q (B, Sq, H, D), k/v (B, Sk, Hk, D).
 
     Returns (out, lse): out (B, Sq, H, D) contiguous in q's dtype, lse float32 (B, H, Sq) in natural
@@ -2728,7 +2739,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     right 0 whatever is given).
 
     ``softcap`` > 0 (16-bit q, k, v without seqused_k): flash_attn's logit softcap,
-    scores softcap * tanh(softmax_scale * q.k / softcap).
+    scores softcap * tanh(softmax_scale * q.k / softcap); with ``softcap_approx`` the tanh by
+    tanh.approx.f32 (a call no backward follows: the portable backward recomputes P by the exp2 formula).
 
     ``sinks`` (H,) on q's device: attention sinks, in the output and LSE (the variant's with
     ``sinks``: one more logit a head in the epilogue).
@@ -2788,7 +2800,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     if softcap:
         if not softcap > 0 or fp8 or seqused_k is not None:
             raise ValueError("gluon_attention_forward: a softcap (> 0) takes 16-bit inputs without seqused_k")
-        variant = with_softcap(variant)
+        variant = with_softcap(variant, approx=softcap_approx or variant.softcap_approx)
     if sinks is not None:
         if not (sinks.shape == (heads,) and sinks.device == q.device and sinks.is_contiguous()):
             raise ValueError("gluon_attention_forward: sinks must be (H,), contiguous, on q's device")
@@ -2985,10 +2997,16 @@ def wgmma_serialized(compiled) -> bool | None:
     return "C7515" in res.stdout + res.stderr
 
 
+def stack_allowance(variant: GluonVariant) -> int:
+    """The stack bytes the compile check accepts: ``max_stack``, 16 more with the sinks' epilogue (its
+    logit and the rescale keep a few more values live: d128 full windowed, 32 -> 48 on sm_90)."""
+    return variant.max_stack + (16 if variant.sinks else 0)
+
+
 def describe(variant: GluonVariant, compiled) -> tuple[str, bool]:
     """One report line for a compiled variant, and whether it spills."""
     usage = resource_usage(compiled)
-    spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > variant.max_stack
+    spills = usage.get("local", 0) > 0 or usage.get("stack", 0) > stack_allowance(variant)
     if variant.warp_specialize:
         regs = (f"{usage.get('reg', '?')} registers/thread at launch, partitions: {variant.consumers} "
                 f"consumer warpgroups x {variant.consumer_regs}, producer 24")
