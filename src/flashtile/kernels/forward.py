@@ -1231,9 +1231,9 @@ def _gluon_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   descales, scale_blocks, block_table=None, keyed_sequences=0, sinks=None,
                   softcap_approx=False):
     """attention_forward's packed call through gluon_forward.gluon_varlen_forward, or None where
-    that kernel does not take it (the caller then runs the portable kernel). ``sinks``:
-    attention sinks for the kernel's epilogue; ``softcap_approx``: the softcap's tanh by tanh.approx. ``block_table``: page
-    pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
+    that kernel does not take it (the caller then runs the portable kernel). ``sinks``: attention
+    sinks for the kernel's epilogue; ``softcap_approx``: the softcap's tanh by tanh.approx. ``block_table``:
+    page pools, e4m3 ones while their gathered copies fit (_gather_fits). Sliding windows under
     GLUON_WINDOW_MIN_KEYS's rule, 16-bit and contiguous: H200, 16k tokens in 8 sequences
     (window-varlen-h200-20261204.json), 1.41/1.51/2.10x the portable kernel at d128 windows of
     512/1024/4096 keys, 1.35/2.30x at d256 windows of 512/4096."""
