@@ -178,34 +178,42 @@ def test_preprocess_writes_the_aligned_rows_the_gluon_kernel_reads():
     assert torch.isnan(delta).all()  # the plain Delta rows are not written then
 
 
-@pytest.mark.parametrize("case, expected", [
-    (dict(), "fused"), (dict(deterministic=True), None), (dict(varlen_switch=False), None),
-    (dict(fused_switch=False, dkdv_switch=True), None), (dict(sms=10_000), None),
-    (dict(window=(600, 0)), "fused"), (dict(window=(300, 0)), None), (dict(window=(600, 0), d=64), None),
-    (dict(flag="SOFTCAP"), None), (dict(flag="DROPOUT"), None),
-    (dict(sms=300, max_k=3584), "fused"), (dict(sms=300, max_k=3583), None), (dict(sms=300), None),
-    (dict(sms=329, max_k=4000), None), (dict(sms=300, max_k=4000, d=64), None),
-    (dict(sms=300, max_k=4000, deterministic=True), None), (dict(sms=300, max_k=4000, window=(600, 0)), None)])
-def test_backward_rule_for_packed_sequences(monkeypatch, case, expected):
-    """backward.gluon_backward_mode with VARLEN: the fused Gluon kernel under the plain calls' rule
-    (deterministic=False, no softcap/ALiBi/dropout, windows of 512+ keys at d128, programs >= SMs,
-    counted from the packed keys; or from 0.78 of the SMs at d128 without a window where the longest
-    sequence has 3584+ keys), never the dK/dV-only opt-in; diag_offset (0 for packed calls,
-    whose sequences are each bottom-right) is not compared with the packed lengths. The GPU's
-    answers stubbed."""
+def _stub_gpu_answers(monkeypatch, case: dict, q_shape: tuple, k_shape: tuple):
+    """Stand-ins for q and k (shapes without the head dim, case["d"] or 128) on a GPU the rule
+    takes, with ``case``'s SM count and switches; returns (q, k)."""
     from types import SimpleNamespace
     from flashtile.kernels import forward, gluon_forward
     d = case.get("d", 128)
-    q = SimpleNamespace(is_cuda=True, shape=(1, 5000, 16, d), device=None)
-    k = SimpleNamespace(is_cuda=True, shape=(1, 4000, 8, d), device=None)  # 32 x 8 = 256 programs
     monkeypatch.setattr(backward, "interpreting", lambda: False)
     monkeypatch.setattr(forward, "GLUON_ENABLED", True)
     monkeypatch.setattr(forward, "GLUON_WINDOW", True)
     monkeypatch.setattr(gluon_backward, "supported", lambda *args, **kw: True)
     monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: case.get("sms", 132))
-    monkeypatch.setattr(backward, "GLUON_VARLEN", case.get("varlen_switch", True))
-    monkeypatch.setattr(backward, "GLUON_FUSED_DQ", case.get("fused_switch", True))
-    monkeypatch.setattr(backward, "GLUON_DKDV", case.get("dkdv_switch", False))
+    for name, key, default in (("GLUON_VARLEN", "varlen_switch", True), ("GLUON_FUSED_DQ", "fused_switch", True),
+                               ("GLUON_DKDV", "dkdv_switch", False), ("GLUON_SOFTCAP", "softcap_switch", True)):
+        monkeypatch.setattr(backward, name, case.get(key, default))
+    return (SimpleNamespace(is_cuda=True, shape=(*q_shape, d), device=None),
+            SimpleNamespace(is_cuda=True, shape=(*k_shape, d), device=None))
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(), "fused"), (dict(deterministic=True), None), (dict(varlen_switch=False), None),
+    (dict(fused_switch=False, dkdv_switch=True), None), (dict(sms=10_000), None),
+    (dict(window=(600, 0)), "fused"), (dict(window=(300, 0)), None), (dict(window=(600, 0), d=64), None),
+    (dict(flag="SOFTCAP"), "fused"), (dict(flag="SOFTCAP", softcap_switch=False), None),
+    (dict(flag="SOFTCAP", window=(600, 0)), "fused"), (dict(flag="DROPOUT"), None),
+    (dict(sms=300, max_k=3584), "fused"), (dict(sms=300, max_k=3583), None), (dict(sms=300), None),
+    (dict(sms=329, max_k=4000), None), (dict(sms=300, max_k=4000, d=64), None),
+    (dict(sms=300, max_k=4000, deterministic=True), None), (dict(sms=300, max_k=4000, window=(600, 0)), None)])
+def test_backward_rule_for_packed_sequences(monkeypatch, case, expected):
+    """backward.gluon_backward_mode with VARLEN: the fused Gluon kernel under the plain calls' rule
+    (deterministic=False, no ALiBi/dropout, a softcap with GLUON_SOFTCAP, windows of 512+ keys at
+    d128, programs >= SMs,
+    counted from the packed keys; or from 0.78 of the SMs at d128 without a window where the longest
+    sequence has 3584+ keys), never the dK/dV-only opt-in; diag_offset (0 for packed calls,
+    whose sequences are each bottom-right) is not compared with the packed lengths. The GPU's
+    answers stubbed."""
+    q, k = _stub_gpu_answers(monkeypatch, case, (1, 5000, 16), (1, 4000, 8))  # 32 x 8 = 256 programs
     left, right = case.get("window", (-1, 0))
     flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=False, ALIBI=False, DROPOUT=False,
                  VARLEN=True, UPCAST=False)
@@ -214,3 +222,91 @@ def test_backward_rule_for_packed_sequences(monkeypatch, case, expected):
     mode = backward.gluon_backward_mode(q, k, k, q, flags, 0, right, False, case.get("deterministic", False), left,
                                         max_seqlen_k=case.get("max_k", 0))
     assert mode == expected
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(), "fused"), (dict(softcap_switch=False), None), (dict(deterministic=True), None),
+    (dict(deterministic=True, dkdv_switch=True), None), (dict(fused_switch=False, dkdv_switch=True), None),
+    (dict(d=64), "fused"), (dict(window=(600, 0)), "fused"), (dict(window=(600, 0), d=64), None),
+    (dict(sms=10_000), None)])
+def test_backward_rule_with_a_softcap(monkeypatch, case, expected):
+    """backward.gluon_backward_mode with SOFTCAP on plain calls: the fused kernel's softcap variants
+    under the same rule as without (GLUON_SOFTCAP on), never the dK/dV-only kernel, which has none.
+    The GPU's answers stubbed."""
+    q, k = _stub_gpu_answers(monkeypatch, case, (2, 4000, 16), (2, 4000, 8))  # 32 x 8 x 2 = 512 programs
+    left, right = case.get("window", (-1, 0))
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=True, ALIBI=False, DROPOUT=False,
+                 VARLEN=False, UPCAST=False)
+    mode = backward.gluon_backward_mode(q, k, k, q, flags, 0, right, False, case.get("deterministic", False), left)
+    assert mode == expected
+
+
+def test_softcap_variants_are_compiled_for_every_dispatched_schedule():
+    """Every fused variant has its softcap twin in the compile list (test_gluon_compile compiles it),
+    and only those: the dK/dV-only kernel has none."""
+    variants = gluon_backward.GLUON_BACKWARD_VARIANTS
+    fused = [v for v in variants if v.fused_dq and not v.softcap]
+    capped = [v for v in variants if v.softcap]
+    assert capped and len(capped) == len(fused) and all(v.fused_dq for v in capped)
+    assert {gluon_backward.with_softcap(v) for v in fused} == set(capped)
+    assert all(v.name.endswith("-softcap") for v in capped)
+
+
+@pytest.mark.parametrize("window, varlen", [((-1, 0), False), ((-1, -1), False), ((600, 0), False),
+                                            ((-1, 0), True), ((700, 300), True)])
+def test_softcap_launch_takes_the_softcap_variant_and_the_forwards_scalars(monkeypatch, window, varlen):
+    """gluon_dkdv with ``softcap``: the softcap twin of the variant it would take without, and the
+    forward's score scalars (gluon_forward.score_scalars: qk_scale = softcap log2(e), softcap_in =
+    scale / softcap); a softcap variant given for a call without one is refused. The GPU parts
+    stubbed."""
+    import dataclasses
+    from flashtile.kernels.gluon_forward import score_scalars
+    q, k, v, lse, cu_q, cu_k = _packed_call(128)
+    packed = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=400) if varlen else {}
+    if not varlen:
+        lse = torch.randn(1, 8, 431)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    causal = window == (-1, 0)
+    launches = []
+    monkeypatch.setattr(gluon_backward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    args = (q, k, v, torch.randn_like(q), lse, torch.randn_like(lse), dk, dv)
+    gluon_backward.gluon_dkdv(*args, softmax_scale=0.1, causal=causal, dq_accum=torch.zeros(q.shape),
+                              window_size=window, softcap=30.0, **packed)
+    (_, _, _, scalars, options, _), = launches
+    plain = gluon_backward.default_variant(128, "bf16", causal, True)
+    plain = dataclasses.replace(plain, window=window[0] >= 0 or (not causal and window[1] >= 0), varlen=varlen)
+    variant = gluon_backward.with_softcap(plain)
+    assert variant in gluon_backward.GLUON_BACKWARD_VARIANTS
+    assert options is gluon_backward._launch_options(variant) and options["SOFTCAP"]
+    qk_scale, softcap_in = score_scalars(0.1, 30.0)
+    assert scalars[3] == qk_scale and scalars[4] == 0.1 and scalars[-1] == softcap_in
+    gluon_backward.gluon_dkdv(*args, softmax_scale=0.1, causal=causal, dq_accum=torch.zeros(q.shape),
+                              window_size=window, **packed)
+    assert not launches[1][4]["SOFTCAP"] and launches[1][3][3] == 0.1 * gluon_backward.LOG2E
+    gluon_backward.gluon_dkdv(*args, softmax_scale=0.1, causal=causal, dq_accum=torch.zeros(q.shape),
+                              window_size=window, softcap=30.0, variant=plain, **packed)
+    assert launches[2][4] is options  # a variant given without the softcap gets it, as a window
+    with pytest.raises(ValueError, match="softcap"):
+        gluon_backward.gluon_dkdv(*args, softmax_scale=0.1, causal=causal, dq_accum=torch.zeros(q.shape),
+                                  window_size=window, variant=variant, **packed)
+
+
+def test_backward_hands_the_softcap_to_the_fused_kernel(monkeypatch):
+    """flash_attn_func's backward with a softcap, the fused mode forced: the Gluon launch gets the
+    softcap variant and the scalars of the call's softcap and scale (the launch stubbed; the
+    interpreter runs the preprocess)."""
+    from flashtile.kernels.gluon_forward import score_scalars
+    import flashtile
+    launches = []
+    monkeypatch.setattr(backward, "gluon_backward_mode", lambda *args, **kw: "fused")
+    monkeypatch.setattr(gluon_backward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    q = torch.randn(1, 70, 4, 64, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(1, 90, 2, 64, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(1, 90, 2, 64, dtype=torch.float16, requires_grad=True)
+    out = flashtile.flash_attn_func(q, k, v, causal=True, softcap=20.0, softmax_scale=0.2)
+    out.sum().backward()
+    (_, grid, _, scalars, options, _), = launches
+    assert options["SOFTCAP"] and options["CAUSAL"] and options["FUSED_DQ"] and grid == (1, 2, 1)
+    assert scalars[3:5] == (score_scalars(0.2, 20.0)[0], 0.2) and scalars[-1] == score_scalars(0.2, 20.0)[1]

@@ -6,7 +6,7 @@ Three launches, none with atomics, so every gradient is bitwise reproducible:
    gradients are summed in registers) and over the query blocks that can see the key block
    (FLASHTILE_GLUON_BWD=1 on sm_90: the Gluon kernel of gluon_backward, full or causal, d64/d128);
 3. dQ: one program per query block and head, looping over the key blocks it sees (as the forward).
-With deterministic=False on sm_90 (gluon_backward.FUSED_HEAD_DIMS, full or causal), steps 2 and 3
+With deterministic=False on sm_90 (gluon_backward.FUSED_HEAD_DIMS; windows, softcap), steps 2 and 3
 are one Gluon kernel instead that adds dQ by TMA reductions into a zeroed float32 buffer
 (gluon_backward's ``fused_dq``), and a cast copies it into dQ; packed sequences (varlen) too, with
 the preprocess writing the LSE and Delta rows that kernel reads (``ALIGNED``).
@@ -473,7 +473,7 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
                         (seqlen_q, seqlen_k, heads // heads_k, diag_offset, max(window_left, 0),
                          max(window_right, 0), qk_scale, softcap_in, softmax_scale, dropout_p),
                         alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k, dropout_seed,
-                        gluon)
+                        gluon, softcap)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -491,7 +491,10 @@ GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0"
 # Packed sequences (flash_attn_varlen_func) through the same fused kernel (gluon_backward's varlen
 # variants); FLASHTILE_GLUON_VARLEN_BWD=0 keeps them on the portable kernels.
 GLUON_VARLEN = os.environ.get("FLASHTILE_GLUON_VARLEN_BWD", "1") not in ("", "0")
-
+# The logit softcap (Gemma 2) through the fused kernel's softcap variants, 1.19-1.22x the portable
+# backward in a training step on an H100 (softcap-train-h100-20261205);
+# FLASHTILE_GLUON_SOFTCAP_BWD=0 keeps softcapped backwards on the portable kernels.
+GLUON_SOFTCAP = os.environ.get("FLASHTILE_GLUON_SOFTCAP_BWD", "1") not in ("", "0")
 
 # Packed sequences under the programs >= SMs rule still take the fused kernel from this share of the
 # SMs when the longest sequence has this many keys; the portable kernels they would run otherwise (no
@@ -511,7 +514,8 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     and dQ in one kernel; deterministic=False, FUSED_HEAD_DIMS, GLUON_FUSED_DQ), "dkdv" (the dK/dV
     pass only, GLUON_DKDV) or None. Only for full or bottom-right causal attention, or a
     bottom-right sliding window ("fused" only, at gluon_backward.WINDOW_HEAD_DIMS, where the forward
-    takes the window too: forward.GLUON_WINDOW_MIN_KEYS), without softcap, ALiBi or dropout, on
+    takes the window too: forward.GLUON_WINDOW_MIN_KEYS), with a softcap ("fused" only,
+    GLUON_SOFTCAP), without ALiBi or dropout, on
     tensors it supports, unless a tile config was asked for or FLASHTILE_GLUON=0. Packed sequences
     (flags["VARLEN"]: q, k, v, dout as one packed batch entry, each sequence bottom-right on its own
     lengths) take "fused" only (GLUON_VARLEN), and under the programs rule where ``max_seqlen_k``
@@ -521,7 +525,9 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
     if not ((GLUON_DKDV or fused) and _forward.GLUON_ENABLED) or config_given or interpreting() \
             or not q.is_cuda:
         return None
-    if any(flags[name] for name in ("SOFTCAP", "ALIBI", "DROPOUT", "UPCAST")):
+    if any(flags[name] for name in ("ALIBI", "DROPOUT", "UPCAST")):
+        return None
+    if flags["SOFTCAP"] and not (fused and GLUON_SOFTCAP):
         return None
     varlen = flags["VARLEN"]
     if varlen and not (fused and GLUON_VARLEN):
@@ -552,7 +558,7 @@ def gluon_backward_mode(q, k, v, dout, flags: dict, diag_offset: int, window_rig
         fused = False
     if fused:
         return "fused"
-    return "dkdv" if GLUON_DKDV and not windowed and not varlen else None
+    return "dkdv" if GLUON_DKDV and not windowed and not varlen and not flags["SOFTCAP"] else None
 
 
 def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) -> str:
@@ -568,8 +574,9 @@ def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) 
 
 def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, rows_q, rows_k, heads,
                     heads_k, cfg, atomic, flags, strides, common, alibi_slopes, alibi_stride_b,
-                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=None):
-    """The backward's three launches; ``common`` is the scalar arguments every kernel shares."""
+                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=None, softcap: float = 0.0):
+    """The backward's three launches; ``common`` is the scalar arguments every kernel shares
+    (``softcap`` itself for the Gluon kernel, which derives the same scalars from it)."""
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = strides
     seqlen_q, head_dim, d_pad = common[0], flags["HEAD_DIM"], flags["HEAD_DIM_PAD"]
     varlen = flags["VARLEN"]
@@ -596,7 +603,8 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
         window = (common[4] if flags["HAS_LEFT"] else -1, common[5] if flags["HAS_RIGHT"] else -1)
         packed = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=rows_k) if varlen else {}
         run_gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=common[8],
-                       causal=window[1] == 0, dq_accum=dq_accum, window_size=window, **packed)
+                       causal=window[1] == 0, dq_accum=dq_accum, window_size=window, softcap=softcap,
+                       **packed)
         if fused:
             dq.copy_(dq_accum)
             return

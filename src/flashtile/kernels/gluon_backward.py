@@ -12,6 +12,10 @@ Per query tile, in each consumer:
     dS^T = P^T * (dP^T - Delta)
     dV  += P^T dO,  dK += dS^T Q     (wgmma with P^T / dS^T as register A operands)
 
+With flash_attn's logit softcap (``softcap`` variants) S^T becomes t = tanh(S^T * scale / softcap) by
+the forward's exp2 formula, P^T = exp2(t * softcap * log2(e) - LSE * log2(e)), and dS^T takes a factor
+1 - t^2 (the chain rule through the cap; dK and dQ keep their factor of scale).
+
 dQ either stays with the portable kernel's separate pass (no atomics: the backward stays
 deterministic), or (``fused_dq``, FlashAttention-3's way) comes from the same tile: each consumer
 stores dS^T (bf16) to shared memory, the two meet at an mbarrier, and consumer w computes
@@ -43,7 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from .forward import _arch
-from .gluon_forward import _GLUON, _Descriptor, _smem_layout, _tma_ok, qkv_shapes_ok, window_arguments
+from .gluon_forward import (_GLUON, _Descriptor, _smem_layout, _tma_ok, qkv_shapes_ok, score_scalars,
+                            window_arguments)
 from .launch import launch
 
 if _GLUON:
@@ -76,6 +81,9 @@ class GluonBackwardVariant:
     # Packed sequences (flash_attn_varlen_func): q, dO (1, total_q, H, D), k, v (1, total_k, Hk, D),
     # sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b]; grid (key blocks of the longest, Hk, B).
     varlen: bool = False
+    # flash_attn's logit softcap (Gemma 2): P recomputed from softcap * tanh(scale * s / softcap) by
+    # the forward's exp2 formula, dS times 1 - tanh^2.
+    softcap: bool = False
 
     def __post_init__(self):
         if self.fused_dq and (self.head_dim not in (64, 128) or self.block_m != 64 or self.overlap):
@@ -91,7 +99,7 @@ class GluonBackwardVariant:
         return (f"gluon-bwd-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-m{self.block_m}-s{self.stages}{'-overlap' if self.overlap else ''}"
                 f"{'-dq' if self.fused_dq else ''}{'-win' if self.window else ''}"
-                f"{'-varlen' if self.varlen else ''}")
+                f"{'-varlen' if self.varlen else ''}{'-softcap' if self.softcap else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,6 +133,17 @@ GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True),
                             for d in FUSED_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
 GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True), window=True, varlen=True)
                             for d in WINDOW_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
+
+
+def with_softcap(variant: GluonBackwardVariant) -> GluonBackwardVariant:
+    """``variant`` with the logit softcap. The windowed ones keep up to 64 stack bytes (32-40 more
+    than without: the window's mask and tanh's value live together)."""
+    return dataclasses.replace(variant, softcap=True,
+                               max_stack=max(variant.max_stack, 64 if variant.window else 32))
+
+
+# The logit softcap (Gemma 2) on every fused variant: plain, windowed, packed
+GLUON_BACKWARD_VARIANTS += [with_softcap(v) for v in list(GLUON_BACKWARD_VARIANTS) if v.fused_dq]
 
 
 if _GLUON:
@@ -243,7 +262,7 @@ if _GLUON:
     def _bwd_consumer(k_smem, v_smem, kv_bar, dq_smem, shared, BLOCK_M: gl.constexpr,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr,
                       OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr, WINDOW: gl.constexpr = False,
-                      VARLEN: gl.constexpr = False):
+                      VARLEN: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
         """Keys [n0 + 64 WG, n0 + 64 WG + 64): load K and V once, accumulate dK and dV over every
         streamed tile, write them (dK times the softmax scale) through K's and V's slots.
 
@@ -266,7 +285,8 @@ if _GLUON:
         by masked stores (``DK``, ``DV``) instead of TMA's whole box."""
         (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty,
          seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
-         dq_desc, ds_smem, ds_bar, k_all, window_left, window_right, q_start, k_start, DK, DV) = shared
+         dq_desc, ds_smem, ds_bar, k_all, window_left, window_right, q_start, k_start, DK, DV,
+         softcap_in) = shared
         KEYS: gl.constexpr = 64
         dtype: gl.constexpr = k_desc.dtype
         key0 = n0 + WG * KEYS
@@ -314,6 +334,11 @@ if _GLUON:
                 1, deps=(s_tok, dk, dv, p_op, ds_op, k_tile, q_t))
             if OVERLAP:  # the tile before is read no more
                 mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it > 0)
+            if SOFTCAP:  # s becomes t = tanh(scale s / softcap), by the forward's formula; dP
+                # first, so that t lives only through dS's elementwise chain (held across the wait
+                # it spilled)
+                dp, _, _ = warpgroup_mma_wait(0, deps=(dp_tok, v_tile, do_t))
+                s = 1.0 - 2.0 / (gl.exp2(s * (softcap_in * 2.8853900817779268)) + 1.0)
             if VARLEN:  # the sequence's own bounds, then its mask as below
                 masked = (m * BLOCK_M + BLOCK_M > seqlen_q) | (key0 + KEYS > seqlen_k)
                 if WINDOW:
@@ -341,9 +366,12 @@ if _GLUON:
             # spilled (16 values each per thread).
             lse = lse_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
-            dp, _, _ = warpgroup_mma_wait(0, deps=(dp_tok, v_tile, do_t))
+            if not SOFTCAP:
+                dp, _, _ = warpgroup_mma_wait(0, deps=(dp_tok, v_tile, do_t))
             delta = delta_bufs.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
             ds = p * (dp - gl.expand_dims(delta, 0))
+            if SOFTCAP:  # times 1 - t^2 (masked: t = -inf, p = 0; the max keeps 0 * inf out)
+                ds = ds * gl.maximum(1.0 - s * s, 0.0)
             p_op = gl.convert_layout(p.to(dtype), a_layout)
             ds_lo = ds.to(dtype)
             ds_op = gl.convert_layout(ds_lo, a_layout)
@@ -424,18 +452,21 @@ if _GLUON:
     @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "group_size", "window_left", "window_right"])
     def _attn_bwd_dkdv_gluon(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc,
                              delta_desc, CuSeqlensQ, CuSeqlensK, DK, DV, seqlen_q, seqlen_k, group_size,
-                             qk_scale, softmax_scale, window_left, window_right, BLOCK_M: gl.constexpr,
+                             qk_scale, softmax_scale, window_left, window_right, softcap_in,
+                             BLOCK_M: gl.constexpr,
                              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                              OVERLAP: gl.constexpr, FUSED_DQ: gl.constexpr,
-                             WINDOW: gl.constexpr = False, VARLEN: gl.constexpr = False):
+                             WINDOW: gl.constexpr = False, VARLEN: gl.constexpr = False,
+                             SOFTCAP: gl.constexpr = False):
         """Grid (key blocks of 128, KV heads, batch). ``lse_desc`` (natural log) and ``delta_desc``:
         (B, H, Sq) float32, blocks of (1, 1, BLOCK_M). ``dq_desc``: float32 (B, Sq, H, D) blocks of
         (1, BLOCK_M, 1, 32) with FUSED_DQ (the caller zeroes it), any descriptor otherwise. WINDOW:
         the sliding window's sides (see _query_blocks). VARLEN: packed sequences, the descriptors over
         (1, total, heads, D) and (1, H, total_q) rows; sequence b by CuSeqlensQ/CuSeqlensK (int32,
         B + 1); ``DK``/``DV`` the contiguous dK and dV (masked stores of a sequence's last key block).
-        Without VARLEN those four are not read."""
+        Without VARLEN those four are not read. SOFTCAP: the score is softcap * tanh(scale * s /
+        softcap), ``softcap_in`` = scale / softcap and ``qk_scale`` = softcap * log2(e)."""
         n0 = gl.program_id(0) * 128
         kv_head = gl.program_id(1)
         batch = gl.program_id(2)
@@ -483,14 +514,17 @@ if _GLUON:
             num_m = gl.where(n0 < seqlen_k, num_m, m_lo)
         shared = (k_desc, v_desc, dk_desc, dv_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready,
                   empty, seqlen_q, seqlen_k, group_size, batch, kv_head, n0, qk_scale, softmax_scale,
-                  dq_desc, ds_smem, ds_bar, k_smem, window_left, window_right, q_start, k_start, DK, DV)
+                  dq_desc, ds_smem, ds_bar, k_smem, window_left, window_right, q_start, k_start, DK, DV,
+                  softcap_in)
         FIRST: gl.constexpr = 0
         SECOND: gl.constexpr = 1
         gl.warp_specialize([
             (_bwd_consumer, (k_smem.index(0), v_smem.index(0), kv_bars.index(0), dq_first, shared,
-                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ, WINDOW, VARLEN)),
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, FIRST, OVERLAP, FUSED_DQ, WINDOW, VARLEN,
+                             SOFTCAP)),
             (_bwd_consumer, (k_smem.index(1), v_smem.index(1), kv_bars.index(1), dq_second, shared,
-                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ, WINDOW, VARLEN)),
+                             BLOCK_M, HEAD_DIM, STAGES, CAUSAL, SECOND, OVERLAP, FUSED_DQ, WINDOW, VARLEN,
+                             SOFTCAP)),
             (_bwd_producer, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs,
                              delta_bufs, ready, empty, batch, kv_head, group_size, m_lo, num_m,
                              q_start, row_start, BLOCK_M, STAGES)),
@@ -591,14 +625,14 @@ def _launch_options(variant: GluonBackwardVariant) -> dict:
             "CAUSAL": variant.causal, "CONSUMER_REGS": variant.consumer_regs,
             "PRODUCER_REGS": variant.producer_regs, "OVERLAP": variant.overlap,
             "FUSED_DQ": variant.fused_dq, "WINDOW": variant.window, "VARLEN": variant.varlen,
-            "num_warps": 4, "maxnreg": 168}
+            "SOFTCAP": variant.softcap, "num_warps": 4, "maxnreg": 168}
 
 
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causal: bool,
                variant: GluonBackwardVariant | None = None,
                dq_accum: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-               max_seqlen_k: int = 0) -> None:
+               max_seqlen_k: int = 0, softcap: float = 0.0) -> None:
     """dK, dV of attention into ``dk``/``dv`` (B, Sk, Hk, D, TMA-addressable) for inputs
     ``supported`` takes; ``lse`` (natural log) and ``delta`` = rowsum(dO * O): (B, H, Sq) float32
     with one layout and a contiguous last dim. A ``fused_dq`` variant also adds dQ (scaled) into
@@ -610,7 +644,11 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     q's device; q, k, v, dout, dk, dv (and dq_accum) are then (1, total, heads, D), dk and dv
     contiguous, and lse, delta (1, H, packed_row_width) in packed_row_starts' layout
     (packed_row_copy); ``max_seqlen_k`` must bound every sequence's keys (it sizes the grid); each
-    sequence is aligned bottom-right on its own lengths."""
+    sequence is aligned bottom-right on its own lengths.
+
+    ``softcap`` > 0: flash_attn's logit softcap, on a softcap variant (the default one is picked);
+    ``lse`` must then be that of the capped scores by the exp2 formula (the forward's without
+    tanh.approx)."""
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -644,6 +682,10 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
         variant = dataclasses.replace(variant, window=True)
     if varlen and not variant.varlen:
         variant = dataclasses.replace(variant, varlen=True)
+    if softcap > 0 and not variant.softcap:
+        variant = with_softcap(variant)
+    if variant.softcap != (softcap > 0):
+        raise ValueError(f"variant {variant.name} {'needs' if variant.softcap else 'takes no'} softcap > 0")
     if variant.varlen != varlen:
         raise ValueError(f"variant {variant.name} {'needs' if variant.varlen else 'takes no'} cu_seqlens")
     if (variant.head_dim, variant.dtype, variant.causal) != (head_dim, dtype, causal):
@@ -670,8 +712,9 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     # rows no faster (gluon-bwd-check-h200-20261130-e/-f).
     grid = (-(-grid_keys // 128), heads_k, batch)  # programs(q, k) in all without packing
     window_left, window_right = window_arguments(causal, tuple(window_size))
-    scalars = (seqlen_q, seqlen_k, heads // heads_k, softmax_scale * LOG2E, softmax_scale, window_left,
-               window_right)
+    qk_scale, softcap_in = score_scalars(softmax_scale, softcap)  # the forward's very scalars
+    scalars = (seqlen_q, seqlen_k, heads // heads_k, qk_scale, softmax_scale, window_left, window_right,
+               softcap_in)
     on_other_device = q.device.index != torch.cuda.current_device()
     with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
         launch(_attn_bwd_dkdv_gluon, grid, (cu_seqlens_q, cu_seqlens_k, dk, dv), scalars,
@@ -703,7 +746,7 @@ def compile_for_sm90(variant: GluonBackwardVariant):
     signature = {"q_desc": q_sig, "k_desc": kv_sig, "v_desc": kv_sig, "do_desc": q_sig,
                  "dk_desc": kv_sig, "dv_desc": kv_sig, "dq_desc": dq_sig, "lse_desc": row_sig,
                  "delta_desc": row_sig, "DK": f"*{dt}", "DV": f"*{dt}",
-                 "qk_scale": "fp32", "softmax_scale": "fp32"}
+                 "qk_scale": "fp32", "softmax_scale": "fp32", "softcap_in": "fp32"}
     options = _launch_options(variant)
     constexprs = {name: value for name, value in options.items() if name not in ("num_warps", "maxnreg")}
     if variant.varlen:
