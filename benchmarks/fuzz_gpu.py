@@ -5,10 +5,11 @@ shapes and options.
     PYTHONPATH=src python benchmarks/fuzz_gpu.py --out $OUT [--seed S] [--seconds T] [--family F]
 
 Families: ``prefill`` (flash_attn_func and its kv/qkv-packed forms, forward, and backward on half
-the cases, some deterministic: run twice, the gradients must match bit for bit; some with dropout,
-its mask taken from S_dmask; half the calls without dropout ask for the output alone, as most
-callers do, so that they take the Gluon kernels where those apply (return_attn_probs keeps a call off
-them), windows up to 3000 keys, short causal windows for the portable kernel's short-window tiles),
+the cases and on a quarter drawn wide enough for the fused Gluon backward, most of those with a
+softcap, each case recording the fused backward's calls; some deterministic: run twice, the
+gradients must match bit for bit; some with dropout, its mask taken from S_dmask; half the calls
+without dropout ask for the output alone, as most callers do, so that they take the Gluon kernels
+where those apply (return_attn_probs keeps a call off them), windows up to 3000 keys, short causal windows for the portable kernel's short-window tiles),
 ``varlen`` (flash_attn_varlen_func: backward on some cases, deterministic ones twice, a fifth of the
 cases wide enough, 4-8 KV heads at d64/d128, for the Gluon packed backward, whose calls each case
 records; or keys on page pools of any page size through block_table), ``mixed`` (serving batches
@@ -89,7 +90,18 @@ def prefill_case(rng):
         sk, hk = sq, h
     d = rng.choice(HEAD_DIMS)
     dtype = rng.choice([torch.bfloat16, torch.float16])
+    # some cases wide enough for the fused Gluon backward (a program per 128 keys of a KV head, one
+    # an SM or more) at its head dims, most of them with a softcap
+    wide = rng.random() < 0.25
+    if wide:
+        b, hk, d = 2, 8, rng.choice([64, 128])
+        h = hk * rng.choice([1, 2])
+        sk = rng.randint(_n(1100), _n(2500))
+        sq = sk if packing == "qkv" or rng.random() < 0.5 else rng.randint(1, _n(2500))
+        hk = h if packing == "qkv" else hk
     kw = _mask_options(rng)
+    if wide and rng.random() < 0.6:
+        kw["softcap"] = rng.choice([5.0, 30.0])
     if "window_size" not in kw and rng.random() < 0.1:
         # short causal windows, where the portable kernel takes its short-window tiles on sm_90
         # (forward.short_window_config: up to 2049-key spans at padded head dim 64, 513 at 128)
@@ -97,7 +109,7 @@ def prefill_case(rng):
         kw["window_size"] = (rng.randint(0, _n(2048 if d <= 64 else 512)), 0)
     if rng.random() < 0.1:
         kw["alibi_slopes"] = torch.rand(b, h, device=DEV) if rng.random() < 0.5 else torch.rand(h, device=DEV)
-    backward = rng.random() < 0.5
+    backward = rng.random() < 0.5 or wide
     deterministic = backward and rng.random() < 0.4
     # dropout: the mask comes back as S_dmask's signs (return_attn_probs), and the reference applies it
     dropout_p = rng.choice([0.1, 0.3]) if rng.random() < 0.15 else 0.0
@@ -129,6 +141,14 @@ def prefill_case(rng):
         return out, lambda: (q.grad, k.grad, v.grad)
 
     def run():
+        fused = _gluon_varlen_backward_calls()
+        before = fused.plain_calls
+        try:
+            _run()
+        finally:  # how many backward calls took the fused Gluon kernel, for the record
+            params["gluon_backward_calls"] = fused.plain_calls - before
+
+    def _run():
         q = torch.randn(b, sq, h, d, device=DEV, dtype=dtype)
         k = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
         v = torch.randn(b, sk, hk, d, device=DEV, dtype=dtype)
@@ -678,15 +698,18 @@ def _gluon_varlen_calls():
 
 
 def _gluon_varlen_backward_calls():
-    """A counter of the packed backward calls that reach the Gluon backward (gluon_dkdv with
-    cu_seqlens; installed once, as _gluon_varlen_calls)."""
+    """A counter of the backward calls that reach the Gluon backward: packed ones (gluon_dkdv with
+    cu_seqlens) in ``calls``, the others in ``plain_calls`` (installed once, as _gluon_varlen_calls)."""
     from flashtile.kernels import gluon_backward
     original = gluon_backward.gluon_dkdv
     if not hasattr(original, "calls"):
         def counted(*args, **kwargs):
-            counted.calls += kwargs.get("cu_seqlens_q") is not None
+            packed = kwargs.get("cu_seqlens_q") is not None
+            counted.calls += packed
+            counted.plain_calls += not packed
             return original(*args, **kwargs)
         counted.calls = 0
+        counted.plain_calls = 0
         gluon_backward.gluon_dkdv = counted
     return gluon_backward.gluon_dkdv
 
