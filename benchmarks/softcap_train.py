@@ -19,7 +19,7 @@ same call without a softcap), textbook attention in bf16 with the softcap, and S
 backends without one (they take no softcap; K and V expanded to every query head before the timing);
 TFLOP/s as FlashAttention-2 counts them (fwd+bwd = 3.5x the forward's 4 n^2 d a head, halved
 causal; a window counts its visible pairs). ``--check-only``: the checks alone; ``--small``: small
-checks (compute-sanitizer).
+checks (compute-sanitizer); ``--smoke``: tiny checks on the CPU interpreter (the portable backward).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ SMALL_CHECKS = [(4, 600, 600, 8, 8, 64, "bf16", True, FULL, True),
 VARLEN_CHECKS = [([1000, 1531, 1, 2900], [1000, 1531, 40, 2900], 8, 4, 128, "bf16", True, FULL),
                  ([2500, 700, 3000], [2500, 1900, 3000], 8, 4, 64, "fp16", False, FULL),
                  ([3000, 129, 2777], [3000, 1000, 2777], 8, 4, 128, "bf16", True, (1024, 0))]
+SMOKE_CHECKS = [(2, 37, 45, 4, 2, 64, "fp16", True, FULL, False), (1, 33, 20, 2, 1, 40, "fp16", False, (9, 3), False)]
+SMOKE_VARLEN_CHECKS = []
 SMALL_VARLEN_CHECKS = [([300, 1000, 9], [300, 2000, 40], 8, 8, 128, "bf16", True, (512, 0))]  # 152 programs
 # (batch, seqlen, heads, heads_k, head_dim, window left): causal training steps
 SHAPES = [(2, 4096, 32, 16, 128, -1), (1, 8192, 32, 16, 128, -1), (1, 8192, 32, 16, 128, 4096),
@@ -80,12 +82,15 @@ def _dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def run_checks(dev, small: bool) -> list[dict]:
+def run_checks(dev, size: str = "full") -> list[dict]:
+    """The gradient checks of ``size``: "full", "small" (compute-sanitizer) or "smoke" (CPU)."""
     from helpers import assert_grads_match_reference
+    plain, packed_cases = {"full": (CHECKS, VARLEN_CHECKS), "small": (SMALL_CHECKS, SMALL_VARLEN_CHECKS),
+                           "smoke": (SMOKE_CHECKS, SMOKE_VARLEN_CHECKS)}[size]
     checks = []
     count, restore = fused_launches()
     try:
-        for b, sq, sk, h, hk, d, dt, causal, window, fused in SMALL_CHECKS if small else CHECKS:
+        for b, sq, sk, h, hk, d, dt, causal, window, fused in plain:
             torch.manual_seed(sq + 7 * sk + d)
             q = torch.randn(b, sq, h, d, device=dev, dtype=_dtype(dt)) * 3
             k = torch.randn(b, sk, hk, d, device=dev, dtype=_dtype(dt)) * 3
@@ -107,7 +112,7 @@ def run_checks(dev, small: bool) -> list[dict]:
                        fused_launches=launched, fused_expected=fused, error=error, ok=ok)
             print(("ok  " if ok else "BAD ") + json.dumps(rec), flush=True)
             checks.append(rec)
-        for lens_q, lens_k, h, hk, d, dt, causal, window in SMALL_VARLEN_CHECKS if small else VARLEN_CHECKS:
+        for lens_q, lens_k, h, hk, d, dt, causal, window in packed_cases:
             torch.manual_seed(sum(lens_k) + d)
             cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device=dev)
                           for n in (lens_q, lens_k))
@@ -237,23 +242,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--small", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
     from flashtile.bench.common import source_digest
-    dev = torch.device("cuda")
-    checks = run_checks(dev, args.small)
-    rows = [] if args.check_only or args.small else run_timings(dev, args.rounds)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    checks = run_checks(dev, "smoke" if args.smoke else "small" if args.small else "full")
+    rows = [] if args.check_only or args.small or args.smoke else run_timings(dev, args.rounds)
     if rows:
         print("\n" + table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "softcap-train.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            json.dump({"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                        "source_digest": source_digest(), "softcap": SOFTCAP, "checks": checks, "rows": rows}, f,
                       indent=1)
     return 0 if all(c["ok"] for c in checks) else 1

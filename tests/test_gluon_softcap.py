@@ -231,24 +231,51 @@ def test_packed_softcap_on_page_pools_launches_the_paged_softcap_variant(launche
     assert launched and all(v.softcap and v.seqused_k for v in launched)
 
 
+def _benchmark_script(name: str):
+    """benchmarks/<name>.py loaded as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_softcap_check_script_runs_its_checks(tmp_path, capsys):
     """benchmarks/softcap_check.py (the H200's check of the softcap in the kernel) runs its float64
     checks through the interpreter (the portable kernel there): every case within the rule, and the
     switch back as it was."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     before = gluon_forward.SOFTCAP_IN_KERNEL
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "softcap_check.py"
-    spec = importlib.util.spec_from_file_location("softcap_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _benchmark_script("softcap_check")
     assert module.main(["--smoke", "--out", str(tmp_path)]) == 0
     checks = json.loads((tmp_path / "softcap-check.json").read_text())["checks"]
     assert {c["case"] for c in checks} == {"plain", "packed", "pools", "train"}
     assert all(0 < c["of_budget"] <= 1 for c in checks)
     assert gluon_forward.SOFTCAP_IN_KERNEL == before
+
+
+def test_softcap_train_script_runs_its_checks(tmp_path, monkeypatch):
+    """benchmarks/softcap_train.py (the GPU check and timing of the fused backward's softcap) runs its
+    gradient checks through the interpreter (the portable backward there, as the checks expect), and
+    a wrong gradient fails them."""
+    import json
+    from flashtile import ops
+
+    module = _benchmark_script("softcap_train")
+    assert module.main(["--smoke", "--out", str(tmp_path)]) == 0
+    checks = json.loads((tmp_path / "softcap-train.json").read_text())["checks"]
+    assert len(checks) == len(module.SMOKE_CHECKS) and all(c["ok"] and not c["fused_launches"] for c in checks)
+    real = ops.attention_backward
+
+    def off(*args, **kwargs):
+        dq, dk, dv = real(*args, **kwargs)
+        return dq, dk * 1.01, dv
+    monkeypatch.setattr(ops, "attention_backward", off)
+    assert module.main(["--smoke"]) == 1
 
 
 def test_short_softcapped_queries_on_long_keys_take_the_split_kv_decode_with_the_softcap(monkeypatch):
