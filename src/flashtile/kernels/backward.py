@@ -491,7 +491,7 @@ GLUON_FUSED_DQ = os.environ.get("FLASHTILE_GLUON_FUSED_DQ", "1") not in ("", "0"
 # Packed sequences (flash_attn_varlen_func) through the same fused kernel (gluon_backward's varlen
 # variants); FLASHTILE_GLUON_VARLEN_BWD=0 keeps them on the portable kernels.
 GLUON_VARLEN = os.environ.get("FLASHTILE_GLUON_VARLEN_BWD", "1") not in ("", "0")
-# The logit softcap (Gemma 2) through the fused kernel's softcap variants, 1.19-1.22x the portable
+# The logit softcap (Gemma 2) through the fused kernel's softcap variants, 1.18-1.21x the portable
 # backward in a training step on an H100 (softcap-train-h100-20261205);
 # FLASHTILE_GLUON_SOFTCAP_BWD=0 keeps softcapped backwards on the portable kernels.
 GLUON_SOFTCAP = os.environ.get("FLASHTILE_GLUON_SOFTCAP_BWD", "1") not in ("", "0")
