@@ -1,8 +1,8 @@
 """The Gluon backward kernels (sm_90): ``supported`` turns away what they do not handle, the backward
 keeps the portable kernels off sm_90 and for deterministic calls, and a fused-dQ variant refuses
 shapes it has no code for. Its variants' sm_90 compilation is tested in
-test_gluon_compile.py; its numerics on the H200 by benchmarks/gluon_bwd_check.py (the interpreter
-cannot run Gluon)."""
+test_gluon_compile.py; its numerics on the GPU by benchmarks/gluon_bwd_check.py and, with a softcap,
+benchmarks/softcap_train.py (the interpreter cannot run Gluon)."""
 
 import pytest
 import torch

@@ -576,7 +576,7 @@ def programs(q: torch.Tensor, k: torch.Tensor) -> int:
 def supported(q, k, v, dout, *, head_dims: tuple = HEAD_DIMS) -> bool:
     """Whether ``gluon_dkdv`` takes these (B, S, H, D) tensors: CUDA on compute capability 9.0, one
     16-bit dtype, head dim in HEAD_DIMS, H a multiple of Hk, TMA-addressable rows. The caller
-    checks the options (full, causal or a sliding window: no softcap, ALiBi or dropout; packed
+    checks the options (full, causal or a sliding window, a softcap; no ALiBi or dropout; packed
     sequences as one packed batch entry)."""
     tensors = (q, k, v, dout)
     if not _GLUON or not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in tensors):
