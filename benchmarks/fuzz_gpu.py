@@ -141,7 +141,7 @@ def prefill_case(rng):
         return out, lambda: (q.grad, k.grad, v.grad)
 
     def run():
-        fused = _gluon_varlen_backward_calls()
+        fused = _gluon_backward_calls()
         before = fused.plain_calls
         try:
             _run()
@@ -236,7 +236,7 @@ def varlen_case(rng):
 
     def run():
         gluon_calls = _gluon_varlen_calls()
-        backward_calls = _gluon_varlen_backward_calls()
+        backward_calls = _gluon_backward_calls()
         before, backward_before = gluon_calls.calls, backward_calls.calls
         try:
             _run()
@@ -697,7 +697,7 @@ def _gluon_varlen_calls():
     return gluon_forward.gluon_varlen_forward
 
 
-def _gluon_varlen_backward_calls():
+def _gluon_backward_calls():
     """A counter of the backward calls that reach the Gluon backward: packed ones (gluon_dkdv with
     cu_seqlens) in ``calls``, the others in ``plain_calls`` (installed once, as _gluon_varlen_calls)."""
     from flashtile.kernels import gluon_backward

@@ -149,13 +149,6 @@ def run_checks(dev, size: str = "full") -> list[dict]:
     return checks
 
 
-def visible_pairs(n: int, left: int) -> int:
-    """Query-key pairs a causal n x n attention with a ``left``-key window (-1: none) computes."""
-    if left < 0 or left >= n:
-        return n * (n + 1) // 2
-    return (left + 1) * n - left * (left + 1) // 2
-
-
 def textbook_step(q, k, v, dout, left: int):
     """Textbook attention in q's dtype with the softcap, causal (and the window), then its backward."""
     group = q.shape[2] // k.shape[2]
@@ -174,7 +167,7 @@ def textbook_step(q, k, v, dout, left: int):
 
 def run_timings(dev, rounds: int) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from window_probe import balanced_rounds, median
+    from window_probe import balanced_rounds, median, visible_pairs
     rows = []
     for b, n, h, hk, d, left in SHAPES:
         torch.manual_seed(n + h + d)
@@ -216,7 +209,7 @@ def run_timings(dev, rounds: int) -> list[dict]:
                 print(f"{name} at {(b, n, h, hk, d, left)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 del calls[name]
         ms_rounds = balanced_rounds(calls, rounds)
-        flops = 3.5 * 4 * visible_pairs(n, left) * d * h * b
+        flops = 3.5 * 4 * visible_pairs(n, left if left >= 0 else None) * d * h * b
         for name in calls:
             ms = median(ms_rounds[name])
             rec = dict(batch=b, seqlen=n, heads=h, heads_k=hk, head_dim=d, window=left, provider=name,

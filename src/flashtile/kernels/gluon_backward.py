@@ -628,6 +628,10 @@ def _launch_options(variant: GluonBackwardVariant) -> dict:
             "SOFTCAP": variant.softcap, "num_warps": 4, "maxnreg": 168}
 
 
+# with_softcap looked up, not rebuilt, on every softcapped call's host path
+_softcap_twin = functools.lru_cache(maxsize=None)(with_softcap)
+
+
 def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causal: bool,
                variant: GluonBackwardVariant | None = None,
                dq_accum: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
@@ -683,7 +687,7 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     if varlen and not variant.varlen:
         variant = dataclasses.replace(variant, varlen=True)
     if softcap > 0 and not variant.softcap:
-        variant = with_softcap(variant)
+        variant = _softcap_twin(variant)
     if variant.softcap != (softcap > 0):
         raise ValueError(f"variant {variant.name} {'needs' if variant.softcap else 'takes no'} softcap > 0")
     if variant.varlen != varlen:
