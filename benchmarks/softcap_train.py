@@ -1,6 +1,7 @@
 """Training with the logit softcap (flash_attn's ``softcap``, Gemma 2's 50.0): the fused Gluon
 backward's softcap variants (backward.GLUON_SOFTCAP) checked and timed against the portable
-backward that ran softcapped gradients before them.
+backward that ran softcapped gradients before them, and the softcap's tanh by tanh.approx in the
+forward and backward of a training step (forward.SOFTCAP_APPROX_TRAIN) against exp2's formula.
 
     PYTHONPATH=src python benchmarks/softcap_train.py --out $OUT [--rounds N] [--check-only] [--small]
 
@@ -10,11 +11,14 @@ layers), Sq != Sk (also Sq > Sk: rows that see no key), lengths off the tiles, b
 MQA, bf16 and fp16, packed sequences, each against autograd through float64 textbook attention with
 the same softcap (3x the error of textbook attention in the input dtype, or 2x that of D taken from
 the stored output: helpers.assert_grads_match_reference), and that the fused Gluon kernel ran (its
-launches counted), or did not where the dispatch rule sends the call to the portable kernels.
+launches counted), or did not where the dispatch rule sends the call to the portable kernels
+(deterministic=True, few programs, head dims 96 and 256: the portable backward, after the portable
+forward at d96), with tanh.approx in both wherever forward.softcap_approx_in_training says so.
 Timings (medians of triton.testing.do_bench over rounds that rotate the calls): one training step
 (forward and backward of attention alone) at Gemma-2 27B's heads (32/16, d128), 4k and 8k causal, the
-local layer's 4096-key window at 8k, and d64: "gluon" (the fused backward with the softcap),
-"portable" (backward.GLUON_SOFTCAP off: the portable backward after the same forward), "nocap" (the
+local layer's 4096-key window at 8k, and d64: "gluon" (the fused backward with the softcap, tanh.approx
+in both), "formula" (the same with exp2's formula: forward.SOFTCAP_APPROX_TRAIN off), "portable"
+(backward.GLUON_SOFTCAP off: the portable backward after the same forward), "nocap" (the
 same call without a softcap), textbook attention in bf16 with the softcap, and SDPA's flash and cudnn
 backends without one (they take no softcap; K and V expanded to every query head before the timing);
 TFLOP/s as FlashAttention-2 counts them (fwd+bwd = 3.5x the forward's 4 n^2 d a head, halved
@@ -32,7 +36,7 @@ import sys
 import torch
 
 import flashtile
-from flashtile.kernels import backward, gluon_backward
+from flashtile.kernels import backward, forward as fwd, gluon_backward
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SOFTCAP = 50.0
 FULL = (-1, -1)
 
-# (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, causal, window, fused expected):
-# the fused kernel wants at least one program (128 keys of a KV head) per SM
+# (batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, causal, window, fused expected[,
+# deterministic]): the fused kernel wants at least one program (128 keys of a KV head) per SM
 CHECKS = [(2, 2000, 2000, 16, 8, 64, "bf16", True, FULL, True),
           (1, 777, 4100, 8, 8, 64, "fp16", False, FULL, True),
           (2, 1031, 2049, 16, 8, 128, "bf16", True, FULL, True),
@@ -50,7 +54,9 @@ CHECKS = [(2, 2000, 2000, 16, 8, 64, "bf16", True, FULL, True),
           (2, 3000, 3000, 8, 4, 128, "bf16", True, (1024, 0), True),
           (2, 2000, 2500, 8, 4, 128, "fp16", False, (700, 600), True),
           (1, 1000, 1000, 8, 2, 128, "bf16", True, FULL, False),  # 16 programs: the portable kernels
-          (2, 1500, 1500, 16, 8, 256, "bf16", True, FULL, False)]  # d256: the portable kernels
+          (2, 1500, 1500, 16, 8, 256, "bf16", True, FULL, False),  # d256: the portable kernels
+          (2, 700, 900, 8, 2, 96, "bf16", True, FULL, False),  # d96: the portable forward too
+          (2, 2000, 2000, 16, 8, 128, "fp16", False, FULL, False, True)]  # deterministic: portable
 SMALL_CHECKS = [(4, 600, 600, 8, 8, 64, "bf16", True, FULL, True),
                 (2, 300, 1100, 8, 8, 128, "fp16", False, FULL, True),
                 (2, 1100, 1100, 8, 8, 128, "bf16", True, (600, 0), True)]
@@ -90,14 +96,17 @@ def run_checks(dev, size: str = "full") -> list[dict]:
     checks = []
     count, restore = fused_launches()
     try:
-        for b, sq, sk, h, hk, d, dt, causal, window, fused in plain:
+        for case in plain:
+            b, sq, sk, h, hk, d, dt, causal, window, fused = case[:10]
+            deterministic = len(case) > 10 and case[10]
             torch.manual_seed(sq + 7 * sk + d)
             q = torch.randn(b, sq, h, d, device=dev, dtype=_dtype(dt)) * 3
             k = torch.randn(b, sk, hk, d, device=dev, dtype=_dtype(dt)) * 3
             v = torch.randn(b, sk, hk, d, device=dev, dtype=_dtype(dt))
             dout = torch.randn_like(q)
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-            out = flashtile.flash_attn_func(qq, kk, vv, causal=causal, window_size=window, softcap=SOFTCAP)
+            out = flashtile.flash_attn_func(qq, kk, vv, causal=causal, window_size=window, softcap=SOFTCAP,
+                                            deterministic=deterministic)
             before = count[0]
             grads = torch.autograd.grad(out, (qq, kk, vv), dout)
             launched = count[0] - before
@@ -109,6 +118,7 @@ def run_checks(dev, size: str = "full") -> list[dict]:
                 error = str(exc)
             ok = not error and (launched == 1) == fused
             rec = dict(case="plain", shape=[b, sq, sk, h, hk, d], dtype=dt, causal=causal, window=list(window),
+                       deterministic=deterministic, approx=fwd.softcap_approx_in_training(q, SOFTCAP),
                        fused_launches=launched, fused_expected=fused, error=error, ok=ok)
             print(("ok  " if ok else "BAD ") + json.dumps(rec), flush=True)
             checks.append(rec)
@@ -139,7 +149,8 @@ def run_checks(dev, size: str = "full") -> list[dict]:
                     error += f"sequence {i}: {exc}; "
             ok = not error and launched == 1
             rec = dict(case="packed", lengths_q=lens_q, lengths_k=lens_k, heads=[h, hk], head_dim=d, dtype=dt,
-                       causal=causal, window=list(window), fused_launches=launched, error=error, ok=ok)
+                       approx=fwd.softcap_approx_in_training(q, SOFTCAP), causal=causal, window=list(window),
+                       fused_launches=launched, error=error, ok=ok)
             print(("ok  " if ok else "BAD ") + json.dumps(rec), flush=True)
             checks.append(rec)
     finally:
@@ -182,20 +193,22 @@ def run_timings(dev, rounds: int) -> list[dict]:
         qe = q.detach().transpose(1, 2).contiguous().requires_grad_()
         dout_e = dout.transpose(1, 2).contiguous()
 
-        def step(softcap: float, gluon: bool = True, q=q, k=k, v=v, dout=dout, left=left):
-            was, backward.GLUON_SOFTCAP = backward.GLUON_SOFTCAP, gluon
+        def step(softcap: float, gluon: bool = True, approx: bool = True, q=q, k=k, v=v, dout=dout, left=left):
+            was = backward.GLUON_SOFTCAP, fwd.SOFTCAP_APPROX_TRAIN
+            backward.GLUON_SOFTCAP, fwd.SOFTCAP_APPROX_TRAIN = gluon, approx
             try:
                 out = flashtile.flash_attn_func(q, k, v, causal=True, window_size=(left, 0), softcap=softcap)
                 return torch.autograd.grad(out, (q, k, v), dout)
             finally:
-                backward.GLUON_SOFTCAP = was
+                backward.GLUON_SOFTCAP, fwd.SOFTCAP_APPROX_TRAIN = was
 
         def sdpa(backend, qe=qe, ke=ke, ve=ve, dout_e=dout_e):
             with sdpa_kernel(backend):
                 out = torch.nn.functional.scaled_dot_product_attention(qe, ke, ve, is_causal=True)
                 return torch.autograd.grad(out, (qe, ke, ve), dout_e)
 
-        calls = {"gluon": lambda: step(SOFTCAP), "portable": lambda: step(SOFTCAP, False), "nocap": lambda: step(0.0)}
+        calls = {"gluon": lambda: step(SOFTCAP), "formula": lambda: step(SOFTCAP, approx=False),
+                 "portable": lambda: step(SOFTCAP, False), "nocap": lambda: step(0.0)}
         if left < 0:  # SDPA's is_causal has no window
             calls["sdpa-flash"] = lambda: sdpa(SDPBackend.FLASH_ATTENTION)
             calls["sdpa-cudnn"] = lambda: sdpa(SDPBackend.CUDNN_ATTENTION)
@@ -223,15 +236,16 @@ def run_timings(dev, rounds: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| B x n | H/Hk d | window | provider | ms a step | TFLOP/s fwd+bwd | x portable | x nocap |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| B x n | H/Hk d | window | provider | ms a step | TFLOP/s fwd+bwd | x formula | x portable | x nocap |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         same = {x["provider"]: x["ms"] for x in rows
                 if (x["batch"], x["seqlen"], x["heads"], x["head_dim"], x["window"])
                 == (r["batch"], r["seqlen"], r["heads"], r["head_dim"], r["window"])}
         lines.append(f"| {r['batch']} x {r['seqlen']} | {r['heads']}/{r['heads_k']} d{r['head_dim']} | {r['window']} | "
                      f"{r['provider']} | {r['ms']:.3f} | {r['tflops_fwd_bwd']:.0f} | "
-                     f"{same['portable'] / r['ms']:.3f} | {same['nocap'] / r['ms']:.3f} |")
+                     f"{same['formula'] / r['ms']:.3f} | {same['portable'] / r['ms']:.3f} | "
+                     f"{same['nocap'] / r['ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -251,7 +265,8 @@ def main(argv=None) -> int:
         print("\n" + table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "softcap-train.json"), "w") as f:
+        size = "-smoke" if args.smoke else "-small" if args.small else ""  # (one $OUT may hold both runs)
+        with open(os.path.join(args.out, f"softcap-train{size}.json"), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
                        "source_digest": source_digest(), "softcap": SOFTCAP, "checks": checks, "rows": rows}, f,
                       indent=1)

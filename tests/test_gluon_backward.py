@@ -242,14 +242,19 @@ def test_backward_rule_with_a_softcap(monkeypatch, case, expected):
 
 
 def test_softcap_variants_are_compiled_for_every_dispatched_schedule():
-    """Every fused variant has its softcap twin in the compile list (test_gluon_compile compiles it),
-    and only those: the dK/dV-only kernel has none."""
+    """Every fused variant has its softcap twins in the compile list (test_gluon_compile compiles them),
+    by exp2's formula and by tanh.approx, and only those: the dK/dV-only kernel has none."""
     variants = gluon_backward.GLUON_BACKWARD_VARIANTS
     fused = [v for v in variants if v.fused_dq and not v.softcap]
-    capped = [v for v in variants if v.softcap]
-    assert capped and len(capped) == len(fused) and all(v.fused_dq for v in capped)
+    capped = [v for v in variants if v.softcap and not v.softcap_approx]
+    approx = [v for v in variants if v.softcap_approx]
+    assert capped and len(capped) == len(fused) == len(approx) and all(v.fused_dq for v in capped + approx)
     assert {gluon_backward.with_softcap(v) for v in fused} == set(capped)
+    assert {gluon_backward.with_softcap(v, approx=True) for v in fused} == set(approx)
     assert all(v.name.endswith("-softcap") for v in capped)
+    assert all(v.name.endswith("-softcap-approx") and v.softcap for v in approx)
+    assert all(gluon_backward._launch_options(v)["SOFTCAP"] == 2 for v in approx)
+    assert all(gluon_backward._launch_options(v)["SOFTCAP"] is True for v in capped)
 
 
 @pytest.mark.parametrize("window, varlen", [((-1, 0), False), ((-1, -1), False), ((600, 0), False),
@@ -310,3 +315,34 @@ def test_backward_hands_the_softcap_to_the_fused_kernel(monkeypatch):
     (_, grid, _, scalars, options, _), = launches
     assert options["SOFTCAP"] and options["CAUSAL"] and options["FUSED_DQ"] and grid == (1, 2, 1)
     assert scalars[3:5] == (score_scalars(0.2, 20.0)[0], 0.2) and scalars[-1] == score_scalars(0.2, 20.0)[1]
+    assert options["SOFTCAP"] is True  # exp2's formula: the forward on a CPU never takes tanh.approx
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_told_of_tanh_approx_takes_the_approx_variant(monkeypatch, varlen):
+    """attention_backward with ``softcap_approx`` (a training forward that took tanh.approx): the
+    fused launch gets the tanh.approx twin of the variant it takes with the formula (SOFTCAP 2), with
+    the same scalars; without a softcap the flag changes nothing. The launch stubbed; the
+    interpreter runs the preprocess."""
+    launches = []
+    monkeypatch.setattr(backward, "gluon_backward_mode", lambda *args, **kw: "fused")
+    monkeypatch.setattr(gluon_backward, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    if varlen:
+        q, k, v, _, cu_q, cu_k = (t[0] if t.dim() == 4 else t for t in _packed_call(64))
+        lse = torch.randn(8, q.shape[0])
+        packed = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, max_seqlen_k=400)
+    else:
+        q, k, v = (torch.randn(1, n, h, 64, dtype=torch.bfloat16) for n, h in ((70, 4), (90, 2), (90, 2)))
+        lse, packed = torch.randn(1, 4, 70), {}
+    args = (torch.randn_like(q), q, k, v, torch.randn_like(q), lse)
+    kw = dict(softmax_scale=0.2, window_left=-1, window_right=0, diag_offset=0 if varlen else 20,
+              deterministic=False, **packed)
+    for approx in (False, True):
+        backward.attention_backward(*args, softcap=20.0, softcap_approx=approx, **kw)
+    backward.attention_backward(*args, softcap_approx=True, **kw)
+    (_, _, _, formula_scalars, formula, _), (_, _, _, scalars, options, _), (_, _, _, _, plain, _) = launches
+    assert formula["SOFTCAP"] is True and options["SOFTCAP"] == 2 and not plain["SOFTCAP"]
+    assert scalars == formula_scalars
+    variant = next(v for v in gluon_backward.GLUON_BACKWARD_VARIANTS if gluon_backward._launch_options(v) is options)
+    assert variant.softcap_approx and variant.varlen == varlen and variant.causal

@@ -133,16 +133,18 @@ def _portable_reached(*args, **kwargs):
     raise ReachedPortable
 
 
-@pytest.mark.parametrize("forward_only, approx_switch", [(False, True), (True, True), (True, False)],
-                         ids=["with-backward", "forward-only", "forward-only-switched-off"])
+@pytest.mark.parametrize("forward_only, approx_switch, training_approx",
+                         [(False, True, False), (True, True, False), (True, False, False), (False, False, True)],
+                         ids=["with-backward", "forward-only", "forward-only-switched-off", "training-approx"])
 @pytest.mark.parametrize("switch", [True, False])
 @pytest.mark.parametrize("route", ["plain", "general", "packed", "packed-general", "pools"])
 def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, route, switch, forward_only,
-                                                                 approx_switch):
+                                                                 approx_switch, training_approx):
     """attention_forward gives a softcapped 16-bit call to the Gluon routes with the softcap where
     SOFTCAP_IN_KERNEL (plain calls, packed sequences, contiguous or on page pools), and otherwise goes
-    on to the portable kernel's launch without asking them; tanh.approx (``softcap_approx``) only for a
-    forward-only call with SOFTCAP_APPROX."""
+    on to the portable kernel's launch without asking them; tanh.approx (``softcap_approx``) for a
+    forward-only call with SOFTCAP_APPROX, and for a training call told to take it (whatever
+    SOFTCAP_APPROX says), the portable launch then too (SOFTCAP 2)."""
     monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", switch)
     monkeypatch.setattr(gluon_forward, "SOFTCAP_APPROX", approx_switch)
     if route.startswith("packed") or route == "pools":
@@ -163,10 +165,14 @@ def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, ro
     def stand_in(*args, **kwargs):
         given.append((kwargs.get("softcap"), kwargs.get("softcap_approx")))
         return result
+
+    def portable(*args, **kwargs):
+        given.append(("portable", args[19]))  # (has_softcap: the kernel's SOFTCAP)
+        raise ReachedPortable
     monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
     monkeypatch.setattr(forward, "_INTERPRET", False)
     monkeypatch.setattr(forward, "GLUON_ENABLED", True)
-    monkeypatch.setattr(forward, "_launch_forward", _portable_reached)
+    monkeypatch.setattr(forward, "_launch_forward", portable)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # q.device.index on a CPU
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(forward, "split_keys_wanted", lambda *args: False)
@@ -183,13 +189,14 @@ def test_attention_forward_hands_the_softcap_to_the_gluon_routes(monkeypatch, ro
         monkeypatch.setattr(gluon_forward, "packed_forward", lambda *args, **kwargs: None)
         monkeypatch.setattr(gluon_forward, "varlen_supported", lambda *args, **kwargs: True)
         monkeypatch.setattr(gluon_forward, "gluon_varlen_forward", stand_in)
+    kw.update(softcap=CAP, forward_only=forward_only, softcap_approx=training_approx)
     if switch:
-        assert forward.attention_forward(q, k, v, softcap=CAP, forward_only=forward_only, **kw) is result
-        assert given == [(CAP, forward_only and approx_switch)]
+        assert forward.attention_forward(q, k, v, **kw) is result
+        assert given == [(CAP, training_approx or forward_only and approx_switch)]
     else:
         with pytest.raises(ReachedPortable):
-            forward.attention_forward(q, k, v, softcap=CAP, forward_only=forward_only, **kw)
-        assert given == []
+            forward.attention_forward(q, k, v, **kw)
+        assert given == [("portable", 2 if training_approx else True)]
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -267,7 +274,7 @@ def test_softcap_train_script_runs_its_checks(tmp_path, monkeypatch):
 
     module = _benchmark_script("softcap_train")
     assert module.main(["--smoke", "--out", str(tmp_path)]) == 0
-    checks = json.loads((tmp_path / "softcap-train.json").read_text())["checks"]
+    checks = json.loads((tmp_path / "softcap-train-smoke.json").read_text())["checks"]
     assert len(checks) == len(module.SMOKE_CHECKS) and all(c["ok"] and not c["fused_launches"] for c in checks)
     real = ops.attention_backward
 
@@ -295,6 +302,86 @@ def test_short_softcapped_queries_on_long_keys_take_the_split_kv_decode_with_the
     assert forward.attention_forward(q, k, v, softmax_scale=SCALE, window_left=-1, window_right=0,
                                      diag_offset=2996, softcap=CAP) == "decoded"
     assert asked[0]["softcap"] == CAP and asked[0]["window_right"] == 0
+
+
+def test_training_calls_with_tanh_approx_stay_off_the_split_kv_decode(monkeypatch):
+    """The same call told to take tanh.approx in a training step (``softcap_approx``) goes to the
+    Gluon prefill instead: the decode kernels take the softcap by exp2's formula only, which the
+    backward's tanh.approx would not match."""
+    from flashtile.kernels import decode
+    monkeypatch.setattr(gluon_forward, "SOFTCAP_IN_KERNEL", True)
+    monkeypatch.setattr(forward, "_PLAIN_GLUON", True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(forward, "split_keys_wanted", lambda *args: True)
+    monkeypatch.setattr(gluon_forward, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_forward, "plain_plan", lambda *args, **kwargs: "plan")
+    monkeypatch.setattr(decode, "decode_attention", lambda *args, **kwargs: pytest.fail("decode route taken"))
+    asked = []
+    monkeypatch.setattr(gluon_forward, "plain_forward", lambda *args, **kwargs: asked.append(kwargs) or "prefill")
+    q, k, v = _plain(1, 4, 3000, 8, 2, 128)
+    assert forward.attention_forward(q, k, v, softmax_scale=SCALE, window_left=-1, window_right=0,
+                                     diag_offset=2996, softcap=CAP, softcap_approx=True) == "prefill"
+    assert asked[0]["softcap"] == CAP and asked[0]["softcap_approx"] is True
+
+
+def test_softcap_approx_in_training_rule(monkeypatch):
+    """forward.softcap_approx_in_training: a softcap, a CUDA tensor of an sm_90 device, outside the
+    interpreter, with SOFTCAP_APPROX_TRAIN; nothing else (the device's answers stubbed)."""
+    q = torch.randn(1, 4, 2, 64, dtype=BF16)
+    assert not forward.softcap_approx_in_training(q, CAP)  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forward, "_INTERPRET", False)
+    arch = [90]
+    monkeypatch.setattr(forward, "_arch", lambda index: arch[0])
+    assert forward.softcap_approx_in_training(q, CAP)
+    assert not forward.softcap_approx_in_training(q, 0.0)
+    arch[0] = 80
+    assert not forward.softcap_approx_in_training(q, CAP)
+    arch[0] = 90
+    monkeypatch.setattr(forward, "SOFTCAP_APPROX_TRAIN", False)
+    assert not forward.softcap_approx_in_training(q, CAP)
+    monkeypatch.setattr(forward, "SOFTCAP_APPROX_TRAIN", True)
+    monkeypatch.setattr(forward, "_INTERPRET", True)
+    assert not forward.softcap_approx_in_training(q, CAP)
+
+
+def test_training_calls_tell_the_forward_and_the_backward_the_same_tanh(monkeypatch):
+    """ops: a call with gradients asks softcap_approx_in_training and gives its answer to the forward
+    (attention_forward's ``softcap_approx``) and to the backward (attention_backward's), eager and
+    compiled; a call without gradients gives the forward none (it is forward-only). The rule stubbed
+    to say yes; the kernels run with exp2's formula (the interpreter has no tanh.approx)."""
+    import flashtile
+    from flashtile import ops
+
+    told = []
+    real_forward, real_backward = ops.attention_forward, ops.attention_backward
+
+    def forward_told(*args, **kwargs):
+        told.append(("fwd", kwargs["softcap_approx"]))
+        return real_forward(*args, **{**kwargs, "softcap_approx": False})
+
+    def backward_told(*args, **kwargs):
+        told.append(("bwd", kwargs["softcap_approx"]))
+        return real_backward(*args, **{**kwargs, "softcap_approx": False})
+    monkeypatch.setattr(ops, "attention_forward", forward_told)
+    monkeypatch.setattr(ops, "attention_backward", backward_told)
+    monkeypatch.setattr(ops, "softcap_approx_in_training", lambda q, softcap: softcap > 0)
+    q, k, v = _plain(1, 16, 24, 4, 2, 32)
+
+    def call(q, k, v, softcap=CAP):
+        return flashtile.flash_attn_func(q, k, v, causal=True, softcap=softcap)
+    with torch.no_grad():
+        call(q, k, v)
+    assert told == [("fwd", False)]
+    told.clear()
+    grads = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    call(*grads).sum().backward()
+    call(*grads, softcap=0.0).sum().backward()
+    assert told == [("fwd", True), ("bwd", True), ("fwd", False), ("bwd", False)]
+    told.clear()
+    torch.compile(call, fullgraph=True)(*grads).sum().backward()
+    assert told == [("fwd", True), ("bwd", True)]
 
 
 def test_calls_without_gradients_are_forward_only(monkeypatch):

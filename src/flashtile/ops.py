@@ -12,7 +12,7 @@ import torch
 
 from .kernels.backward import attention_backward
 from .kernels.decode import block_packed_rows, combine, decode_attention, out_dtype, unblock_rows
-from .kernels.forward import attention_forward
+from .kernels.forward import attention_forward, softcap_approx_in_training
 from .kernels.sinks import sink_grad
 
 
@@ -42,7 +42,8 @@ def forward(q, k, v, softmax_scale: float, window_left: int, window_right: int, 
     runs.
 
     Calls without gradients are forward-only (attention_forward's ``forward_only``: the Gluon forward
-    may take a softcap's tanh by tanh.approx, which the backward's recomputation would not match).
+    may take a softcap's tanh by tanh.approx). Calls with them take it too where
+    softcap_approx_in_training says so, the backward alike.
     """
     args = (q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_seed,
@@ -67,7 +68,8 @@ def _attn_fwd_impl(q, k, v, softmax_scale, window_left, window_right, bottom_rig
                                  max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                  block_table=block_table, keyed_sequences=keyed_sequences,
                                  sinks=sinks.detach() if sinks is not None else None,
-                                 forward_only=forward_only)
+                                 forward_only=forward_only,
+                                 softcap_approx=not forward_only and softcap_approx_in_training(q, softcap))
     return out, lse
 
 
@@ -128,7 +130,8 @@ def _attn_bwd_impl(dout, q, k, v, out, lse, softmax_scale, window_left, window_r
                               dlse=dlse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                               dropout_p=dropout_p, dropout_seed=dropout_seed,
-                              deterministic=deterministic)
+                              deterministic=deterministic,
+                              softcap_approx=softcap_approx_in_training(q, softcap))
 
 
 @attn_bwd.register_fake

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .common import (dropout_keep, head_terms, key_blocks, load_tile, query_blocks,
-                     sequence_descriptor, sequence_span, tanh, visible)
+                     sequence_descriptor, sequence_span, softcap_tanh, visible)
 from . import forward as _forward
 from .forward import (LOG2E, _arch, _descriptor_scratch, _tma_eligible, _triton_allocator,
                       head_dim_padded, interpreting)
@@ -109,7 +109,7 @@ def _scores_log2(qk, rows_pos, cols, seqlen_k, window_left, window_right, qk_sca
                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Scores in log2 units as the forward saw them, and tanh's value (for the softcap gradient)."""
     if SOFTCAP:
-        t = tanh(qk * softcap_in)
+        t = softcap_tanh(qk * softcap_in, SOFTCAP == 2)
         s = t * qk_scale
     else:
         t = qk
@@ -392,7 +392,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        cu_seqlens_q: torch.Tensor | None = None,
                        cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, dropout_p: float = 0.0,
-                       dropout_seed: torch.Tensor | None = None, deterministic: bool = True):
+                       dropout_seed: torch.Tensor | None = None, deterministic: bool = True,
+                       softcap_approx: bool = False):
     """Gradients (dq, dk, dv) of attention_forward's output (and LSE, if ``dlse``); same arguments
     and layouts as the forward, packed sequences included. Returns contiguous tensors in the inputs'
     dtypes.
@@ -401,6 +402,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dK/dV pass adds each key block's share of dQ atomically into a float32 buffer, which saves
     recomputing the scores and dP a second time (flash_attn's default). dK and dV are always
     deterministic.
+
+    ``softcap_approx``: the forward took the softcap's tanh by tanh.approx (attention_forward's
+    ``softcap_approx``), so P is recomputed with it too, by whichever kernel runs.
     """
     varlen = cu_seqlens_q is not None
     if dout.stride(-1) != 1:  # autograd can hand over expanded (stride 0) gradients
@@ -436,7 +440,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
                          cfg, upcast, cu_seqlens_q, cu_seqlens_k,
                          dropout_p if dropout_seed is not None else 0.0, dropout_seed, atomic,
-                         config is not None, deterministic)
+                         config is not None, deterministic, softcap_approx and softcap > 0)
         grads = (dq.to(grad_dtype), dk, dv)
     if varlen:
         grads = tuple(g[0] for g in grads)
@@ -446,7 +450,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, rows_k,
                      softmax_scale, window_left, window_right, diag_offset, softcap, alibi_slopes,
                      cfg, upcast, cu_seqlens_q, cu_seqlens_k, dropout_p, dropout_seed, atomic,
-                     config_given=False, deterministic=True):
+                     config_given=False, deterministic=True, softcap_approx=False):
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -461,8 +465,8 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
         (0, *t.stride()[1:]) if varlen else t.stride() for t in (q, k, v, dout, out, lse, dq, dk, dv))
     use_tma = cfg.use_tma and _tma_eligible((q, k, v, dout), (sq, sk, sv, sd))
     flags = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_LEFT=window_left >= 0,
-                 HAS_RIGHT=window_right >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
-                 UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
+                 HAS_RIGHT=window_right >= 0, SOFTCAP=(2 if softcap_approx else True) if softcap > 0 else False,
+                 ALIBI=alibi_slopes is not None, UPCAST=upcast, VARLEN=varlen, DROPOUT=dropout_p > 0, USE_TMA=use_tma)
     gluon = gluon_backward_mode(q, k, v, dout, flags, diag_offset, window_right, config_given,
                                 deterministic, window_left, max_seqlen_k=rows_k if varlen else 0)
     # Our allocator only for these launches: the caller's own Triton allocator stays as it was.
@@ -473,7 +477,7 @@ def _launch_backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, batch, rows_q, r
                         (seqlen_q, seqlen_k, heads // heads_k, diag_offset, max(window_left, 0),
                          max(window_right, 0), qk_scale, softcap_in, softmax_scale, dropout_p),
                         alibi_slopes, alibi_stride_b, cu_seqlens_q, cu_seqlens_k, dropout_seed,
-                        gluon, softcap)
+                        gluon, softcap, softcap_approx)
     finally:
         if token is not None:
             _triton_allocator.reset(token)
@@ -574,9 +578,11 @@ def backward_kernel_name(q, k, v, *, causal: bool, deterministic: bool = False) 
 
 def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, rows_q, rows_k, heads,
                     heads_k, cfg, atomic, flags, strides, common, alibi_slopes, alibi_stride_b,
-                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=None, softcap: float = 0.0):
+                    cu_seqlens_q, cu_seqlens_k, dropout_seed, gluon_dkdv=None, softcap: float = 0.0,
+                    softcap_approx: bool = False):
     """The backward's three launches; ``common`` is the scalar arguments every kernel shares
-    (``softcap`` itself for the Gluon kernel, which derives the same scalars from it)."""
+    (``softcap`` itself for the Gluon kernel, which derives the same scalars from it, and
+    ``softcap_approx``: its tanh by tanh.approx)."""
     sq, sk, sv, sd, so, sl, sdq, sdk, sdv = strides
     seqlen_q, head_dim, d_pad = common[0], flags["HEAD_DIM"], flags["HEAD_DIM_PAD"]
     varlen = flags["VARLEN"]
@@ -604,7 +610,7 @@ def _launch_kernels(dout, q, k, v, out, lse, dlse, dq, dk, dv, delta, batch, row
         packed = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=rows_k) if varlen else {}
         run_gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale=common[8],
                        causal=window[1] == 0, dq_accum=dq_accum, window_size=window, softcap=softcap,
-                       **packed)
+                       softcap_approx=softcap_approx, **packed)
         if fused:
             dq.copy_(dq_accum)
             return

@@ -198,3 +198,16 @@ def head_terms(Alibi, stride_ab, DropoutSeed, batch, head, heads, ALIBI: tl.cons
     if DROPOUT:
         rng_seed = dropout_seed(DropoutSeed, batch, head, heads)
     return alibi_slope, rng_seed
+
+
+@triton.jit
+def softcap_tanh(x, APPROX: tl.constexpr):
+    """tanh for the logit softcap: the exp2 formula, or with APPROX tanh.approx.f32 (one MUFU op,
+    relative error ~2^-11), which a training step takes in its forward and backward alike (sm_90; the
+    interpreter runs no inline PTX, so CPU calls never ask for it)."""
+    if APPROX:
+        y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    else:
+        y = tanh(x)
+    return y

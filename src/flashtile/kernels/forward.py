@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.runtime._allocation import _allocator as _triton_allocator
 
 from .common import (dropout_keep, head_terms, key_blocks, load_tile, sequence_descriptor,
-                     sequence_span, tanh, tile_pages, tile_rows, visible, widen_e4m3)
+                     sequence_span, softcap_tanh, tile_pages, tile_rows, visible, widen_e4m3)
 
 LOG2E = 1.4426950408889634
 
@@ -489,7 +489,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, q_lo, k_ptrs, v_ptrs, stride_kn, stride_vn
         # s * s_scale is the score in log2 units; the plain path leaves the scale to one FMA
         # inside the exponential below.
         if SOFTCAP:  # softcap * tanh(scale * qk / softcap), qk_scale = softcap * log2(e)
-            s = tanh(qk * (softcap_in * tile_scale)) * qk_scale
+            s = softcap_tanh(qk * (softcap_in * tile_scale), SOFTCAP == 2) * qk_scale
             s_scale = 1.0
         else:
             s = qk
@@ -1008,6 +1008,23 @@ def _sinks_after(result, sinks):
     return result
 
 
+# Training steps with a logit softcap take its tanh by tanh.approx.f32 in the forward and the backward
+# alike, as flash-attn's kernels do (cutlass::fast_tanh): both recompute the same capped scores, so P
+# stays consistent with the LSE. sm_90 only (where it was measured). H200, Gemma-2 27B's heads, cap 50
+# (softcap-train-h200-20261205-approx(-b)): 1.17-1.20x a d128 step against the formula, 14/14 float64
+# gradient checks (the fused backward, the portable one at d96/d256/deterministic=True). d64 steps
+# timed noisily there. FLASHTILE_SOFTCAP_APPROX_TRAIN=0 keeps exp2's formula in both.
+SOFTCAP_APPROX_TRAIN = os.environ.get("FLASHTILE_SOFTCAP_APPROX_TRAIN", "1") not in ("", "0")
+
+
+def softcap_approx_in_training(q: torch.Tensor, softcap: float) -> bool:
+    """Whether a training call's forward and backward (attention_forward's and attention_backward's
+    ``softcap_approx``) take the softcap's tanh by tanh.approx: a function of the inputs and flags
+    only, so the backward, eager or registered, reaches the forward's answer again."""
+    return bool(softcap > 0 and SOFTCAP_APPROX_TRAIN and q.is_cuda and not _INTERPRET
+                and _arch(q.device.index if q.device.index is not None else torch.cuda.current_device()) == 90)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                       window_left: int, window_right: int, diag_offset: int, softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -1017,7 +1034,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
                       max_seqlen_k: int = 0, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
                       block_table: torch.Tensor | None = None, descales=None,
                       scale_blocks: tuple[int, int] = (0, 0), keyed_sequences: int = 0, sinks=None,
-                      forward_only: bool = False):
+                      forward_only: bool = False, softcap_approx: bool = False):
     """Launch the forward on validated (batch, seqlen, heads, head_dim) tensors.
 
     ``window_left``/``window_right`` are -1 for an unbounded side (causal = right 0); query row i sits
@@ -1041,10 +1058,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
     packed sequences have keys (sizes e4m3 page pools' gathers, paged_keys_packed).
 
     ``forward_only``: no backward follows (its LSE is not used to recompute P), so the Gluon routes
-    may take the softcap's tanh by tanh.approx (gluon_forward.SOFTCAP_APPROX).
+    may take the softcap's tanh by tanh.approx (gluon_forward.SOFTCAP_APPROX). ``softcap_approx``:
+    every route takes it, the portable kernel too (a training step whose backward is told the same:
+    softcap_approx_in_training), and none hands the call to the decode kernels, which do not.
     """
-    approx = False
-    if forward_only and softcap > 0:
+    approx = softcap > 0 and softcap_approx
+    if forward_only and softcap > 0 and not approx:
         from . import gluon_forward
         approx = gluon_forward.SOFTCAP_APPROX
     if (_PLAIN_GLUON and out is None and lse is None and config is None and cu_seqlens_q is None
@@ -1054,7 +1073,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
         if window_right < 0 or causal:
             from . import gluon_forward
-            if (q.is_cuda and split_keys_wanted(q.shape[0], q.shape[1], q.shape[2], k.shape[1],
+            if (q.is_cuda and not softcap_approx and split_keys_wanted(q.shape[0], q.shape[1], q.shape[2], k.shape[1],
                                                 gluon_forward._sm_count(q.device))
                     and gluon_forward.plain_plan(q, k, v, causal) is not None):
                 from .decode import decode_attention
@@ -1206,7 +1225,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         with torch.cuda.device(q.device) if on_other_device else contextlib.nullcontext():
             _launch_forward(grid, cfg, q, k, v, out_buf, lse, strides, alibi_slopes,
                             alibi_stride_b, seqlen_q, seqlen_k, heads // heads_k, diag_offset,
-                            window_left, window_right, qk_scale, softcap_in, head_dim, softcap > 0,
+                            window_left, window_right, qk_scale, softcap_in, head_dim,
+                            (2 if softcap_approx else True) if softcap > 0 else False,
                             upcast, use_tma, cu_seqlens_q, cu_seqlens_k,
                             dropout_p if dropout_seed is not None else 0.0, dropout_seed,
                             block_table, k.shape[0] if paged else 1, k.shape[1] if paged else 1,

@@ -12,9 +12,9 @@ Per query tile, in each consumer:
     dS^T = P^T * (dP^T - Delta)
     dV  += P^T dO,  dK += dS^T Q     (wgmma with P^T / dS^T as register A operands)
 
-With flash_attn's logit softcap (``softcap`` variants) S^T becomes t = tanh(S^T * scale / softcap) by
-the forward's exp2 formula, P^T = exp2(t * softcap * log2(e) - LSE * log2(e)), and dS^T takes a factor
-1 - t^2 (the chain rule through the cap; dK and dQ keep their factor of scale).
+With flash_attn's logit softcap (``softcap`` variants) S^T becomes t = tanh(S^T * scale / softcap) as the
+forward took it (exp2's formula, or tanh.approx: ``softcap_approx``), P^T = exp2(t * softcap * log2(e) - LSE
+* log2(e)), and dS^T takes a factor 1 - t^2 (the chain rule through the cap; dK, dQ keep their scale).
 
 dQ either stays with the portable kernel's separate pass (no atomics: the backward stays
 deterministic), or (``fused_dq``, FlashAttention-3's way) comes from the same tile: each consumer
@@ -81,9 +81,9 @@ class GluonBackwardVariant:
     # Packed sequences (flash_attn_varlen_func): q, dO (1, total_q, H, D), k, v (1, total_k, Hk, D),
     # sequence b's rows from cu_seqlens_q[b] / cu_seqlens_k[b]; grid (key blocks of the longest, Hk, B).
     varlen: bool = False
-    # flash_attn's logit softcap (Gemma 2): P recomputed from softcap * tanh(scale * s / softcap) by
-    # the forward's exp2 formula, dS times 1 - tanh^2.
+    # flash_attn's logit softcap (Gemma 2): P from softcap * tanh(scale s / softcap), dS times 1 - tanh^2
     softcap: bool = False
+    softcap_approx: bool = False  # that tanh by tanh.approx.f32, as the forward took it (else exp2's formula)
 
     def __post_init__(self):
         if self.fused_dq and (self.head_dim not in (64, 128) or self.block_m != 64 or self.overlap):
@@ -99,7 +99,8 @@ class GluonBackwardVariant:
         return (f"gluon-bwd-d{self.head_dim}-{self.dtype}-{'causal' if self.causal else 'full'}"
                 f"-m{self.block_m}-s{self.stages}{'-overlap' if self.overlap else ''}"
                 f"{'-dq' if self.fused_dq else ''}{'-win' if self.window else ''}"
-                f"{'-varlen' if self.varlen else ''}{'-softcap' if self.softcap else ''}")
+                f"{'-varlen' if self.varlen else ''}{'-softcap' if self.softcap else ''}"
+                f"{'-approx' if self.softcap_approx else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,15 +136,14 @@ GLUON_BACKWARD_VARIANTS += [dataclasses.replace(default_variant(d, dt, c, True),
                             for d in WINDOW_HEAD_DIMS for dt in ("bf16", "fp16") for c in (False, True)]
 
 
-def with_softcap(variant: GluonBackwardVariant) -> GluonBackwardVariant:
-    """``variant`` with the logit softcap. The windowed ones keep up to 64 stack bytes (32-40 more
-    than without: the window's mask and tanh's value live together)."""
-    return dataclasses.replace(variant, softcap=True,
+def with_softcap(variant: GluonBackwardVariant, approx: bool = False) -> GluonBackwardVariant:
+    """``variant`` with the logit softcap, its tanh by tanh.approx with ``approx`` (windowed: 64 stack bytes)."""
+    return dataclasses.replace(variant, softcap=True, softcap_approx=approx,
                                max_stack=max(variant.max_stack, 64 if variant.window else 32))
 
 
-# The logit softcap (Gemma 2) on every fused variant: plain, windowed, packed
-GLUON_BACKWARD_VARIANTS += [with_softcap(v) for v in list(GLUON_BACKWARD_VARIANTS) if v.fused_dq]
+# The logit softcap (Gemma 2) on every fused variant: plain, windowed, packed; by the formula, then tanh.approx
+GLUON_BACKWARD_VARIANTS += [with_softcap(v, a) for a in (False, True) for v in GLUON_BACKWARD_VARIANTS if v.fused_dq]
 
 
 if _GLUON:
@@ -338,7 +338,7 @@ if _GLUON:
                 # first, so that t lives only through dS's elementwise chain (held across the wait
                 # it spilled)
                 dp, _, _ = warpgroup_mma_wait(0, deps=(dp_tok, v_tile, do_t))
-                s = 1.0 - 2.0 / (gl.exp2(s * (softcap_in * 2.8853900817779268)) + 1.0)
+                s = _softcap_tanh(s, softcap_in, SOFTCAP)
             if VARLEN:  # the sequence's own bounds, then its mask as below
                 masked = (m * BLOCK_M + BLOCK_M > seqlen_q) | (key0 + KEYS > seqlen_k)
                 if WINDOW:
@@ -535,6 +535,19 @@ if _GLUON:
 # Host side
 # --------------------------------------------------------------------------------------------
 
+if _GLUON:
+    @gluon.jit
+    def _softcap_tanh(s, softcap_in, SOFTCAP: gl.constexpr):
+        # tanh(scale s / softcap) as the forward took it (gluon_forward's softmax tile): SOFTCAP 2
+        # by tanh.approx.f32, else by exp2's formula on the same scalar product
+        if SOFTCAP == 2:
+            t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * softcap_in],
+                                          dtype=gl.float32, is_pure=True, pack=1)
+        else:
+            t = 1.0 - 2.0 / (gl.exp2(s * (softcap_in * 2.8853900817779268)) + 1.0)
+        return t
+
+
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -625,7 +638,8 @@ def _launch_options(variant: GluonBackwardVariant) -> dict:
             "CAUSAL": variant.causal, "CONSUMER_REGS": variant.consumer_regs,
             "PRODUCER_REGS": variant.producer_regs, "OVERLAP": variant.overlap,
             "FUSED_DQ": variant.fused_dq, "WINDOW": variant.window, "VARLEN": variant.varlen,
-            "SOFTCAP": variant.softcap, "num_warps": 4, "maxnreg": 168}
+            "SOFTCAP": (2 if variant.softcap_approx else True) if variant.softcap else False,
+            "num_warps": 4, "maxnreg": 168}
 
 
 # with_softcap looked up, not rebuilt, on every softcapped call's host path
@@ -636,7 +650,7 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
                variant: GluonBackwardVariant | None = None,
                dq_accum: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
-               max_seqlen_k: int = 0, softcap: float = 0.0) -> None:
+               max_seqlen_k: int = 0, softcap: float = 0.0, softcap_approx: bool = False) -> None:
     """dK, dV of attention into ``dk``/``dv`` (B, Sk, Hk, D, TMA-addressable) for inputs
     ``supported`` takes; ``lse`` (natural log) and ``delta`` = rowsum(dO * O): (B, H, Sq) float32
     with one layout and a contiguous last dim. A ``fused_dq`` variant also adds dQ (scaled) into
@@ -651,8 +665,8 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
     sequence is aligned bottom-right on its own lengths.
 
     ``softcap`` > 0: flash_attn's logit softcap, on a softcap variant (the default one is picked);
-    ``lse`` must then be that of the capped scores by the exp2 formula (the forward's without
-    tanh.approx)."""
+    ``lse`` must then be that of the capped scores by the exp2 formula, or with ``softcap_approx`` by
+    tanh.approx (the forward's ``softcap_approx``)."""
     _, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     varlen = cu_seqlens_q is not None
@@ -686,8 +700,8 @@ def gluon_dkdv(q, k, v, dout, lse, delta, dk, dv, *, softmax_scale: float, causa
         variant = dataclasses.replace(variant, window=True)
     if varlen and not variant.varlen:
         variant = dataclasses.replace(variant, varlen=True)
-    if softcap > 0 and not variant.softcap:
-        variant = _softcap_twin(variant)
+    if softcap > 0 and (not variant.softcap or variant.softcap_approx != softcap_approx):
+        variant = _softcap_twin(variant, softcap_approx)
     if variant.softcap != (softcap > 0):
         raise ValueError(f"variant {variant.name} {'needs' if variant.softcap else 'takes no'} softcap > 0")
     if variant.varlen != varlen:

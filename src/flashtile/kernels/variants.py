@@ -31,7 +31,7 @@ class Variant:
     dtype: str = "bf16"
     has_left: bool = False
     has_right: bool = False
-    softcap: bool = False
+    softcap: bool | int = False  # 2: its tanh by tanh.approx (a training step's, sm_90)
     alibi: bool = False
     tma: bool = False
     kind: str = "fwd"
@@ -45,7 +45,8 @@ class Variant:
     @property
     def name(self) -> str:
         flags = [f for f, on in (("left", self.has_left), ("right", self.has_right),
-                                 ("softcap", self.softcap), ("alibi", self.alibi), ("tma", self.tma),
+                                 ("softcap-approx" if self.softcap == 2 else "softcap", self.softcap),
+                                 ("alibi", self.alibi), ("tma", self.tma),
                                  ("varlen", self.varlen), ("dropout", self.dropout),
                                  ("paged", self.paged), (f"rot{self.rotary_dim}", self.rotary_dim),
                                  ("interleaved", self.interleaved), ("fp8cache", self.fp8_cache)) if on]
@@ -78,6 +79,7 @@ def forward_variants() -> list[Variant]:
                 Variant(d, "fp16", varlen=True),
                 Variant(d, "bf16", has_right=True, tma=True, dropout=True),
                 Variant(d, "bf16", has_right=True, varlen=True, paged=True)]
+    out += [Variant(128, "bf16", has_right=True, softcap=2, tma=True), Variant(96, "fp16", softcap=2)]
     return out
 
 
@@ -90,7 +92,8 @@ def backward_variants() -> list[Variant]:
                 Variant(d, "bf16", has_right=True, softcap=True, alibi=True, kind="bwd")]
     out.append(Variant(111, "fp16", has_left=True, has_right=True, softcap=True, alibi=True, kind="bwd"))
     out += [Variant(128, "bf16", has_right=True, varlen=True, kind="bwd"),
-            Variant(64, "fp16", varlen=True, kind="bwd")]
+            Variant(64, "fp16", varlen=True, kind="bwd"),
+            Variant(128, "bf16", has_right=True, softcap=2, kind="bwd"), Variant(96, "fp16", softcap=2, kind="bwd")]
     return out
 
 
