@@ -1073,8 +1073,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, soft
         causal = window_right == 0 and diag_offset == k.shape[1] - q.shape[1]
         if window_right < 0 or causal:
             from . import gluon_forward
-            if (q.is_cuda and not softcap_approx and split_keys_wanted(q.shape[0], q.shape[1], q.shape[2], k.shape[1],
-                                                gluon_forward._sm_count(q.device))
+            if (q.is_cuda and not softcap_approx
+                    and split_keys_wanted(q.shape[0], q.shape[1], q.shape[2], k.shape[1],
+                                          gluon_forward._sm_count(q.device))
                     and gluon_forward.plain_plan(q, k, v, causal) is not None):
                 from .decode import decode_attention
                 lengths = key_counts(q.shape[0], k.shape[1], q.device)
