@@ -346,3 +346,23 @@ def test_backward_told_of_tanh_approx_takes_the_approx_variant(monkeypatch, varl
     assert scalars == formula_scalars
     variant = next(v for v in gluon_backward.GLUON_BACKWARD_VARIANTS if gluon_backward._launch_options(v) is options)
     assert variant.softcap_approx and variant.varlen == varlen and variant.causal
+
+
+@pytest.mark.parametrize("approx, deterministic", [(False, True), (True, True), (True, False)])
+def test_portable_backward_told_of_tanh_approx_takes_it_too(monkeypatch, approx, deterministic):
+    """attention_backward with ``softcap_approx`` where the fused kernel does not run (no Gluon mode, as
+    on deterministic=True or too few programs): the portable kernels get SOFTCAP 2 (their tanh by
+    tanh.approx, common.softcap_tanh), else True; the launches recorded, not run."""
+    given = []
+    monkeypatch.setattr(backward, "gluon_backward_mode", lambda *args, **kw: None)
+    monkeypatch.setattr(backward, "_launch_kernels",
+                        lambda *args: given.append((args[18]["SOFTCAP"], args[-1], args[-2])))
+    q, k, v = (torch.randn(1, n, h, 64, dtype=torch.float16) for n, h in ((40, 4), (50, 2), (50, 2)))
+    backward.attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(1, 4, 40),
+                                softmax_scale=0.2, window_left=-1, window_right=0, diag_offset=10, softcap=20.0,
+                                deterministic=deterministic, softcap_approx=approx)
+    backward.attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(1, 4, 40),
+                                softmax_scale=0.2, window_left=-1, window_right=0, diag_offset=10,
+                                deterministic=deterministic, softcap_approx=approx)
+    assert given[0] == ((2 if approx else True), approx, 20.0)
+    assert given[1][0] is False and given[1][1] is False  # no softcap: the flag changes nothing
